@@ -1,0 +1,180 @@
+"""Run each stage's action list: on a worker thread per stage, or in this process.
+
+``run_actions`` is the whole executor for one stage: it walks the stage's
+list from the schedule, pulls inputs from the previous stage's channel,
+pushes outputs to the next, and records a span per action when tracing. The
+single-process pipeline runs it on one ``Workers`` thread per stage; a
+process of the one-stage-per-process mode runs it on its main thread.
+
+Threads are persistent (a step is far too short to pay for thread start-up
+per stage), daemonic (a forgotten pipeline can never block interpreter exit)
+and are stopped and joined by ``Workers.close``, which ``Pipeline`` calls
+from ``close()``, ``__exit__`` and a ``weakref.finalize`` hook.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from .schedule import Action
+from .stage import Grads, Stage, StepSpec
+from .trace import Trace
+from .transport import PipelineAborted
+
+__all__ = ["Workers", "StageResults", "run_actions"]
+
+
+@dataclass
+class StageResults:
+    """What one stage produced in a step: last-stage outputs/losses, first-stage input grads."""
+
+    outputs: Dict[int, Any] = field(default_factory=dict)
+    losses: Dict[int, torch.Tensor] = field(default_factory=dict)
+    input_grads: Dict[int, Grads] = field(default_factory=dict)
+
+
+def run_actions(
+    stage: Stage,
+    actions: Sequence[Action],
+    spec: StepSpec,
+    *,
+    prev: Optional[Any],
+    next: Optional[Any],
+    inputs: Optional[Sequence[Any]] = None,
+    output_grads: Optional[Sequence[Optional[Grads]]] = None,
+    trace: Optional[Trace] = None,
+) -> StageResults:
+    """Execute ``actions`` on ``stage``.
+
+    ``prev``/``next`` are channels to the neighbouring stages (None at the
+    ends). The first stage reads micro-batch inputs from ``inputs``; the last
+    stage takes output gradients from ``output_grads`` (None entries or no list
+    at all in a loss step, where backward starts from the loss).
+    """
+    results = StageResults()
+    last_backward = max((k for k, a in enumerate(actions) if a.kind == "B"), default=-1)
+    stream = stage.streams.compute if (trace is not None and stage.streams.cuda) else None
+    for k, a in enumerate(actions):
+        if a.kind == "F":
+            if prev is None:
+                assert inputs is not None
+                value = inputs[a.mb]
+            else:
+                value = _recv(prev, "F", a.mb, stage, trace)
+            if trace is not None:
+                with trace.span(stage.index, "F", a.mb, stream):
+                    out, loss = stage.forward(a.mb, value, spec)
+            else:
+                out, loss = stage.forward(a.mb, value, spec)
+            if next is not None:
+                next.send("F", a.mb, out)
+            else:
+                results.outputs[a.mb] = out
+                if loss is not None:
+                    results.losses[a.mb] = loss
+        else:
+            if next is None:
+                grads = output_grads[a.mb] if output_grads is not None else None
+            else:
+                grads = _recv(next, "B", a.mb, stage, trace)
+            sync = spec.sync and k == last_backward
+            if trace is not None:
+                with trace.span(stage.index, "B", a.mb, stream):
+                    gin = stage.backward(a.mb, grads, spec, sync=sync)
+            else:
+                gin = stage.backward(a.mb, grads, spec, sync=sync)
+            if prev is not None:
+                prev.send("B", a.mb, gin)
+            else:
+                results.input_grads[a.mb] = gin
+    return results
+
+
+def _recv(channel: Any, kind: str, mb: int, stage: Stage, trace: Optional[Trace]) -> Any:
+    if trace is None:
+        return channel.recv(kind, mb)
+    with trace.span(stage.index, "recv", mb, lane="comm"):
+        return channel.recv(kind, mb)
+
+
+class _Worker:
+    def __init__(self, name: str, threads: Optional[int]) -> None:
+        self.jobs: "queue.Queue[Optional[tuple]]" = queue.Queue()
+        self.thread = threading.Thread(target=self._loop, args=(self.jobs, threads), name=name, daemon=True)
+        self.thread.start()
+
+    @staticmethod
+    def _loop(jobs: "queue.Queue[Optional[tuple]]", threads: Optional[int]) -> None:
+        if threads is not None:
+            torch.set_num_threads(threads)
+        while True:
+            job = jobs.get()
+            if job is None:
+                return
+            fn, fut, grad_mode = job
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                with torch.set_grad_enabled(grad_mode):
+                    fut.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(exc)
+            finally:
+                del fn, fut, job
+
+
+class Workers:
+    """A fixed set of worker threads, one per stage.
+
+    ``run(fns)`` runs ``fns[i]`` on worker ``i`` and waits for all of them. If
+    one fails, ``on_error`` is called (the pipeline aborts its inboxes so
+    waiting stages wake up), the rest are awaited, and the first real error is
+    re-raised in the caller with its original traceback.
+    """
+
+    def __init__(self, n: int, *, threads: Optional[int] = None, name: str = "pipeddp") -> None:
+        self._workers = [_Worker(f"{name}-stage{i}", threads) for i in range(n)]
+        self._closed = False
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def run(self, fns: Sequence[Callable[[], Any]], on_error: Callable[[BaseException], None]) -> List[Any]:
+        if self._closed:
+            raise RuntimeError("this pipeline was closed; create a new one")
+        grad_mode = torch.is_grad_enabled()
+        futures: List[Future] = []
+        for worker, fn in zip(self._workers, fns):
+            fut: Future = Future()
+            worker.jobs.put((fn, fut, grad_mode))
+            futures.append(fut)
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        failed = [f.exception() for f in futures if f in done and f.exception() is not None]
+        if failed:
+            on_error(failed[0])
+            wait(futures)
+            errors = [f.exception() for f in futures if f.exception() is not None]
+            real = [e for e in errors if not isinstance(e, PipelineAborted)]
+            raise (real[0] if real else errors[0])
+        return [f.result() for f in futures]
+
+    def close(self) -> None:
+        """Stop and join every worker (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for w in self._workers:
+            w.jobs.put(None)
+        for w in self._workers:
+            if w.thread is not threading.current_thread():
+                w.thread.join()
+
+    @property
+    def threads(self) -> List[threading.Thread]:
+        return [w.thread for w in self._workers]

@@ -1,0 +1,109 @@
+"""Measure what each layer of an ``nn.Sequential`` costs.
+
+The partitioner needs, per layer: forward+backward time at the micro-batch
+size the pipeline will really use (per-sample cost on a CPU or a GPU is far
+from constant in the batch size), the parameter count, and the size of the
+layer's output (what must cross to the next device if a cut falls after it).
+
+Layers are timed one at a time on a copy-free path: the sample is pushed
+through the model once, each layer's input is kept, and each layer is then
+run forward and backward ``repeat`` times on its own input. The median is
+used, because a single slow run (page faults, the host's neighbours) must not
+move a cut.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, List, Optional
+
+import torch
+from torch import nn
+
+from .microbatch import batch_size, split, split_sizes, tree_map, tree_tensors
+
+__all__ = ["LayerCost", "profile_layers", "sample_microbatch"]
+
+
+@dataclass
+class LayerCost:
+    """Measured cost of one layer.
+
+    ``time`` is forward+backward seconds at micro-batch size (0 when not timed),
+    ``params`` the number of parameters, ``param_bytes`` their size, and
+    ``activation_bytes`` the size of the layer's output for one micro-batch.
+    """
+
+    name: str
+    time: float
+    params: int
+    param_bytes: int
+    activation_bytes: int
+
+
+def sample_microbatch(sample: Any, chunks: int) -> Any:
+    """The first micro-batch of ``sample`` when split into ``chunks`` pieces."""
+    sizes = split_sizes(batch_size(sample, name="sample"), chunks=chunks)
+    return split(sample, sizes)[0]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _bytes(value: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_tensors(value))
+
+
+def profile_layers(
+    layers: nn.Sequential,
+    sample: Optional[Any] = None,
+    *,
+    device: Optional[torch.device] = None,
+    repeat: int = 3,
+    timed: bool = True,
+) -> List[LayerCost]:
+    """Cost of every layer of ``layers`` (see module docstring).
+
+    ``sample`` is one micro-batch; it is needed for times and activation sizes
+    (without it both are 0). The model is not modified: layers are deep-copied
+    to ``device`` (default: where the first parameter lives, else CPU) so that
+    profiling neither moves the user's model nor touches its gradients.
+    """
+    named = list(layers.named_children())
+    costs: List[LayerCost] = []
+    params = [sum(p.numel() for p in m.parameters()) for _, m in named]
+    pbytes = [sum(p.numel() * p.element_size() for p in m.parameters()) for _, m in named]
+    if sample is None:
+        return [LayerCost(n, 0.0, params[i], pbytes[i], 0) for i, (n, _) in enumerate(named)]
+
+    if device is None:
+        first = next(layers.parameters(), None)
+        device = first.device if first is not None else torch.device("cpu")
+    device = torch.device(device)
+    x = tree_map(lambda t: t.detach().to(device), sample)
+    for i, (name, layer) in enumerate(named):
+        work = copy.deepcopy(layer).to(device)
+        work.train(layer.training)
+        times: List[float] = []
+        out: Any = None
+        for _ in range(repeat + 1 if timed else 1):
+            inp = tree_map(lambda t: t.detach().requires_grad_(t.is_floating_point()), x)
+            inp = tree_map(lambda t: t.clone() if t.requires_grad else t, inp)
+            _sync(device)
+            start = time.perf_counter()
+            out = work(inp)
+            grads = [t for t in tree_tensors(out) if t.requires_grad]
+            if grads:
+                torch.autograd.backward(grads, [torch.ones_like(t) for t in grads])
+            _sync(device)
+            times.append(time.perf_counter() - start)
+        t = statistics.median(times[1:]) if timed and len(times) > 1 else 0.0
+        costs.append(LayerCost(name, t, params[i], pbytes[i], _bytes(out)))
+        x = tree_map(lambda v: v.detach(), out)
+        del work
+    return costs

@@ -1,0 +1,201 @@
+"""One contiguous slice of the model on one device.
+
+The stage is the only place that calls the layers. For every micro-batch it
+keeps what its backward will need and nothing more::
+
+    forward(i):   input -> [detach, requires_grad] -> layers -> output
+                  keeps (input leaves, output)          (checkpoint: input only)
+    backward(i):  (recompute output) -> autograd.backward(output, grad)
+                  returns input.grad, frees micro-batch i
+
+Cutting the autograd graph at every stage boundary (the ``detach``) is what
+lets each stage run its own backward on its own thread: autograd's CPU
+backward is single-threaded, so one ``loss.backward()`` across all stages
+would run every stage's backward one after another.
+
+Gradients are summed over micro-batches by autograd itself (``.grad``
+accumulates); the last stage multiplies each micro-batch's loss by its share
+of the batch (``n_i / N``) before backward, so the sum *is* the mean-loss
+gradient, uneven micro-batches included, and nothing is rescaled afterwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from .microbatch import tree_map, tree_tensors
+from .rng import is_random, seeded
+from .streams import StageStreams
+
+__all__ = ["Stage", "StepSpec"]
+
+Grads = List[Optional[torch.Tensor]]
+
+
+@dataclass
+class StepSpec:
+    """What one step asks of every stage.
+
+    ``grad``: keep what backward needs. ``recompute(i)``: drop activations of
+    micro-batch i and recompute them in backward. ``seed``: base seed for random
+    stages (None: no random stage). ``loss_fn``/``targets``/``weights``: the last
+    stage turns outputs into weighted losses. ``sync``: this step's last backward
+    on each stage must trigger the data-parallel gradient all-reduce.
+    """
+
+    grad: bool
+    recompute: Callable[[int], bool] = lambda i: False
+    seed: Optional[int] = None
+    loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None
+    targets: Optional[Sequence[Any]] = None
+    weights: Optional[Sequence[float]] = None
+    sync: bool = False
+    #: per stage, what forward kept for backward, by micro-batch. It lives in the
+    #: step (not the stage) so several outstanding ``pipe(x)`` calls never mix.
+    saved: List[Dict[int, "_Saved"]] = field(default_factory=list)
+
+    def store(self, stage: int) -> Dict[int, "_Saved"]:
+        while len(self.saved) <= stage:
+            self.saved.append({})
+        return self.saved[stage]
+
+
+@dataclass
+class _Saved:
+    inputs: Any
+    roots: Optional[Any]
+    target: Any = None
+    weight: float = 1.0
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+def _starts_in_place(module: nn.Module) -> bool:
+    """Whether the first thing ``module`` does may be an in-place op on its input.
+
+    ``nn.ReLU(inplace=True)`` as a stage's first layer would write into the
+    stage's input leaf (an autograd error) or into the saved input that
+    recompute needs. The stage clones its input in that case.
+    """
+    while True:
+        if getattr(module, "inplace", False):
+            return True
+        children = list(module.children())
+        if not children or not isinstance(module, nn.Sequential):
+            return False
+        module = children[0]
+
+
+class Stage:
+    """A slice of the model (``module``, an ``nn.Sequential``) placed on ``device``."""
+
+    def __init__(self, index: int, module: nn.Sequential, device: torch.device, *, last: bool) -> None:
+        self.index = index
+        self.module = module
+        self.device = device
+        self.last = last
+        self.streams = StageStreams(device)
+        self.clone_input = _starts_in_place(module)
+        #: Set by the data-parallel engine: wraps backward roots so DDP reduces once (see ddp.py).
+        self.sync_roots: Optional[Callable[[List[torch.Tensor]], List[torch.Tensor]]] = None
+
+    # -- helpers -----------------------------------------------------------------------------------
+
+    def _seed(self, spec: StepSpec, mb: int) -> Optional[int]:
+        if spec.seed is None or not (self.module.training and is_random(self.module)):
+            return None
+        return spec.seed + 1_000_003 * self.index + mb
+
+    def _run(self, value: Any) -> Any:
+        if self.clone_input:
+            value = tree_map(lambda t: t.clone(), value)
+        return self.module(value)
+
+    def _loss(self, out: Any, saved: _Saved, spec: StepSpec) -> torch.Tensor:
+        assert spec.loss_fn is not None
+        loss = spec.loss_fn(out, saved.target)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise ValueError(
+                "loss_fn must return a scalar tensor (the mean loss of the micro-batch), got "
+                f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}"
+            )
+        return loss * saved.weight
+
+    # -- forward / backward ------------------------------------------------------------------------
+
+    def forward(self, mb: int, value: Any, spec: StepSpec) -> Tuple[Any, Optional[torch.Tensor]]:
+        """Run micro-batch ``mb``; return (output detached for sending, weighted loss or None)."""
+        target = spec.targets[mb] if spec.targets is not None else None
+        weight = spec.weights[mb] if spec.weights is not None else 1.0
+        with self.streams.computing(), seeded(self.device, self._seed(spec, mb)):
+            if not spec.grad:
+                with torch.no_grad():
+                    out = self._run(value)
+                    loss = None
+                    if spec.loss_fn is not None and self.last:
+                        loss = self._loss(out, _Saved(value, None, target, weight), spec)
+                return out, loss
+
+            inputs = tree_map(self._leaf, value)
+            saved = _Saved(inputs, None, target, weight)
+            if spec.recompute(mb):
+                with torch.no_grad():
+                    out = self._run(inputs)
+                    loss = self._loss(out, saved, spec) if (self.last and spec.loss_fn is not None) else None
+            else:
+                with torch.enable_grad():
+                    out = self._run(inputs)
+                    loss = self._loss(out, saved, spec) if (self.last and spec.loss_fn is not None) else None
+                saved.roots = loss if loss is not None else out
+            spec.store(self.index)[mb] = saved
+        detached = tree_map(lambda t: t.detach(), out)
+        return detached, (loss.detach() if loss is not None else None)
+
+    def _leaf(self, t: torch.Tensor) -> torch.Tensor:
+        """Turn a received tensor into a leaf whose ``.grad`` is the gradient to send back."""
+        if not t.is_floating_point() and not t.is_complex():
+            return t
+        if self.index == 0 and not t.requires_grad:
+            return t  # the user's input: no gradient wanted
+        return t.detach().requires_grad_(True)
+
+    def backward(self, mb: int, grads: Optional[Grads], spec: StepSpec, *, sync: bool = False) -> Grads:
+        """Backward of micro-batch ``mb`` given the gradients of its outputs.
+
+        ``grads`` is aligned with the output's tensor leaves (None where an output
+        got no gradient); the last stage in a loss step passes None and starts from
+        its loss. ``sync`` marks the stage's last backward of the step, the one
+        that must carry the data-parallel gradient reduction. Returns the
+        gradients of the input leaves (None where there is none).
+        """
+        try:
+            saved = spec.store(self.index).pop(mb)
+        except KeyError:
+            raise RuntimeError(
+                f"stage {self.index} has no saved forward for micro-batch {mb}: backward ran twice, "
+                "or without its forward (call backward once per forward)"
+            ) from None
+        with self.streams.computing(), seeded(self.device, self._seed(spec, mb)):
+            roots = saved.roots
+            if roots is None:
+                with torch.enable_grad():
+                    out = self._run(saved.inputs)
+                    roots = self._loss(out, saved, spec) if (self.last and spec.loss_fn is not None) else out
+            tensors = tree_tensors(roots)
+            if grads is None:
+                pairs = [(t, None) for t in tensors if t.requires_grad]
+            else:
+                if len(grads) != len(tensors):
+                    raise RuntimeError(
+                        f"stage {self.index}: got {len(grads)} output gradients for {len(tensors)} outputs"
+                    )
+                pairs = [(t, g) for t, g in zip(tensors, grads) if t.requires_grad and g is not None]
+            if sync and self.sync_roots is not None:
+                synced = self.sync_roots([t for t, _ in pairs])
+                pairs = [(s, g) for s, (_, g) in zip(synced, pairs)]
+            if pairs:
+                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs] if grads is not None else None)
+        return [t.grad if t.requires_grad else None for t in tree_tensors(saved.inputs)]

@@ -1,0 +1,139 @@
+"""Record when each stage works on what: the pipeline's timeline.
+
+With ``trace=True`` the executor wraps every action in ``Trace.span``::
+
+    stage 0 | F0 | F1 | F2 | F3 |    | B0 |    | B1 | ...
+    stage 1 |    | F0 | F1 | F2 | F3 | B0 | B1 | ...
+
+On CPU a span is two readings of a monotonic clock. On CUDA the work is
+asynchronous, so a span records two CUDA events on the stage's compute stream
+and is resolved to wall-clock seconds (relative to an event recorded with the
+step) only when the timeline is read. Events are kept per step; ``clear``
+forgets them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+__all__ = ["Span", "Trace"]
+
+
+@dataclass
+class Span:
+    """One recorded interval: ``kind`` is F, B, recompute, send, recv, copy or allreduce."""
+
+    stage: int
+    kind: str
+    mb: int
+    start: float
+    end: float
+    lane: str = "compute"
+    rank: int = 0
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+class Trace:
+    """A thread-safe list of spans (see module docstring)."""
+
+    def __init__(self, rank: int = 0) -> None:
+        self.rank = rank
+        self._lock = threading.Lock()
+        self._spans: List[Span] = []
+        self._pending: List[Tuple[int, str, int, str, Any, Any, Any, float]] = []
+        self._anchors: Dict[Any, Tuple[Any, float]] = {}
+
+    def clear(self) -> None:
+        with self._lock:
+            self._spans.clear()
+            self._pending.clear()
+            self._anchors.clear()
+
+    @contextlib.contextmanager
+    def span(self, stage: int, kind: str, mb: int, stream: Optional[Any] = None, lane: str = "compute") -> Iterator[None]:
+        """Time the body; ``stream`` (a CUDA stream) switches to CUDA events."""
+        if stream is None:
+            start = time.perf_counter()
+            try:
+                yield
+            finally:
+                end = time.perf_counter()
+                with self._lock:
+                    self._spans.append(Span(stage, kind, mb, start, end, lane, self.rank))
+            return
+        anchor = self._anchor(stream)
+        begin = torch.cuda.Event(enable_timing=True)
+        finish = torch.cuda.Event(enable_timing=True)
+        begin.record(stream)
+        try:
+            yield
+        finally:
+            finish.record(stream)
+            with self._lock:
+                self._pending.append((stage, kind, mb, lane, begin, finish, anchor[0], anchor[1]))
+
+    def _anchor(self, stream: Any) -> Tuple[Any, float]:
+        """A per-stream reference event with the wall-clock time it was recorded at."""
+        with self._lock:
+            got = self._anchors.get(stream)
+            if got is None:
+                torch.cuda.synchronize(stream.device)
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record(stream)
+                ev.synchronize()
+                got = (ev, time.perf_counter())
+                self._anchors[stream] = got
+            return got
+
+    def add(self, span: Span) -> None:
+        with self._lock:
+            self._spans.append(span)
+
+    @property
+    def spans(self) -> List[Span]:
+        """All spans, CUDA ones resolved (this synchronises the devices involved)."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+            for stage, kind, mb, lane, begin, finish, anchor, wall in pending:
+                finish.synchronize()
+                start = wall + anchor.elapsed_time(begin) / 1e3
+                end = wall + anchor.elapsed_time(finish) / 1e3
+                self._spans.append(Span(stage, kind, mb, start, end, lane, self.rank))
+            return sorted(self._spans, key=lambda s: (s.start, s.stage))
+
+    def to_chrome(self) -> Dict[str, Any]:
+        """The spans as a Chrome / Perfetto trace (``chrome://tracing``, ui.perfetto.dev)."""
+        spans = self.spans
+        t0 = min((s.start for s in spans), default=0.0)
+        events = []
+        for s in spans:
+            events.append({
+                "name": f"{s.kind}{s.mb}" if s.mb >= 0 else s.kind,
+                "cat": s.kind,
+                "ph": "X",
+                "ts": (s.start - t0) * 1e6,
+                "dur": max(s.duration, 0.0) * 1e6,
+                "pid": s.rank,
+                "tid": f"stage {s.stage} {s.lane}",
+                "args": {"stage": s.stage, "microbatch": s.mb},
+            })
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+    def save(self, path: str) -> None:
+        """Write the Chrome/Perfetto JSON trace to ``path``."""
+        with open(path, "w") as f:
+            json.dump(self.to_chrome(), f)
+
+    def to_json(self) -> List[Dict[str, Any]]:
+        """Plain list of spans (for merging traces of several ranks)."""
+        return [asdict(s) for s in self.spans]
