@@ -30,7 +30,7 @@ from torch import nn
 
 from .profile import LayerCost, profile_layers, sample_microbatch
 
-__all__ = ["solve", "Partition", "partition", "METHODS"]
+__all__ = ["solve", "block_move", "Partition", "partition", "METHODS"]
 
 METHODS = ("time", "params", "memory", "uniform")
 
@@ -260,3 +260,39 @@ def partition(
         costs = [1.0] * n
     bal = solve(costs, stages, comm)
     return Partition(bal, method, layers, costs, _stage_costs(bal, costs, comm))
+
+
+def block_move(costs: Sequence[float], stages: int) -> List[int]:
+    """The block-move heuristic (Bárány and Grinberg, "Block partitions of sequences").
+
+    Kept as a baseline for comparisons (it is what torchgpipe balances with), not
+    used by pipeddp: starting from equal layer counts, it moves one element at a
+    time from the block beside the lightest block towards it, and stops once the
+    heaviest block exceeds the lightest by at most one largest element (costs
+    normalised to [0, 1]). That stop rule is where it goes wrong: on
+    ``[1]*8 + [10]`` into 2 it stops at ``[4, 5]`` (bottleneck 14, optimum 10).
+    """
+    n = len(costs)
+    if not 1 <= stages <= n:
+        raise ValueError(f"cannot cut {n} layers into {stages} stages")
+    lo, hi = min(costs), max(costs)
+    norm = [0.0] * n if hi == lo else [(c - lo) / (hi - lo) for c in costs]
+    ends = [n // stages * (i + 1) for i in range(stages - 1)] + [n]
+
+    def size(i: int) -> float:
+        return sum(norm[(ends[i - 1] if i else 0):ends[i]])
+
+    while True:
+        heavy = max(range(stages), key=lambda i: (size(i), i))
+        while True:
+            light_size = min(size(i) for i in range(stages))
+            if size(heavy) <= light_size + 1:
+                return [e - s for s, e in zip([0] + ends[:-1], ends)]
+            light = min((i for i in range(stages) if size(i) == light_size), key=lambda i: abs(i - heavy))
+            donor = light - 1 if heavy < light else light + 1
+            if heavy < light:
+                ends[donor] -= 1
+            else:
+                ends[light] += 1
+            if donor == heavy:
+                break

@@ -1,0 +1,75 @@
+"""Models used by the demo, the command line and the benchmarks.
+
+``flatten_resnet`` turns a torchvision ResNet into the ``nn.Sequential`` that
+pipeddp can cut: the stem, every residual block as its own layer, the pooling,
+a ``Flatten`` and the classifier (23 layers for resnet50)::
+
+    conv1 bn1 relu maxpool | layer1_0 .. layer1_2 | ... | layer4_2 | avgpool flatten fc
+
+Note that every block begins with work on its input and ResNet's stem ends
+with ``ReLU(inplace=True)``: a cut right after ``bn1`` gives a stage that
+starts with an in-place op, which pipeddp handles.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable, Dict, List, Tuple
+
+import torch
+from torch import nn
+
+__all__ = ["mlp", "flatten_resnet", "resnet", "build", "MODELS"]
+
+
+def mlp(layers: int = 16, width: int = 1024, in_features: int = 1024, out_features: int = 1024) -> nn.Sequential:
+    """``layers`` blocks of Linear(width, width) + ReLU (the benchmark MLP)."""
+    mods: List[nn.Module] = []
+    for i in range(layers):
+        mods.append(nn.Linear(in_features if i == 0 else width, out_features if i == layers - 1 else width))
+        mods.append(nn.ReLU())
+    return nn.Sequential(*mods)
+
+
+def flatten_resnet(model: nn.Module) -> nn.Sequential:
+    """A torchvision ResNet as a flat ``nn.Sequential`` of its stem, blocks and head."""
+    parts: List[Tuple[str, nn.Module]] = []
+    for name in ("conv1", "bn1", "relu", "maxpool"):
+        parts.append((name, getattr(model, name)))
+    for stage in ("layer1", "layer2", "layer3", "layer4"):
+        for i, block in enumerate(getattr(model, stage)):
+            parts.append((f"{stage}_{i}", block))
+    parts += [("avgpool", model.avgpool), ("flatten", nn.Flatten(1)), ("fc", model.fc)]
+    return nn.Sequential(OrderedDict(parts))
+
+
+def resnet(name: str = "resnet50", num_classes: int = 1000) -> nn.Sequential:
+    """A randomly initialised torchvision ResNet, flattened (no download)."""
+    import torchvision
+
+    builder = getattr(torchvision.models, name)
+    return flatten_resnet(builder(weights=None, num_classes=num_classes))
+
+
+def _mlp_sample(batch: int) -> torch.Tensor:
+    return torch.randn(batch, 1024)
+
+
+def _image_sample(batch: int, side: int = 64) -> torch.Tensor:
+    return torch.randn(batch, 3, side, side)
+
+
+#: name -> (builder, sample(batch) for profiling)
+MODELS: Dict[str, Tuple[Callable[[], nn.Sequential], Callable[[int], torch.Tensor]]] = {
+    "mlp": (mlp, _mlp_sample),
+    "resnet18": (lambda: resnet("resnet18"), _image_sample),
+    "resnet50": (lambda: resnet("resnet50"), _image_sample),
+}
+
+
+def build(name: str) -> Tuple[nn.Sequential, Callable[[int], torch.Tensor]]:
+    """The model called ``name`` and a function making a sample batch for it."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; choose one of {sorted(MODELS)}")
+    builder, sample = MODELS[name]
+    return builder(), sample

@@ -1,0 +1,62 @@
+"""Shared fixtures: small float64 models and the plain single-device reference."""
+
+from __future__ import annotations
+
+import copy
+import threading
+from typing import Callable, List, Tuple
+
+import pytest
+import torch
+from torch import nn
+
+
+@pytest.fixture(autouse=True)
+def _no_thread_left_behind():
+    """Every test must stop the threads it started (pipelines are closed or collected)."""
+    before = {t.ident for t in threading.enumerate()}
+    yield
+    import gc
+
+    gc.collect()
+    leaked = [t for t in threading.enumerate() if t.ident not in before and t.name.startswith("pipeddp")]
+    for t in leaked:
+        t.join(timeout=5)
+    alive = [t.name for t in leaked if t.is_alive()]
+    assert not alive, f"pipeline worker threads outlived the test: {alive}"
+
+
+def make_mlp(width: int = 12, depth: int = 6, seed: int = 0, dropout: float = 0.0) -> nn.Sequential:
+    """A float64 MLP of ``depth`` Linear layers with activations in between (2*depth-1 children)."""
+    torch.manual_seed(seed)
+    layers: List[nn.Module] = []
+    for i in range(depth):
+        layers.append(nn.Linear(width, width))
+        if i < depth - 1:
+            layers.append(nn.Tanh() if i % 2 else nn.ReLU())
+            if dropout:
+                layers.append(nn.Dropout(dropout))
+    return nn.Sequential(*layers).double()
+
+
+def data(n: int = 10, width: int = 12, seed: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, width, generator=g, dtype=torch.float64),
+            torch.randn(n, width, generator=g, dtype=torch.float64))
+
+
+def reference_training(model: nn.Module, batches, loss_fn: Callable, lr: float = 0.1):
+    """Plain single-device SGD on each batch; returns (per-step grads, final params)."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    grads = []
+    for x, y in batches:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        opt.step()
+    return grads, [p.detach().clone() for p in model.parameters()]
+
+
+def max_diff(a, b) -> float:
+    return max((x.detach().cpu() - y.detach().cpu()).abs().max().item() for x, y in zip(a, b))

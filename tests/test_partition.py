@@ -1,0 +1,84 @@
+import itertools
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from pipeddp.partition import block_move, partition, solve
+
+
+def brute(costs, k):
+    n = len(costs)
+    best = None
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        bounds = (0, *cuts, n)
+        worst = max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:]))
+        best = worst if best is None else min(best, worst)
+    return best
+
+
+def bottleneck(costs, balance):
+    out, i = [], 0
+    for b in balance:
+        out.append(sum(costs[i:i + b]))
+        i += b
+    return max(out)
+
+
+def test_known_cases_where_block_moves_fail():
+    costs = [1] * 8 + [10]
+    assert solve(costs, 2) == [8, 1]
+    assert bottleneck(costs, block_move(costs, 2)) > 10
+    costs = [5] + [1] * 11
+    assert bottleneck(costs, solve(costs, 3)) == 6
+    assert bottleneck(costs, block_move(costs, 3)) > 6
+
+
+def test_optimal_against_brute_force():
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.randint(1, 9)
+        k = rng.randint(1, n)
+        costs = [rng.choice([0, 1, 2, 3, 5, 8, 13, rng.random() * 10]) for _ in range(n)]
+        bal = solve(costs, k)
+        assert len(bal) == k and sum(bal) == n and min(bal) >= 1
+        assert bottleneck(costs, bal) == pytest.approx(brute(costs, k))
+
+
+def test_transfer_cost_moves_the_cut():
+    # compute alone would cut after layer 1; its output is huge, after layer 2 it is small
+    costs = [1.0, 1.0, 1.0, 1.0]
+    comm = [0.0, 5.0, 0.0, 0.0]
+    assert solve(costs, 2) == [2, 2]
+    assert solve(costs, 2, comm) in ([1, 3], [3, 1])
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="at least one layer"):
+        solve([1, 2], 3)
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    with pytest.raises(ValueError, match="at least one"):
+        partition(model, 3, method="params")
+    with pytest.raises(ValueError, match="sums to 3"):
+        partition(model, 2, method=[1, 2])
+    with pytest.raises(ValueError, match="sample"):
+        partition(model, 2, method="time")
+    with pytest.raises(TypeError, match="nn.Sequential"):
+        partition(nn.Linear(2, 2), 1)
+
+
+def test_methods_and_report():
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8), nn.ReLU(), nn.Linear(8, 8))
+    x = torch.randn(16, 64)
+    by_params = partition(model, 2, method="params")
+    assert by_params.balance == [1, 4]  # 4160 params vs 520 + 72
+    assert partition(model, 5, method="uniform").balance == [1] * 5
+    timed = partition(model, 2, method="time", sample=x, chunks=2)
+    assert sum(timed.balance) == 5 and all(c.time > 0 for c in timed.layers)
+    assert timed.layers[0].activation_bytes == 8 * 64 * 4  # first micro-batch of 8 samples
+    mem = partition(model, 2, method="memory", sample=x)
+    assert mem.stage_costs[0] >= mem.layer_costs[0]
+    text = str(timed)
+    for col in ("stage", "layers", "params", "fwd+bwd ms", "activation out", "share of bottleneck"):
+        assert col in text
