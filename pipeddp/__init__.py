@@ -3,12 +3,19 @@
 The public face is small:
 
 - ``Pipeline``: one process, one replica, the model cut over several devices.
+- ``HybridParallel``: replicas of that pipeline joined by DDP (torchrun or ``spawn``).
 - ``partition``: the balanced cut, with a report of what it measured.
+- ``spawn``: start a local multi-process job the way torchrun would.
+- ``data.loader``: a DataLoader sharded by replica (not by rank).
 """
 
+from . import data
+from .hybrid import HybridParallel
+from .launch import spawn
 from .partition import Partition, partition
 from .pipeline import Pipeline
 from .schedule import format_schedule, gpipe, one_f_one_b
 
-__all__ = ["Pipeline", "Partition", "partition", "gpipe", "one_f_one_b", "format_schedule"]
+__all__ = ["Pipeline", "HybridParallel", "Partition", "partition", "spawn", "data", "gpipe", "one_f_one_b",
+           "format_schedule"]
 __version__ = "0.1.0"

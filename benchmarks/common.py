@@ -1,0 +1,151 @@
+"""Helpers shared by the benchmark scripts.
+
+The host's speed drifts (by ~25 % over minutes on the CI machines), so a
+benchmark never compares medians taken minutes apart. Configurations are
+interleaved step by step (A B C, B C A, C A B, ...) and compared by the median
+of per-round ratios, which cancels any drift slower than one round.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["interleaved", "median_ratio", "median_ms", "machine_info", "write_json", "print_table", "fmt"]
+
+
+def interleaved(fns: Mapping[str, Callable[[], Any]], rounds: int, warmup: int = 1) -> Dict[str, List[float]]:
+    """Time every configuration once per round; return seconds per call, by name.
+
+    The order rotates by one each round (round r starts at configuration
+    r mod k) so that no configuration always runs right after the same
+    neighbour (caches, allocator state, CPU boost). The first ``warmup`` rounds
+    are run but dropped: they pay for lazy initialisation and allocator growth.
+    Round i of every list comes from the same stretch of time, which is what
+    ``median_ratio`` relies on.
+    """
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
+    names = list(fns)
+    if not names:
+        raise ValueError("no configuration to time")
+    times: Dict[str, List[float]] = {n: [] for n in names}
+    for r in range(warmup + rounds):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            start = time.perf_counter()
+            fns[name]()
+            elapsed = time.perf_counter() - start
+            if r >= warmup:
+                times[name].append(elapsed)
+    return times
+
+
+def median_ratio(a: Sequence[float], b: Sequence[float]) -> float:
+    """Median of ``a[i] / b[i]`` over rounds (a speedup of b over a when a is the baseline).
+
+    Per-round ratios compare two runs made seconds apart, so a drift of the
+    host's speed cancels; the median drops rounds hit by a hiccup.
+    """
+    if len(a) != len(b):
+        raise ValueError(f"the two series have different lengths ({len(a)} and {len(b)}); they must come from the same rounds")
+    if not a:
+        raise ValueError("empty series")
+    return statistics.median(x / y for x, y in zip(a, b))
+
+
+def median_ms(seconds: Sequence[float]) -> float:
+    """Median of a list of durations in seconds, in milliseconds (for tables and JSON)."""
+    return statistics.median(seconds) * 1e3
+
+
+def machine_info() -> Dict[str, Any]:
+    """What a reader needs to judge a number later: software versions, cores, platform, date."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        usable = os.cpu_count()
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "usable_cpus": usable,
+        "torch_threads": torch.get_num_threads(),
+        "argv": sys.argv,
+    }
+
+
+def write_json(path: Union[str, os.PathLike], payload: Any) -> Path:
+    """Write ``payload`` (with ``"machine": machine_info()`` added) as indented JSON.
+
+    Parent directories are created, so a fresh checkout can write to
+    ``results/...`` directly. Returns the path written.
+    """
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    doc: Dict[str, Any] = {"machine": machine_info()}
+    if isinstance(payload, Mapping):
+        doc.update(payload)
+    else:
+        doc["data"] = payload
+    out.write_text(json.dumps(doc, indent=2, default=_jsonable) + "\n")
+    return out
+
+
+def _jsonable(value: Any) -> Any:
+    """Fallback for json.dump: tensors, torch sizes/devices and paths become plain values."""
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, (torch.Size, tuple, set)):
+        return list(value)
+    return str(value)
+
+
+def fmt(value: Any, digits: int = 2) -> str:
+    """A table cell: floats with ``digits`` decimals, None as a dash, the rest as str."""
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def print_table(
+    title: str,
+    columns: Sequence[str],
+    rows: Sequence[Sequence[Any]],
+    *,
+    console: Optional[Console] = None,
+    caption: Optional[str] = None,
+    digits: int = 2,
+) -> Table:
+    """Print ``rows`` as a rich table (numbers right-aligned) and return it.
+
+    Cells go through ``fmt``; pass pre-formatted strings for anything else.
+    The console is at least 160 columns wide so that wide tables stay one line
+    per row when the output is a file or a pipe (rich assumes 80 there).
+    """
+    console = console or Console(width=max(160, Console().width))
+    table = Table(title=title, caption=caption)
+    for i, col in enumerate(columns):
+        table.add_column(col, justify="left" if i == 0 else "right")
+    for row in rows:
+        table.add_row(*(fmt(c, digits) for c in row))
+    console.print(table)
+    return table

@@ -1,0 +1,114 @@
+"""Wrap a stage in DDP so that its gradients are averaged exactly once per step.
+
+DDP arms its gradient reducer in *forward*: a forward run with sync enabled
+makes the next backward all-reduce. Pipelines break the usual recipe
+("``no_sync()`` for every micro-batch but the last"): under 1F1B a stage
+runs its last forward *before* several earlier backwards::
+
+    stage 0 (p=2, m=4):  F0 F1 B0 F2 B1 F3 B2 B3
+                                        ^^ last forward armed here ...
+                                           ^^ ... so B2 all-reduces, too early,
+                                              with B3's gradient missing
+
+pipeddp instead runs every micro-batch on the bare stage module (DDP never
+sees it, gradients simply accumulate) and arms DDP right before the stage's
+*last backward*, whatever the schedule: the backward roots of that
+micro-batch (its outputs, or its loss) are passed through the DDP module's
+forward, which arms the reducer and returns them unchanged. The backward
+that follows fires DDP's hooks once per parameter, on gradients that
+already hold every other micro-batch, and the buckets' all-reduce overlaps
+with the rest of that backward and with the backwards still running on the
+stages before it.
+
+Recompute is safe: it is a plain forward of the bare module, so DDP hooks
+(which fire in backward) run once per parameter per step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Union
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from .stage import Stage
+
+__all__ = ["attach_ddp", "COMM_HOOKS"]
+
+
+class _Arm:
+    """Sentinel first argument: 'return the second argument unchanged'."""
+
+
+_ARM = _Arm()
+
+
+class _Armable(nn.Module):
+    """The stage's layers, plus a pass-through call used to arm DDP."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any) -> Any:
+        if args and args[0] is _ARM:
+            return args[1]
+        return self.module(*args)
+
+
+def _hook(name: str, group: Any) -> tuple:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if name == "fp16":
+        return group, default_hooks.fp16_compress_hook
+    if name == "bf16":
+        return group, default_hooks.bf16_compress_hook
+    if name == "powersgd":
+        state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=1,
+                                            start_powerSGD_iter=2, min_compression_rate=2)
+        return state, powerSGD_hook.powerSGD_hook
+    raise ValueError(f"unknown comm_hook {name!r}; choose one of {COMM_HOOKS} or pass a function(state, bucket)")
+
+
+COMM_HOOKS = ("fp16", "bf16", "powersgd")
+
+CommHook = Union[str, Callable[..., Any]]
+
+
+def attach_ddp(stage: Stage, group: Any, *, ddp_kwargs: Optional[Dict[str, Any]] = None,
+               comm_hook: Optional[CommHook] = None, comm_state: Any = None) -> Optional[DistributedDataParallel]:
+    """Wrap ``stage`` in DDP over ``group`` and make its last backward of a step reduce.
+
+    Returns the DDP module (None for a stage without trainable parameters,
+    which has nothing to average). ``comm_hook`` is one of ``COMM_HOOKS`` or a
+    DDP communication hook ``fn(state, bucket) -> Future``; a custom hook gets
+    ``comm_state`` (default: the stage's process group) as its state.
+    """
+    kwargs = dict(ddp_kwargs or {})
+    if kwargs.get("static_graph"):
+        raise ValueError(
+            "ddp_kwargs static_graph=True is not supported: DDP's static-graph mode assumes one forward per "
+            "backward, and a pipeline stage runs one per micro-batch; drop static_graph"
+        )
+    for key in ("process_group", "device_ids", "output_device", "module"):
+        if key in kwargs:
+            raise ValueError(f"ddp_kwargs may not set {key!r}: pipeddp chooses it for every stage")
+    if not any(p.requires_grad for p in stage.module.parameters()):
+        return None
+    device_ids = [stage.device.index] if stage.device.type == "cuda" else None
+    ddp = DistributedDataParallel(_Armable(stage.module), device_ids=device_ids, process_group=group, **kwargs)
+    if comm_hook is not None:
+        if isinstance(comm_hook, str):
+            state, fn = _hook(comm_hook, group)
+        else:
+            state, fn = (comm_state if comm_state is not None else group), comm_hook
+        ddp.register_comm_hook(state, fn)
+
+    def sync_roots(roots: List[torch.Tensor]) -> List[torch.Tensor]:
+        with torch.enable_grad():  # DDP arms its reducer only when grad mode is on
+            return list(ddp(_ARM, roots))
+
+    stage.sync_roots = sync_roots
+    return ddp
+
