@@ -14,15 +14,16 @@ import os
 import platform
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
-__all__ = ["interleaved", "median_ratio", "median_ms", "machine_info", "write_json", "print_table", "fmt"]
+__all__ = ["interleaved", "median_ratio", "median_ms", "parallel_probe", "machine_info", "write_json", "print_table", "fmt"]
 
 
 def interleaved(fns: Mapping[str, Callable[[], Any]], rounds: int, warmup: int = 1) -> Dict[str, List[float]]:
@@ -70,6 +71,36 @@ def median_ratio(a: Sequence[float], b: Sequence[float]) -> float:
 def median_ms(seconds: Sequence[float]) -> float:
     """Median of a list of durations in seconds, in milliseconds (for tables and JSON)."""
     return statistics.median(seconds) * 1e3
+
+
+def parallel_probe(workers: int = 2, size: int = 256, reps: int = 50) -> Tuple[Callable[[], None], Callable[[], None]]:
+    """A fixed 1-thread matmul kernel: ``(solo, together)`` runs it once, or once on each of ``workers`` threads.
+
+    Why: a VM's cores are not always all there (neighbours, SMT siblings,
+    steal). Timed inside ``interleaved``, ``workers * t_solo / t_together`` is
+    the parallel speedup the host really offered in that round, the ceiling of
+    any multi-core speedup measured next to it. The kernel fits in L2, so this
+    measures cores, not memory bandwidth.
+    """
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    outs = [torch.empty(size, size) for _ in range(workers)]
+
+    def kernel(out: torch.Tensor) -> None:
+        torch.set_num_threads(1)  # OpenMP settings are per thread: a new thread would use every core
+        for _ in range(reps):
+            torch.mm(a, b, out=out)
+
+    def solo() -> None:
+        kernel(outs[0])
+
+    def together() -> None:
+        threads = [threading.Thread(target=kernel, args=(o,)) for o in outs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    return solo, together
 
 
 def machine_info() -> Dict[str, Any]:

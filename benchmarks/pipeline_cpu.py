@@ -21,6 +21,11 @@ stages); efficiency = speedup / bound. Before timing, every configuration runs
 once and the pipeline's gradients are checked against ``accum``'s; after
 timing, one traced pipeline step splits the time into per-stage forward,
 backward and idle time (``--no-trace`` skips it).
+
+A small matmul kernel run alone and on both cores at once is interleaved with
+the steps too (``--no-probe`` skips it): its speedup is what the host's two
+vCPUs really delivered in those rounds, the ceiling of the pipeline's speedup
+besides the bubble bound.
 """
 
 from __future__ import annotations
@@ -42,9 +47,9 @@ from pipeddp.schedule import get_schedule, play
 from pipeddp.trace import Trace
 
 try:  # run as a script (benchmarks/ is sys.path[0]) or as python -m benchmarks.pipeline_cpu
-    from benchmarks.common import interleaved, median_ms, median_ratio, print_table, write_json
+    from benchmarks.common import interleaved, median_ms, median_ratio, parallel_probe, print_table, write_json
 except ImportError:  # pragma: no cover - depends on how the script is started
-    from common import interleaved, median_ms, median_ratio, print_table, write_json
+    from common import interleaved, median_ms, median_ratio, parallel_probe, print_table, write_json
 
 STAGES = 2
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -148,7 +153,7 @@ def trace_step(pipe: Pipeline, step: Callable[[], Any], schedule: str, m: int, a
 
 def run_m(
     name: str, work: Workload, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, m: int,
-    schedules: Sequence[str], rounds: int, warmup: int, traced: bool, console: Console,
+    schedules: Sequence[str], rounds: int, warmup: int, traced: bool, probe: bool, console: Console,
 ) -> Dict[str, Any]:
     """Everything measured for one (model, m); the pipelines are built and closed here."""
     loss_fn = work.loss_fn
@@ -209,6 +214,8 @@ def run_m(
                               f"{check[sched]['grad_max_rel_diff_vs_accum']:.2e} (relative)")
         del ref
 
+        if probe:
+            fns["host_solo"], fns["host_both"] = parallel_probe(STAGES)
         times = interleaved(fns, rounds=rounds, warmup=warmup)
         medians = {k: median_ms(v) for k, v in times.items()}
         accum_ms = medians["accum"]
@@ -220,6 +227,7 @@ def run_m(
     bound = bubble_bound(len(sizes))
     vs_whole = {s: median_ratio(times["whole"], times[s]) for s in schedules}
     vs_accum = {s: median_ratio(times["accum"], times[s]) for s in schedules}
+    host = median_ratio([STAGES * t for t in times["host_solo"]], times["host_both"]) if probe else None
     return {
         "m": m,
         "microbatch_sizes": sizes,
@@ -232,6 +240,7 @@ def run_m(
         "speedup_vs_accum": vs_accum,
         "bound": bound,
         "efficiency": {s: vs_accum[s] / bound for s in schedules},
+        "host_parallel_speedup": host,
         "check": check,
         "trace": trace,
         "times_s": times,
@@ -244,19 +253,22 @@ def report(name: str, work: Workload, rows: List[Dict[str, Any]], schedules: Seq
     table_rows: List[List[Any]] = []
     for r in rows:
         for i, s in enumerate(schedules):
+            host = r["host_parallel_speedup"]
             head = [r["m"], r["microbatch_sizes"][0], str(r["balance"]), f"{r['median_ms']['whole']:.1f}",
                     f"{r['median_ms']['accum']:.1f}", f"{r['accum_over_whole']:.2f}x"] if i == 0 else [""] * 6
             table_rows.append(head + [
                 s, f"{r['median_ms'][s]:.1f}", f"{r['speedup_vs_whole'][s]:.2f}x", f"{r['speedup_vs_accum'][s]:.2f}x",
                 f"{r['bound']:.2f}x", f"{r['efficiency'][s]:.0%}",
+                (f"{host:.2f}x" if host is not None else "-") if i == 0 else "",
             ])
     print_table(
         f"{name}: 2-stage CPU pipeline, 1 thread per stage; medians of {rounds} interleaved rounds",
         ["m", "mb", "balance", "whole ms", "accum ms", "accum/whole", "schedule", "pipe ms", "vs whole",
-         "vs accum", "bound", "efficiency"],
+         "vs accum", "bound", "efficiency", "host 2-core"],
         table_rows, console=console,
         caption=f"{work.describe}. vs whole/accum: median per-round speedup of the pipeline; "
-                "bound = 2m/(m+1); efficiency = (vs accum) / bound",
+                "bound = 2m/(m+1); efficiency = (vs accum) / bound; host 2-core = speedup of a 1-thread "
+                "matmul kernel on both cores at once over one (ideal 2.00x), interleaved with the steps",
     )
     if any(r["trace"] for r in rows):
         trows = []
@@ -302,6 +314,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         + " (the correctness check already runs every config once)")
     p.add_argument("--quick", action="store_true", help="smoke run: 2 rounds, no warm-up round")
     p.add_argument("--no-trace", action="store_true", help="skip the traced step per pipeline")
+    p.add_argument("--no-probe", action="store_true", help="skip the host parallelism probe (2 x ~50 ms per round)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/pipeline_cpu.json")
     args = p.parse_args(argv)
@@ -324,7 +337,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         console.print(f"[bold]{name}[/bold]: {work.describe}; {rounds} rounds (+{warmup} warm-up), "
                       f"schedules {schedules}")
         t_model = time.perf_counter()
-        rows = [run_m(name, work, model, x, y, m, schedules, rounds, warmup, not args.no_trace, console)
+        rows = [run_m(name, work, model, x, y, m, schedules, rounds, warmup, not args.no_trace, not args.no_probe, console)
                 for m in args.ms]
         best = report(name, work, rows, schedules, rounds, console)
         results[name] = {"workload": work.describe, "input_shape": list(x.shape), "rounds": rounds,

@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .stage import Stage
 
-__all__ = ["attach_ddp", "COMM_HOOKS"]
+__all__ = ["attach_ddp", "check_ddp_kwargs", "COMM_HOOKS"]
 
 
 class _Arm:
@@ -76,15 +76,8 @@ COMM_HOOKS = ("fp16", "bf16", "powersgd")
 CommHook = Union[str, Callable[..., Any]]
 
 
-def attach_ddp(stage: Stage, group: Any, *, ddp_kwargs: Optional[Dict[str, Any]] = None,
-               comm_hook: Optional[CommHook] = None, comm_state: Any = None) -> Optional[DistributedDataParallel]:
-    """Wrap ``stage`` in DDP over ``group`` and make its last backward of a step reduce.
-
-    Returns the DDP module (None for a stage without trainable parameters,
-    which has nothing to average). ``comm_hook`` is one of ``COMM_HOOKS`` or a
-    DDP communication hook ``fn(state, bucket) -> Future``; a custom hook gets
-    ``comm_state`` (default: the stage's process group) as its state.
-    """
+def check_ddp_kwargs(ddp_kwargs: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """Validate the user's DDP options up front (also in a one-replica job, where no DDP is built)."""
     kwargs = dict(ddp_kwargs or {})
     if kwargs.get("static_graph"):
         raise ValueError(
@@ -94,15 +87,25 @@ def attach_ddp(stage: Stage, group: Any, *, ddp_kwargs: Optional[Dict[str, Any]]
     for key in ("process_group", "device_ids", "output_device", "module"):
         if key in kwargs:
             raise ValueError(f"ddp_kwargs may not set {key!r}: pipeddp chooses it for every stage")
+    return kwargs
+
+
+def attach_ddp(stage: Stage, group: Any, *, ddp_kwargs: Optional[Dict[str, Any]] = None,
+               comm_hook: Optional[CommHook] = None) -> Optional[DistributedDataParallel]:
+    """Wrap ``stage`` in DDP over ``group`` and make its last backward of a step reduce.
+
+    Returns the DDP module (None for a stage without trainable parameters,
+    which has nothing to average). ``comm_hook`` is one of ``COMM_HOOKS`` or a
+    DDP communication hook ``fn(state, bucket) -> Future``, which gets the
+    stage's process group as its state.
+    """
+    kwargs = check_ddp_kwargs(ddp_kwargs)
     if not any(p.requires_grad for p in stage.module.parameters()):
         return None
     device_ids = [stage.device.index] if stage.device.type == "cuda" else None
     ddp = DistributedDataParallel(_Armable(stage.module), device_ids=device_ids, process_group=group, **kwargs)
     if comm_hook is not None:
-        if isinstance(comm_hook, str):
-            state, fn = _hook(comm_hook, group)
-        else:
-            state, fn = (comm_state if comm_state is not None else group), comm_hook
+        state, fn = _hook(comm_hook, group) if isinstance(comm_hook, str) else (group, comm_hook)
         ddp.register_comm_hook(state, fn)
 
     def sync_roots(roots: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -111,4 +114,3 @@ def attach_ddp(stage: Stage, group: Any, *, ddp_kwargs: Optional[Dict[str, Any]]
 
     stage.sync_roots = sync_roots
     return ddp
-

@@ -32,7 +32,7 @@ from torch import nn
 
 from .checkpoint import (FORMAT, atomic_save, load_named_optimizer_state, merge_optimizer_states,
                          named_optimizer_state)
-from .ddp import CommHook, attach_ddp
+from .ddp import COMM_HOOKS, CommHook, attach_ddp, check_ddp_kwargs
 from .devices import DeviceLike, resolve_devices
 from .executor import run_actions
 from .microbatch import batch_size, merge, split, split_sizes, tree_map
@@ -109,6 +109,9 @@ class HybridParallel(nn.Module):
                              f"use at most {len(model)} stages")
         self.chunks, self.split_size = check_chunks(chunks, split_size, stages)
         get_schedule(schedule, stages, 1)
+        check_ddp_kwargs(ddp_kwargs)
+        if isinstance(comm_hook, str) and comm_hook not in COMM_HOOKS:
+            raise ValueError(f"unknown comm_hook {comm_hook!r}; choose one of {COMM_HOOKS} or pass a hook function")
         self.schedule = schedule
         self.checkpoint = checkpoint
         self.timeout = timeout
@@ -301,14 +304,15 @@ class HybridParallel(nn.Module):
                 needs.append((r, ny, "y"))
         sizes = {n for _, n, _ in needs}
         if len(sizes) > 1:
-            common = max(sizes, key=lambda n: sum(1 for _, k, _ in needs if k == n))
-            odd = [(r, n, w) for r, n, w in needs if n != common]
-            r, n, what = odd[0]
-            raise ValueError(
-                f"rank {r} passed {what} with {n} samples but the others have {common}; every replica must pass "
-                "the same local batch size and x and y must match (pipeddp.data.loader shards a dataset so that "
-                "they do)"
-            )
+            votes = {n: sum(1 for _, k, _ in needs if k == n) for n in sizes}
+            common = max(votes, key=lambda n: votes[n])
+            advice = ("every replica must pass the same local batch size and x and y must match "
+                      "(pipeddp.data.loader shards a dataset so that they do)")
+            if list(votes.values()).count(votes[common]) == 1:
+                r, n, what = next(item for item in needs if item[1] != common)
+                raise ValueError(f"rank {r} passed {what} with {n} samples but the others have {common}; {advice}")
+            listing = ", ".join(f"rank {r} {what}={n}" for r, n, what in needs)
+            raise ValueError(f"the ranks disagree on the local batch size ({listing}); {advice}")
         return sizes.pop()
 
     def _stage_of(self, rank: int) -> int:

@@ -1,0 +1,140 @@
+"""Functions run inside spawned processes by the hybrid tests (importable by the children)."""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any, Dict, List
+
+import torch
+from torch import nn
+
+import pipeddp
+from conftest import data, make_mlp
+
+LOSS = nn.functional.mse_loss
+HOOK_CALLS: Dict[int, int] = {}
+
+
+def counting_hook(state, bucket):  # no annotations: DDP checks them
+    """An all-reduce comm hook that counts its calls per stage group."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    key = id(state)
+    HOOK_CALLS[key] = HOOK_CALLS.get(key, 0) + 1
+    return default_hooks.allreduce_hook(state, bucket)
+
+
+def global_batches(replicas: int, steps: int, local: int = 10, width: int = 12):
+    return [data(local * replicas, width=width, seed=100 + i) for i in range(steps)]
+
+
+def local_slice(batch, replica: int, local: int):
+    x, y = batch
+    return x[replica * local:(replica + 1) * local], y[replica * local:(replica + 1) * local]
+
+
+def train(engine: pipeddp.HybridParallel, batches, local: int, optimizer=None, lr: float = 0.1) -> List[float]:
+    opt = optimizer or torch.optim.SGD(engine.parameters(), lr=lr)
+    losses = []
+    for batch in batches:
+        x, y = local_slice(batch, engine.topology.replica, local)
+        opt.zero_grad()
+        loss = engine.train_step(x if engine.is_first else None, y if engine.is_last else None, LOSS)
+        losses.append(loss.item())
+        opt.step()
+    return losses
+
+
+def init() -> None:
+    """One process group for the whole job, so that several engines can be built one after another."""
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")
+
+
+def equivalence_job(mode: str, stages: int, replicas: int, combos) -> List[Dict[str, Any]]:
+    """Train 3 steps per (schedule, chunks) combination; return losses and the consolidated weights."""
+    init()
+    out = []
+    for schedule, chunks, checkpoint in combos:
+        engine = pipeddp.HybridParallel(make_mlp(), stages=stages, mode=mode, chunks=chunks, schedule=schedule,
+                                        checkpoint=checkpoint, balance="uniform", comm_hook=counting_hook)
+        HOOK_CALLS.clear()
+        losses = train(engine, global_batches(replicas, 3), local=10)
+        engine.check_replicas()
+        out.append({"schedule": schedule, "chunks": chunks, "checkpoint": checkpoint, "losses": losses,
+                    "state": engine.state_dict(), "local": engine.local_state_dict(),
+                    "hook_calls": sorted(HOOK_CALLS.values()), "ddp": len([d for d in engine._ddps if d])})
+        engine.close()
+    return out
+
+
+def bad_batch_job() -> str:
+    engine = pipeddp.HybridParallel(make_mlp(), stages=2, mode="replica", chunks=2)
+    n = 8 if engine.topology.rank == 1 else 10
+    x, y = data(n)
+    try:
+        engine.train_step(x, y, LOSS)
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        engine.close()
+    return "no error"
+
+
+def indivisible_world_job() -> str:
+    try:
+        pipeddp.HybridParallel(make_mlp(), stages=2, mode="stage")
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def checkpoint_save_job(path: str, mode: str) -> Dict[str, Any]:
+    """2 x 2: train 2 steps with momentum, save, train 2 more; return the final weights."""
+    engine = pipeddp.HybridParallel(make_mlp(), stages=2, mode=mode, chunks=3)
+    opt = torch.optim.SGD(engine.parameters(), lr=0.1, momentum=0.9)
+    batches = global_batches(2, 4)
+    train(engine, batches[:2], local=10, optimizer=opt)
+    engine.save(path, optimizer=opt, extra={"step": 2})
+    train(engine, batches[2:], local=10, optimizer=opt)
+    state = engine.state_dict()
+    engine.close()
+    return state
+
+
+def checkpoint_resume_job(path: str, mode: str, stages: int) -> Dict[str, Any]:
+    """Load the 2-step checkpoint into another layout and train the remaining 2 steps."""
+    engine = pipeddp.HybridParallel(make_mlp(seed=99), stages=stages, mode=mode, chunks=2)
+    opt = torch.optim.SGD(engine.parameters(), lr=0.1, momentum=0.9)
+    extra = engine.load(path, optimizer=opt)
+    assert extra == {"step": 2}
+    replicas = engine.topology.replicas
+    batches = global_batches(2, 4)
+    # the global batch is the same whatever the replica count: re-slice it
+    local = 20 // replicas
+    train(engine, batches[2:], local=local, optimizer=opt)
+    state = engine.state_dict()
+    engine.close()
+    return state
+
+
+def eval_job(n_samples: int, mode: str, stages: int) -> Dict[str, float]:
+    engine = pipeddp.HybridParallel(make_mlp(width=4, depth=3), stages=stages, mode=mode, chunks=2)
+    xs = torch.randn(n_samples, 4, dtype=torch.float64)
+    ids = torch.arange(n_samples, dtype=torch.float64)
+    dataset = torch.utils.data.TensorDataset(xs, ids)
+    loader = pipeddp.data.loader(dataset, batch_size=2, engine=engine, train=False)
+
+    def metric(out, idx):
+        return {"id": idx.mean(), "id_sq": (idx ** 2).mean(), "one": torch.tensor(1.0)}
+
+    result = engine.evaluate(loader, metric)
+    engine.close()
+    return result
+
+
+def torchrun_rank() -> int:
+    return int(os.environ.get("RANK", "0"))

@@ -1,0 +1,155 @@
+"""HybridParallel on real processes (gloo, CPU) against single-device training on the global batch."""
+
+import copy
+import os
+
+import pytest
+import torch
+from torch.multiprocessing import ProcessRaisedException
+
+import pipeddp
+from conftest import make_mlp, max_diff, reference_training
+from hybrid_jobs import (LOSS, bad_batch_job, checkpoint_resume_job, checkpoint_save_job, equivalence_job, eval_job,
+                         global_batches, indivisible_world_job)
+
+# local batch 10: uneven over 4 micro-batches; recompute must not fire DDP's hooks twice
+COMBOS = [("gpipe", 1, "never"), ("gpipe", 4, "never"), ("1f1b", 1, "never"), ("1f1b", 4, "never"),
+          ("1f1b", 5, "always")]
+
+
+def reference_state(steps, model=None, **kw):
+    model = model or make_mlp()
+    _, params = reference_training(model, steps, LOSS, **kw)
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for p, q in zip(ref.parameters(), params):
+            p.copy_(q)
+    return ref.state_dict()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode,replicas,stages", [
+    ("replica", 2, 2), ("stage", 2, 2), ("replica", 1, 3), ("stage", 1, 3), ("replica", 2, 1), ("stage", 2, 1),
+])
+def test_equivalence_with_single_device_training(mode, replicas, stages):
+    nprocs = replicas if mode == "replica" else replicas * stages
+    results = pipeddp.spawn(equivalence_job, nprocs, args=(mode, stages, replicas, COMBOS), timeout=200)
+    expected = reference_state(global_batches(replicas, 3))
+    for rank, per_rank in enumerate(results):
+        for combo in per_rank:
+            got = combo["state"]
+            assert list(got) == list(expected)
+            assert max_diff(expected.values(), got.values()) < 1e-12, (rank, combo["schedule"], combo["chunks"],
+                                                                       combo["checkpoint"])
+    # the copies of each stage are bit-identical across replicas
+    if replicas > 1:
+        for i in range(len(COMBOS)):
+            by_key = {}
+            for per_rank in results:
+                for k, v in per_rank[i]["local"].items():
+                    by_key.setdefault(k, []).append(v)
+            for k, copies in by_key.items():
+                assert len(copies) == replicas
+                assert all(torch.equal(copies[0], c) for c in copies[1:]), k
+    # the gradient all-reduce ran once per step per stage (one bucket here), whatever the micro-batch count,
+    # and never in a one-replica job
+    for per_rank in results:
+        for combo in per_rank:
+            local_stages = stages if mode == "replica" else 1
+            if replicas == 1:
+                assert combo["ddp"] == 0 and combo["hook_calls"] == []
+            else:
+                assert combo["ddp"] == local_stages
+                assert combo["hook_calls"] == [3] * local_stages, combo
+
+
+@pytest.mark.timeout(120)
+def test_rank_with_another_batch_size_is_named():
+    messages = pipeddp.spawn(bad_batch_job, 3, timeout=100)
+    for msg in messages:  # every rank raises the same error, none hangs
+        assert "rank 1 passed x with 8 samples but the others have 10" in msg
+
+
+@pytest.mark.timeout(120)
+def test_world_size_not_divisible_by_stages():
+    messages = pipeddp.spawn(indivisible_world_job, 3, timeout=100)
+    for rank, msg in enumerate(messages):
+        assert f"rank {rank}:" in msg and "not divisible by stages=2" in msg
+
+
+def test_bad_configuration_errors_in_one_process():
+    with pytest.raises(ValueError, match="rank 0: backend 'nccl' cannot serve CPU"):
+        pipeddp.HybridParallel(make_mlp(), stages=2, backend="nccl", devices=["cpu", "cpu"])
+    with pytest.raises(ValueError, match="needs 3 device"):
+        pipeddp.HybridParallel(make_mlp(), stages=3, devices=["cpu", "cpu"])
+    with pytest.raises(ValueError, match="does not exist"):
+        pipeddp.HybridParallel(make_mlp(), stages=2, devices=["cuda:0", "cuda:1"])
+    with pytest.raises(ValueError, match="at most 11 stages"):
+        pipeddp.HybridParallel(make_mlp(), stages=12)
+    with pytest.raises(ValueError, match="static_graph"):
+        pipeddp.HybridParallel(make_mlp(), stages=1, ddp_kwargs={"static_graph": True})._ddps  # noqa: B018
+
+
+def test_one_process_job_without_torchrun():
+    """Without torchrun's variables the engine is a 1 x S job in this process."""
+    steps = global_batches(1, 3)
+    expected = reference_state(steps)
+    with pipeddp.HybridParallel(make_mlp(), stages=3, chunks=4) as engine:
+        assert engine.topology.world_size == 1 and engine.topology.replicas == 1
+        opt = torch.optim.SGD(engine.parameters(), lr=0.1)
+        for x, y in steps:
+            opt.zero_grad()
+            engine.train_step(x, y, LOSS)
+            opt.step()
+        assert max_diff(expected.values(), engine.state_dict().values()) < 1e-12
+        with torch.no_grad():
+            assert engine(steps[0][0]).shape == (10, 12)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", ["replica", "stage"])
+def test_checkpoint_moves_between_layouts_and_resumes_exactly(tmp_path, mode):
+    path = str(tmp_path / "ckpt.pt")
+    nprocs = 2 if mode == "replica" else 4
+    finals = pipeddp.spawn(checkpoint_save_job, nprocs, args=(path, mode), timeout=200)
+    uninterrupted = finals[0]
+    for f in finals[1:]:
+        assert max_diff(uninterrupted.values(), f.values()) == 0
+    # the same 4 steps on one device
+    model = make_mlp()
+    batches = global_batches(2, 4)
+    expected = reference_state(batches, model=model)
+    ref_opt_model = copy.deepcopy(model)
+    opt = torch.optim.SGD(ref_opt_model.parameters(), lr=0.1, momentum=0.9)
+    for x, y in batches:
+        opt.zero_grad()
+        LOSS(ref_opt_model(x), y).backward()
+        opt.step()
+    assert max_diff(ref_opt_model.state_dict().values(), uninterrupted.values()) < 1e-12
+    del expected
+
+    ckpt = torch.load(path, weights_only=False)
+    plain = make_mlp(seed=5)
+    plain.load_state_dict(ckpt["model"])  # the plain model takes the checkpoint as is
+    assert ckpt["meta"]["replicas"] == 2 and ckpt["meta"]["stages"] == 2
+
+    # 1 x 1 and 1 x 3 in this process (no torchrun variables: world size 1)
+    for stages in (1, 3):
+        resumed = checkpoint_resume_job(path, "replica", stages)
+        assert max_diff(uninterrupted.values(), resumed.values()) < 1e-12
+    # 1 x 3 as three processes
+    resumed = pipeddp.spawn(checkpoint_resume_job, 3, args=(path, "stage", 3), timeout=200)
+    for r in resumed:
+        assert max_diff(uninterrupted.values(), r.values()) < 1e-12
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("mode,nprocs,stages", [("stage", 4, 2), ("replica", 3, 2)])
+def test_distributed_evaluation_counts_every_sample_once(mode, nprocs, stages):
+    n = 11  # divides by neither 2 nor 3 replicas
+    results = pipeddp.spawn(eval_job, nprocs, args=(n, mode, stages), timeout=150)
+    for r in results:
+        assert r["samples"] == n
+        assert r["one"] == pytest.approx(1.0)
+        assert r["id"] == pytest.approx(sum(range(n)) / n)
+        assert r["id_sq"] == pytest.approx(sum(i * i for i in range(n)) / n)
