@@ -1,7 +1,7 @@
 """How much a 2-stage CPU pipeline speeds up one training step, and against what.
 
     python benchmarks/pipeline_cpu.py                      # mlp + resnet50, m = 1 2 4 8 16 (~9 min)
-    python benchmarks/pipeline_cpu.py --quick              # smoke run, 2 rounds
+    python benchmarks/pipeline_cpu.py --quick              # smoke run: 1 round, m = 1 4 (~2 min)
     python benchmarks/pipeline_cpu.py --models mlp --ms 4 8 --rounds 20 --schedules 1f1b gpipe
 
 Two stages on two cores, one intra-op thread each. For every number of
@@ -93,6 +93,7 @@ def bubble_bound(m: int, p: int = STAGES) -> float:
 
 
 def grad_snapshot(model: nn.Module) -> List[Optional[torch.Tensor]]:
+    """Copies of the gradients: the next step's zero_grad would free them."""
     return [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
 
 
@@ -303,7 +304,8 @@ def report(name: str, work: Workload, rows: List[Dict[str, Any]], schedules: Seq
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
-    p.add_argument("--ms", nargs="+", type=int, default=[1, 2, 4, 8, 16], help="numbers of micro-batches")
+    p.add_argument("--ms", nargs="+", type=int, default=None,
+                   help="numbers of micro-batches (default 1 2 4 8 16; 1 4 with --quick)")
     p.add_argument("--schedules", nargs="+", default=["1f1b", "gpipe"], choices=["1f1b", "gpipe"])
     p.add_argument("--rounds", type=int, default=None,
                    help="timed rounds per (model, m); default per model: "
@@ -312,14 +314,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="untimed rounds before them; default per model: "
                         + ", ".join(f"{k} {w.warmup}" for k, w in WORKLOADS.items())
                         + " (the correctness check already runs every config once)")
-    p.add_argument("--quick", action="store_true", help="smoke run: 2 rounds, no warm-up round")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: 1 round, no warm-up round, m = 1 4 unless --ms/--rounds say otherwise")
     p.add_argument("--no-trace", action="store_true", help="skip the traced step per pipeline")
-    p.add_argument("--no-probe", action="store_true", help="skip the host parallelism probe (2 x ~50 ms per round)")
+    p.add_argument("--no-probe", action="store_true", help="skip the host parallelism probe (~50 ms per round)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/pipeline_cpu.json")
     args = p.parse_args(argv)
+    if args.ms is None:
+        args.ms = [1, 4] if args.quick else [1, 2, 4, 8, 16]
     if any(m < 1 for m in args.ms):
         p.error("--ms values must be >= 1")
+    if args.rounds is not None and args.rounds < 1:
+        p.error("--rounds must be >= 1")
+    if args.warmup is not None and args.warmup < 0:
+        p.error("--warmup must be >= 0")
     schedules = list(dict.fromkeys(args.schedules))
 
     torch.set_num_threads(1)  # the plain model's thread; each pipeline stage gets threads=1 as well
@@ -328,7 +337,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     results: Dict[str, Any] = {}
     for name in args.models:
         work = WORKLOADS[name]
-        rounds = args.rounds or (2 if args.quick else work.rounds)
+        rounds = args.rounds if args.rounds is not None else (1 if args.quick else work.rounds)
         warmup = args.warmup if args.warmup is not None else (0 if args.quick else work.warmup)
         torch.manual_seed(args.seed)
         model = work.build()

@@ -19,7 +19,7 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
     from .demo import run_demo
 
     run_demo(steps=args.steps, batch=args.batch, chunks=args.chunks, layers=args.layers, width=args.width,
-             schedule=args.schedule, console=console)
+             schedule=args.schedule, replicas=args.replicas, stages=args.stages, mode=args.mode, console=console)
     return 0
 
 
@@ -42,13 +42,16 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pipeddp", description="pipeline + data parallel training for nn.Sequential")
     sub = p.add_subparsers(dest="command", required=True)
 
-    d = sub.add_parser("demo", help="train a small MLP plainly and as a 2-stage pipeline on CPU, and compare")
+    d = sub.add_parser("demo", help="train a small MLP plainly, as a pipeline and as a hybrid job on CPU; compare")
     d.add_argument("--steps", type=int, default=30)
     d.add_argument("--batch", type=int, default=256)
     d.add_argument("--chunks", type=int, default=8)
     d.add_argument("--layers", type=int, default=8)
     d.add_argument("--width", type=int, default=512)
     d.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    d.add_argument("--replicas", type=int, default=2, help="pipeline replicas (spawned processes, gloo)")
+    d.add_argument("--stages", type=int, default=2, help="stages per replica")
+    d.add_argument("--mode", default="replica", choices=["replica", "stage"])
     d.set_defaults(fn=_demo)
 
     q = sub.add_parser("partition", help="print the balanced partition of a model")

@@ -361,7 +361,7 @@ class HybridParallel(nn.Module):
         sync = topo.replicas > 1
         if topo.mode == "replica":
             loss = self._pipe.train_step(x, y, loss_fn, sync=sync).item()
-            return torch.tensor(self._mean_over_replicas(loss))
+            return torch.tensor(self._mean_over_replicas(loss), dtype=torch.float64)
         sizes = split_sizes(n, self.chunks, self.split_size)
         st = self._stages[0]
         xs = split(tree_map(lambda t: t.to(st.device), x), sizes) if self.is_first else None
@@ -374,10 +374,10 @@ class HybridParallel(nn.Module):
         results = self._run_stage(rows, spec, xs)
         local = float(sum(v.item() for v in results.losses.values())) if self.is_last else 0.0
         if not self._distributed:
-            return torch.tensor(local)
+            return torch.tensor(local, dtype=torch.float64)
         t = torch.tensor([local], dtype=torch.float64, device=self._comm_device)
         dist.all_reduce(t)
-        return torch.tensor(t.item() / topo.replicas)
+        return torch.tensor(t.item() / topo.replicas, dtype=torch.float64)
 
     def forward(self, x: Any) -> Any:  # type: ignore[override]
         """Forward only (no gradients): the output on the last stage, None on other stage-mode ranks."""

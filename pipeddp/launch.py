@@ -40,9 +40,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _entry(index: int, fn: Callable[..., Any], args: Sequence[Any], env: Dict[str, str], threads: Optional[int],
+def _entry(index: int, fn: Callable[..., Any], args_path: str, env: Dict[str, str], threads: Optional[int],
            out_dir: str) -> None:
     os.environ.update(env)
+    args = torch.load(args_path, weights_only=False)
     os.environ["RANK"] = str(index)
     os.environ["LOCAL_RANK"] = str(index)
     if threads is not None:
@@ -73,7 +74,8 @@ def spawn(
 
     ``threads`` sets each child's intra-op thread count (default 1: processes
     share the machine's cores). ``env`` adds environment variables. Return values
-    travel by ``torch.save``, so tensors and state dicts are fine.
+    travel by ``torch.save``, so tensors and state dicts are fine. Arguments too:
+    every process gets its own copy of ``args`` (a model passed in is never shared).
 
     ``start_method`` defaults to ``"forkserver"`` where the platform has it: a
     server process imports torch once and every later job forks from it, which
@@ -98,7 +100,11 @@ def spawn(
     child_env.update(env or {})
     out_dir = tempfile.mkdtemp(prefix="pipeddp-spawn-")
     try:
-        ctx = mp.start_processes(_entry, args=(fn, tuple(args), child_env, threads, out_dir), nprocs=nprocs,
+        # Arguments go through a file, not multiprocessing's pickler: torch.multiprocessing would hand every
+        # child the *same* shared-memory tensors, and replicas updating one shared model would corrupt it.
+        args_path = os.path.join(out_dir, "args.pt")
+        torch.save(tuple(args), args_path)
+        ctx = mp.start_processes(_entry, args=(fn, args_path, child_env, threads, out_dir), nprocs=nprocs,
                                  join=False, start_method=start_method)
         deadline = time.monotonic() + timeout
         try:

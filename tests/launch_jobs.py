@@ -1,0 +1,28 @@
+"""Functions for the spawn tests (importable by the children)."""
+
+import os
+import time
+
+import torch
+
+
+def add_rank(t: torch.Tensor) -> torch.Tensor:
+    rank = int(os.environ["RANK"])
+    time.sleep(0.2 * (1 - rank))  # rank 1 writes first; rank 0 must not see it
+    t.add_(rank + 1)
+    return t
+
+
+def env_of_child() -> dict:
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    return {k: os.environ[k] for k in keys} | {"threads": torch.get_num_threads()}
+
+
+def sleep_forever() -> None:
+    time.sleep(3600)
+
+
+def fail_on_rank_1() -> None:
+    if os.environ["RANK"] == "1":
+        raise KeyError("rank 1 broke")
+    time.sleep(3600)

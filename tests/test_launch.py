@@ -1,0 +1,36 @@
+import time
+
+import pytest
+import torch
+from torch.multiprocessing import ProcessRaisedException
+
+import pipeddp
+from launch_jobs import add_rank, env_of_child, fail_on_rank_1, sleep_forever
+
+
+@pytest.mark.timeout(120)
+def test_children_get_torchrun_environment_and_private_copies():
+    t = torch.zeros(3)
+    results = pipeddp.spawn(add_rank, 2, args=(t,), timeout=60)
+    assert torch.equal(results[0], torch.ones(3)) and torch.equal(results[1], torch.full((3,), 2.0))
+    assert torch.equal(t, torch.zeros(3))  # the parent's tensor was never shared
+    envs = pipeddp.spawn(env_of_child, 3, timeout=60, threads=1)
+    assert [e["RANK"] for e in envs] == ["0", "1", "2"]
+    assert all(e["WORLD_SIZE"] == "3" and e["LOCAL_WORLD_SIZE"] == "3" and e["threads"] == 1 for e in envs)
+    assert len({e["MASTER_PORT"] for e in envs}) == 1
+
+
+@pytest.mark.timeout(120)
+def test_timeout_kills_everything():
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"ranks still running: \[0, 1\]"):
+        pipeddp.spawn(sleep_forever, 2, timeout=3)
+    assert time.monotonic() - start < 30
+
+
+@pytest.mark.timeout(120)
+def test_child_error_reaches_the_parent():
+    start = time.monotonic()
+    with pytest.raises(ProcessRaisedException, match="rank 1 broke"):
+        pipeddp.spawn(fail_on_rank_1, 2, timeout=60)
+    assert time.monotonic() - start < 30
