@@ -1,7 +1,9 @@
 """The ``pipeddp`` command line.
 
-    pipeddp demo                       train plain vs pipeline and compare
+    pipeddp demo                       train plain vs pipeline vs hybrid and compare
     pipeddp partition --model resnet50 --stages 4
+    pipeddp timeline --stages 2 --chunks 8        a traced step as Chrome trace JSON and a PNG
+    pipeddp plan --model resnet50 --devices 8 --link nvlink --memory 80GB
 """
 
 from __future__ import annotations
@@ -38,6 +40,81 @@ def _partition(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _timeline(args: argparse.Namespace, console: Console) -> int:
+    import copy
+
+    import torch
+    from torch import nn
+
+    from .models import build
+    from .pipeline import Pipeline
+    from .timeline import draw, have_matplotlib, measured_bubble
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model, make_sample = build(args.model, small=True)
+    x = make_sample(args.batch)
+    with torch.no_grad():
+        y = copy.deepcopy(model)(x)
+    pipe = Pipeline(model, ["cpu"] * args.stages, chunks=args.chunks, sample=x, schedule=args.schedule,
+                    checkpoint=args.checkpoint, threads=1, trace=True)
+    with pipe:
+        for step in range(args.steps):
+            assert pipe.trace is not None
+            pipe.trace.clear()
+            pipe.train_step(x, torch.randn_like(y), nn.functional.mse_loss)
+        spans = pipe.trace.spans
+        pipe.trace.save(args.out + ".json")
+    p, m = args.stages, min(args.chunks, args.batch)
+    bound = (p - 1) / (m + p - 1)
+    bubble, span = measured_bubble(spans)
+    console.print(f"{args.model}: {p} stages {pipe.balance}, {m} micro-batches, {args.schedule}: step {span * 1e3:.1f} ms, "
+                  f"measured bubble {bubble:.1%} (bound {bound:.1%})")
+    console.print(f"wrote {args.out}.json (open in ui.perfetto.dev or chrome://tracing)")
+    if have_matplotlib():
+        draw(spans, args.out + ".png", title=f"{args.model}, {p} stages, {m} micro-batches, {args.schedule}",
+             bound=bound)
+        console.print(f"wrote {args.out}.png")
+    else:
+        console.print("for the PNG picture install matplotlib: pip install 'pipeddp[plot]'")
+    return 0
+
+
+def _plan(args: argparse.Namespace, console: Console) -> int:
+    import torch
+    from rich.table import Table
+
+    from .models import build
+    from .plan import fit_layers, parse_bytes, plan
+
+    torch.set_num_threads(args.threads)
+    model, make_sample = build(args.model)
+    sizes = (max(1, args.profile_batch // 4), args.profile_batch)
+    with console.status(f"profiling {args.model} at micro-batches {sizes[0]} and {sizes[1]} ..."):
+        layers = fit_layers(model, make_sample, sizes=sizes)
+    budget = parse_bytes(args.memory)
+    found = plan(layers, args.devices, args.batch, link=args.link, allreduce_link=args.allreduce_link,
+                 memory=budget, optimizer_slots=args.optimizer_slots)
+    if not found:
+        console.print(f"[red]no configuration of {args.devices} devices fits {args.memory} per device[/red]; "
+                      "raise --memory, add devices, or use a smaller batch")
+        return 1
+    table = Table(title=f"{args.model} on {args.devices} devices, global batch {args.batch}, link {args.link}"
+                        + (f", replicas over {args.allreduce_link}" if args.allreduce_link else "")
+                        + (f", {args.memory} per device" if args.memory else ""))
+    for col in ("#", "stages x replicas", "micro-batches (size)", "schedule", "step ms", "bubble", "memory/device"):
+        table.add_column(col, justify="right")
+    for i, c in enumerate(found[:args.top]):
+        table.add_row(str(i + 1), f"{c.stages} x {c.replicas}", f"{c.chunks} ({c.micro_batch})", c.schedule,
+                      f"{c.step_time * 1e3:.1f}", f"{c.prediction.bubble:.0%}", f"{max(c.memory) / 2**30:.2f} GiB")
+    console.print(table)
+    for i, c in enumerate(found[:args.top]):
+        console.print(f"{i + 1}: cut {c.balance}; {c.why}")
+    console.print(f"{len(found)} configurations fit; layer costs were measured on this machine "
+                  f"({'cuda' if torch.cuda.is_available() else 'cpu'}), link and all-reduce costs are modelled.")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pipeddp", description="pipeline + data parallel training for nn.Sequential")
     sub = p.add_subparsers(dest="command", required=True)
@@ -62,6 +139,30 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--chunks", type=int, default=1)
     q.add_argument("--threads", type=int, default=1, help="intra-op threads while profiling")
     q.set_defaults(fn=_partition)
+
+    t = sub.add_parser("timeline", help="trace one training step of a CPU pipeline; write Chrome JSON and a PNG")
+    t.add_argument("--model", default="mlp", choices=["mlp", "resnet18", "resnet50"])
+    t.add_argument("--stages", type=int, default=2)
+    t.add_argument("--chunks", type=int, default=8)
+    t.add_argument("--batch", type=int, default=128)
+    t.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    t.add_argument("--checkpoint", default="never", choices=["never", "except_last", "always"])
+    t.add_argument("--steps", type=int, default=3, help="steps to run; the last one is drawn")
+    t.add_argument("--out", default="timeline", help="output path without extension")
+    t.set_defaults(fn=_timeline)
+
+    n = sub.add_parser("plan", help="rank stages x replicas x micro-batches x schedule by simulation")
+    n.add_argument("--model", default="resnet50", choices=["mlp", "resnet18", "resnet50"])
+    n.add_argument("--devices", type=int, default=8)
+    n.add_argument("--batch", type=int, default=256, help="global batch")
+    n.add_argument("--link", default="pcie", help="between stages: nvlink, pcie, infiniband, ethernet, local")
+    n.add_argument("--allreduce-link", default=None, help="between replicas (default: --link)")
+    n.add_argument("--memory", default=None, help="memory per device, e.g. 80GB")
+    n.add_argument("--optimizer-slots", type=int, default=2, help="optimizer state per parameter (Adam: 2)")
+    n.add_argument("--profile-batch", type=int, default=16, help="largest micro-batch profiled")
+    n.add_argument("--threads", type=int, default=1)
+    n.add_argument("--top", type=int, default=8)
+    n.set_defaults(fn=_plan)
     return p
 
 

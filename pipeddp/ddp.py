@@ -26,6 +26,7 @@ Recompute is safe: it is a plain forward of the bare module, so DDP hooks
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
@@ -33,6 +34,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .stage import Stage
+from .trace import Span, Trace
 
 __all__ = ["attach_ddp", "check_ddp_kwargs", "COMM_HOOKS"]
 
@@ -90,23 +92,44 @@ def check_ddp_kwargs(ddp_kwargs: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     return kwargs
 
 
+def _traced(fn: Callable[..., Any], trace: Trace, stage: int) -> Callable[..., Any]:
+    """Wrap a comm hook so each bucket's all-reduce becomes a span (issue -> result ready)."""
+
+    def hook(state, bucket):  # no annotations: DDP inspects them
+        start = time.perf_counter()
+        fut = fn(state, bucket)
+
+        def done(f: Any) -> Any:
+            trace.add(Span(stage, "allreduce", bucket.index(), start, time.perf_counter(), "comm", trace.rank))
+            return f.value()
+
+        return fut.then(done)
+
+    return hook
+
+
 def attach_ddp(stage: Stage, group: Any, *, ddp_kwargs: Optional[Dict[str, Any]] = None,
-               comm_hook: Optional[CommHook] = None) -> Optional[DistributedDataParallel]:
+               comm_hook: Optional[CommHook] = None, trace: Optional[Trace] = None) -> Optional[DistributedDataParallel]:
     """Wrap ``stage`` in DDP over ``group`` and make its last backward of a step reduce.
 
     Returns the DDP module (None for a stage without trainable parameters,
     which has nothing to average). ``comm_hook`` is one of ``COMM_HOOKS`` or a
     DDP communication hook ``fn(state, bucket) -> Future``, which gets the
-    stage's process group as its state.
+    stage's process group as its state. With ``trace``, every bucket's
+    all-reduce is recorded as an ``"allreduce"`` span of the stage.
     """
     kwargs = check_ddp_kwargs(ddp_kwargs)
     if not any(p.requires_grad for p in stage.module.parameters()):
         return None
     device_ids = [stage.device.index] if stage.device.type == "cuda" else None
     ddp = DistributedDataParallel(_Armable(stage.module), device_ids=device_ids, process_group=group, **kwargs)
-    if comm_hook is not None:
+    if comm_hook is not None or trace is not None:
+        if comm_hook is None:
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            comm_hook = default_hooks.allreduce_hook
         state, fn = _hook(comm_hook, group) if isinstance(comm_hook, str) else (group, comm_hook)
-        ddp.register_comm_hook(state, fn)
+        ddp.register_comm_hook(state, _traced(fn, trace, stage.index) if trace is not None else fn)
 
     def sync_roots(roots: List[torch.Tensor]) -> List[torch.Tensor]:
         with torch.enable_grad():  # DDP arms its reducer only when grad mode is on

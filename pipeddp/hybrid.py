@@ -159,7 +159,7 @@ class HybridParallel(nn.Module):
                 group = self._groups["stage"][st.index]
                 if sync_batchnorm:
                     st.module = nn.SyncBatchNorm.convert_sync_batchnorm(st.module, process_group=group)
-                self._ddps.append(attach_ddp(st, group, ddp_kwargs=ddp_kwargs, comm_hook=comm_hook))
+                self._ddps.append(attach_ddp(st, group, ddp_kwargs=ddp_kwargs, comm_hook=comm_hook, trace=self.trace))
         elif sync_batchnorm:
             raise ValueError("sync_batchnorm=True needs more than one replica")
 

@@ -32,16 +32,22 @@ __all__ = ["LayerCost", "profile_layers", "sample_microbatch"]
 class LayerCost:
     """Measured cost of one layer.
 
-    ``time`` is forward+backward seconds at micro-batch size (0 when not timed),
-    ``params`` the number of parameters, ``param_bytes`` their size, and
+    ``forward`` and ``backward`` are seconds at micro-batch size (0 when not
+    timed), ``params`` the number of parameters, ``param_bytes`` their size, and
     ``activation_bytes`` the size of the layer's output for one micro-batch.
     """
 
     name: str
-    time: float
+    forward: float
+    backward: float
     params: int
     param_bytes: int
     activation_bytes: int
+
+    @property
+    def time(self) -> float:
+        """Forward + backward seconds."""
+        return self.forward + self.backward
 
 
 def sample_microbatch(sample: Any, chunks: int) -> Any:
@@ -79,7 +85,7 @@ def profile_layers(
     params = [sum(p.numel() for p in m.parameters()) for _, m in named]
     pbytes = [sum(p.numel() * p.element_size() for p in m.parameters()) for _, m in named]
     if sample is None:
-        return [LayerCost(n, 0.0, params[i], pbytes[i], 0) for i, (n, _) in enumerate(named)]
+        return [LayerCost(n, 0.0, 0.0, params[i], pbytes[i], 0) for i, (n, _) in enumerate(named)]
 
     if device is None:
         first = next(layers.parameters(), None)
@@ -89,7 +95,8 @@ def profile_layers(
     for i, (name, layer) in enumerate(named):
         work = copy.deepcopy(layer).to(device)
         work.train(layer.training)
-        times: List[float] = []
+        fwd: List[float] = []
+        bwd: List[float] = []
         out: Any = None
         for _ in range(repeat + 1 if timed else 1):
             inp = tree_map(lambda t: t.detach().requires_grad_(t.is_floating_point()), x)
@@ -97,13 +104,17 @@ def profile_layers(
             _sync(device)
             start = time.perf_counter()
             out = work(inp)
+            _sync(device)
+            mid = time.perf_counter()
             grads = [t for t in tree_tensors(out) if t.requires_grad]
             if grads:
                 torch.autograd.backward(grads, [torch.ones_like(t) for t in grads])
             _sync(device)
-            times.append(time.perf_counter() - start)
-        t = statistics.median(times[1:]) if timed and len(times) > 1 else 0.0
-        costs.append(LayerCost(name, t, params[i], pbytes[i], _bytes(out)))
+            fwd.append(mid - start)
+            bwd.append(time.perf_counter() - mid)
+        f = statistics.median(fwd[1:]) if timed and len(fwd) > 1 else 0.0
+        b = statistics.median(bwd[1:]) if timed and len(bwd) > 1 else 0.0
+        costs.append(LayerCost(name, f, b, params[i], pbytes[i], _bytes(out)))
         x = tree_map(lambda v: v.detach(), out)
         del work
     return costs

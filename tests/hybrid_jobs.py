@@ -138,3 +138,12 @@ def eval_job(n_samples: int, mode: str, stages: int) -> Dict[str, float]:
 
 def torchrun_rank() -> int:
     return int(os.environ.get("RANK", "0"))
+
+
+def traced_job(mode: str, stages: int) -> List[Dict[str, Any]]:
+    init()
+    engine = pipeddp.HybridParallel(make_mlp(), stages=stages, mode=mode, chunks=4, trace=True)
+    train(engine, global_batches(2, 2), local=10)
+    spans = engine.trace.to_json()
+    engine.close()
+    return spans

@@ -153,3 +153,22 @@ def test_distributed_evaluation_counts_every_sample_once(mode, nprocs, stages):
         assert r["one"] == pytest.approx(1.0)
         assert r["id"] == pytest.approx(sum(range(n)) / n)
         assert r["id_sq"] == pytest.approx(sum(i * i for i in range(n)) / n)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode,nprocs", [("replica", 2), ("stage", 4)])
+def test_trace_records_the_gradient_all_reduce(mode, nprocs):
+    from hybrid_jobs import traced_job
+
+    per_rank = pipeddp.spawn(traced_job, nprocs, args=(mode, 2), timeout=100)
+    for spans in per_rank:
+        stages = {s["stage"] for s in spans if s["kind"] in ("F", "B")}
+        for st in stages:
+            reduces = [s for s in spans if s["kind"] == "allreduce" and s["stage"] == st]
+            backs = sorted((s for s in spans if s["kind"] == "B" and s["stage"] == st), key=lambda s: s["start"])
+            assert len(reduces) == 2  # one bucket, two steps
+            assert len(backs) == 8
+            # each all-reduce is issued during the step's last backward of that stage
+            for step, red in enumerate(sorted(reduces, key=lambda s: s["start"])):
+                last_b = backs[4 * step + 3]
+                assert last_b["start"] <= red["start"] <= last_b["end"]

@@ -1,0 +1,191 @@
+"""Rank stages x replicas x micro-batches x schedule for a number of devices, by simulation.
+
+The model is profiled once, layer by layer, at two micro-batch sizes; each
+layer's forward and backward time is then taken as linear in the micro-batch
+size (a fixed overhead plus a per-sample cost), which is what makes small
+micro-batches expensive. For every configuration the planner cuts the model
+with the exact partitioner at that configuration's micro-batch size,
+simulates one step (``simulate``), estimates memory per device, drops what
+does not fit, and sorts by predicted step time::
+
+    devices = stages x replicas        global batch = replicas x local batch
+    local batch = chunks x micro-batch
+
+Memory per device is an estimate: parameters x (weights + gradients +
+optimizer slots) + the activations the schedule keeps alive (peak in-flight
+micro-batches x the outputs of the stage's layers for one micro-batch).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from .partition import solve
+from .profile import profile_layers
+from .simulate import Link, Prediction, StageCost, _link, simulate
+
+__all__ = ["LayerModel", "fit_layers", "Candidate", "plan", "parse_bytes"]
+
+
+@dataclass(frozen=True)
+class LayerModel:
+    """One layer's cost as a function of the micro-batch size ``b``: ``a + c * b`` seconds."""
+
+    name: str
+    fwd_fixed: float
+    fwd_per_sample: float
+    bwd_fixed: float
+    bwd_per_sample: float
+    activation_bytes_per_sample: float
+    param_bytes: int
+
+    def forward(self, b: int) -> float:
+        return max(self.fwd_fixed + self.fwd_per_sample * b, 0.0)
+
+    def backward(self, b: int) -> float:
+        return max(self.bwd_fixed + self.bwd_per_sample * b, 0.0)
+
+
+def _line(t1: float, t2: float, b1: int, b2: int) -> tuple:
+    slope = max((t2 - t1) / (b2 - b1), 0.0)
+    return max(t1 - slope * b1, 0.0), slope
+
+
+def fit_layers(model: nn.Sequential, make_sample: Callable[[int], Any], sizes: Sequence[int] = (4, 16),
+               device: Optional[torch.device] = None, repeat: int = 3) -> List[LayerModel]:
+    """Profile ``model`` at two micro-batch sizes and fit ``a + c b`` per layer (forward, backward)."""
+    b1, b2 = sizes
+    if not 0 < b1 < b2:
+        raise ValueError(f"sizes must be two increasing micro-batch sizes, got {sizes}")
+    small = profile_layers(model, make_sample(b1), device=device, repeat=repeat)
+    large = profile_layers(model, make_sample(b2), device=device, repeat=repeat)
+    out = []
+    for s, l in zip(small, large):
+        fa, fc = _line(s.forward, l.forward, b1, b2)
+        ba, bc = _line(s.backward, l.backward, b1, b2)
+        out.append(LayerModel(s.name, fa, fc, ba, bc, l.activation_bytes / b2, s.param_bytes))
+    return out
+
+
+@dataclass
+class Candidate:
+    """One configuration and what the simulator says about it."""
+
+    stages: int
+    replicas: int
+    chunks: int
+    micro_batch: int
+    schedule: str
+    balance: List[int]
+    prediction: Prediction
+    memory: List[float]
+    why: str
+
+    @property
+    def step_time(self) -> float:
+        return self.prediction.step_time
+
+
+def parse_bytes(text: Union[str, float, int, None]) -> Optional[float]:
+    """``"80GB"``, ``"512MiB"``, ``1e9`` -> bytes (None stays None)."""
+    if text is None or isinstance(text, (int, float)):
+        return None if text is None else float(text)
+    units = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    raw = text.strip().lower().replace(" ", "")
+    number = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = raw[len(number):]
+    if unit not in units or not number:
+        raise ValueError(f"cannot read {text!r} as a size; write e.g. 80GB or 512MiB")
+    return float(number) * units[unit]
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def plan(
+    layers: Sequence[LayerModel],
+    devices: int,
+    batch: int,
+    *,
+    link: Union[str, Link] = "pcie",
+    allreduce_link: Union[None, str, Link] = None,
+    memory: Optional[float] = None,
+    optimizer_slots: int = 2,
+    chunks: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
+    schedules: Sequence[str] = ("1f1b", "gpipe"),
+    top: Optional[int] = None,
+) -> List[Candidate]:
+    """Every configuration of ``devices`` that fits ``memory`` bytes per device, fastest first.
+
+    ``batch`` is the global batch. ``link`` joins neighbouring stages and,
+    unless ``allreduce_link`` says otherwise, replicas. ``optimizer_slots`` is
+    the optimizer state per parameter in parameter sizes (2 for Adam, 1 for
+    SGD with momentum, 0 for plain SGD).
+    """
+    if devices < 1 or batch < 1:
+        raise ValueError("devices and batch must be >= 1")
+    stage_link = _link(link)
+    ar_link = _link(allreduce_link) if allreduce_link is not None else stage_link
+    found: List[Candidate] = []
+    for stages in _divisors(devices):
+        if stages > len(layers):
+            continue
+        replicas = devices // stages
+        if batch % replicas:
+            continue
+        local = batch // replicas
+        for m in sorted({c for c in chunks if c <= local}):
+            b = math.ceil(local / m)
+            cost = [layer.forward(b) + layer.backward(b) for layer in layers]
+            comm = [stage_link.time(layer.activation_bytes_per_sample * b) for layer in layers] if stages > 1 \
+                else None
+            balance = solve(cost, stages, comm)
+            stage_costs, saved = _stages(layers, balance, b)
+            for schedule in (schedules[:1] if m == 1 else schedules):  # one micro-batch: all schedules agree
+                pred = simulate(stage_costs, schedule, chunks=m, replicas=replicas, links=stage_link,
+                                allreduce_link=ar_link)
+                mem = [c.param_bytes * (2 + optimizer_slots) + peak * act
+                       for c, peak, act in zip(stage_costs, pred.peak_activations, saved)]
+                if memory is not None and max(mem) > memory:
+                    continue
+                found.append(Candidate(stages, replicas, m, b, schedule, balance, pred, mem,
+                                       _why(stage_costs, pred, balance)))
+    found.sort(key=lambda c: (c.step_time, max(c.memory)))
+    return found[:top] if top else found
+
+
+def _stages(layers: Sequence[LayerModel], balance: Sequence[int], b: int) -> tuple:
+    costs, saved, start = [], [], 0
+    for count in balance:
+        chunk = layers[start:start + count]
+        costs.append(StageCost(
+            forward=sum(l.forward(b) for l in chunk),
+            backward=sum(l.backward(b) for l in chunk),
+            activation_bytes=int(chunk[-1].activation_bytes_per_sample * b),
+            param_bytes=sum(l.param_bytes for l in chunk),
+        ))
+        saved.append(sum(l.activation_bytes_per_sample * b for l in chunk))
+        start += count
+    return costs, saved
+
+
+def _why(costs: Sequence[StageCost], pred: Prediction, balance: Sequence[int]) -> str:
+    slowest = max(range(len(costs)), key=lambda s: costs[s].forward + costs[s].backward)
+    parts = []
+    if len(costs) > 1:
+        c = costs[slowest]
+        parts.append(f"bottleneck stage {slowest} ({balance[slowest]} layers, "
+                     f"{(c.forward + c.backward) * 1e3:.1f} ms/micro-batch)")
+        parts.append(f"bubble {pred.bubble:.0%}")
+    if max(pred.allreduce_time) > 0:
+        hidden = max(pred.allreduce_time) - pred.exposed_allreduce
+        parts.append(f"all-reduce {max(pred.allreduce_time) * 1e3:.1f} ms, {max(hidden, 0.0) * 1e3:.1f} ms of it hidden")
+    return "; ".join(parts) if parts else "no pipeline, no replicas: the plain model"
+

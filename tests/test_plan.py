@@ -1,0 +1,53 @@
+import pytest
+import torch
+
+from pipeddp.models import mlp
+from pipeddp.plan import LayerModel, fit_layers, parse_bytes, plan
+
+
+def synthetic_layers(n=8):
+    # layer i: 1 ms fixed + 0.1 ms per sample forward, twice that backward, 4 MB of parameters
+    return [LayerModel(f"l{i}", 1e-3, 1e-4, 2e-3, 2e-4, 4096, 4_000_000) for i in range(n)]
+
+
+def test_memory_budget_is_never_exceeded():
+    layers = synthetic_layers()
+    everything = plan(layers, devices=8, batch=256, link="nvlink", memory=None)
+    assert everything
+    budget = sorted(max(c.memory) for c in everything)[len(everything) // 2]
+    fitting = plan(layers, devices=8, batch=256, link="nvlink", memory=budget)
+    assert fitting and len(fitting) < len(everything)
+    assert all(max(c.memory) <= budget for c in fitting)
+    assert plan(layers, devices=8, batch=256, memory=1.0) == []
+
+
+def test_ranking_and_shapes():
+    layers = synthetic_layers()
+    cands = plan(layers, devices=8, batch=256, link="pcie", top=5)
+    assert len(cands) == 5
+    assert [c.step_time for c in cands] == sorted(c.step_time for c in cands)
+    for c in cands:
+        assert c.stages * c.replicas == 8
+        assert sum(c.balance) == len(layers) and len(c.balance) == c.stages
+        assert c.why
+    # with slow replica links, fewer replicas (more stages) win over pure data parallelism
+    slow = plan(layers, devices=8, batch=256, link="nvlink", allreduce_link="ethernet", top=1)[0]
+    fast = plan(layers, devices=8, batch=256, link="nvlink", allreduce_link="nvlink", top=1)[0]
+    assert slow.stages >= fast.stages
+
+
+def test_fit_layers_on_a_real_model():
+    torch.manual_seed(0)
+    layers = fit_layers(mlp(4, 64, 64, 64), lambda b: torch.randn(b, 64), sizes=(2, 8), repeat=2)
+    assert len(layers) == 8
+    assert all(l.forward(4) >= 0 and l.backward(4) >= 0 for l in layers)
+    assert layers[0].param_bytes == (64 * 64 + 64) * 4
+    assert layers[0].activation_bytes_per_sample == 64 * 4
+
+
+def test_parse_bytes():
+    assert parse_bytes("80GB") == 80e9
+    assert parse_bytes("512MiB") == 512 * 2**20
+    assert parse_bytes(None) is None
+    with pytest.raises(ValueError):
+        parse_bytes("lots")
