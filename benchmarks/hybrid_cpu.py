@@ -334,10 +334,11 @@ def _guarded(rank: int, fn: Callable[[], Any], group: Any = None) -> Tuple[Any, 
     except Exception as exc:  # noqa: BLE001 - recorded, the benchmark goes on
         msg = f"rank {rank}: {type(exc).__name__}: {str(exc).strip()[-1500:]}"
         if group is not None:
-            try:
-                dist.destroy_process_group(group)
-            except Exception:  # noqa: BLE001
-                pass
+            for teardown in (lambda: group.abort(), lambda: dist.destroy_process_group(group)):
+                try:
+                    teardown()
+                except Exception:  # noqa: BLE001
+                    pass
         return None, msg
 
 

@@ -82,7 +82,7 @@ WORKLOADS: Dict[str, Workload] = {
         lambda: resnet("resnet50"),
         lambda: (torch.randn(64, 3, 64, 64), torch.randint(0, 1000, (64,))),
         nn.functional.cross_entropy,
-        rounds=5, warmup=0,
+        rounds=4, warmup=0,
     ),
 }
 

@@ -7,15 +7,18 @@ The public face is small:
 - ``partition``: the balanced cut, with a report of what it measured.
 - ``spawn``: start a local multi-process job the way torchrun would.
 - ``data.loader``: a DataLoader sharded by replica (not by rank).
+- ``resume``: pick up the newest complete checkpoint of a directory.
+- ``simulate``: predict a step from measured costs (``pipeddp plan`` ranks configurations with it).
 """
 
 from . import data
-from .hybrid import HybridParallel
+from .hybrid import HybridParallel, resume
 from .launch import spawn
 from .partition import Partition, partition
 from .pipeline import Pipeline
 from .schedule import format_schedule, gpipe, one_f_one_b
+from .simulate import simulate
 
-__all__ = ["Pipeline", "HybridParallel", "Partition", "partition", "spawn", "data", "gpipe", "one_f_one_b",
-           "format_schedule"]
+__all__ = ["Pipeline", "HybridParallel", "Partition", "partition", "spawn", "resume", "data", "simulate",
+           "gpipe", "one_f_one_b", "format_schedule"]
 __version__ = "0.1.0"

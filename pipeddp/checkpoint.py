@@ -15,21 +15,39 @@ parameters it holds.
 Writes are atomic: the file is written under a temporary name in the same
 directory, flushed to disk (``fsync``), and renamed over the target, so a
 crash leaves either the old checkpoint or the new one, never half a file.
+
+A checkpoint *directory* holds ``step-000000123.pt`` files, newest kept last
+K. Temporary files start with ``.tmp-`` and never match that pattern, so a
+writer killed mid-save leaves debris that is never taken for a checkpoint
+(and is swept up by the next save). ``newest`` returns the newest file that
+loads completely, skipping any that do not.
 """
 
 from __future__ import annotations
 
+import glob
 import os
+import random
+import re
 import tempfile
-from typing import Any, Dict, Iterable, Optional
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import numpy as np
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-__all__ = ["atomic_save", "named_optimizer_state", "load_named_optimizer_state", "merge_optimizer_states", "FORMAT"]
+__all__ = ["atomic_save", "named_optimizer_state", "load_named_optimizer_state", "merge_optimizer_states", "FORMAT",
+           "step_path", "list_checkpoints", "newest", "prune", "rng_state", "set_rng_state"]
 
 FORMAT = "pipeddp/1"
+_STEP = re.compile(r"^step-(\d+)\.pt$")
+
+
+def _open_for_write(fd: int) -> Any:
+    """The file object a save writes through (one place, so tests can inject faults)."""
+    return os.fdopen(fd, "wb")
 
 
 def atomic_save(obj: Any, path: str) -> None:
@@ -38,7 +56,7 @@ def atomic_save(obj: Any, path: str) -> None:
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=directory)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with _open_for_write(fd) as f:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
@@ -95,3 +113,57 @@ def load_named_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimiz
         groups.append(dict(g, params=[p for p in g["params"] if p in names]))
     own = {"state": {k: v for k, v in state["state"].items() if k in names}, "param_groups": groups}
     set_optimizer_state_dict(module, optimizer, own)
+
+
+def step_path(directory: str, step: int) -> str:
+    return os.path.join(directory, f"step-{step:09d}.pt")
+
+
+def list_checkpoints(directory: str) -> List[Tuple[int, str]]:
+    """``(step, path)`` of every checkpoint file in ``directory``, newest first."""
+    found = []
+    for path in glob.glob(os.path.join(glob.escape(directory), "step-*.pt")):
+        m = _STEP.match(os.path.basename(path))
+        if m:
+            found.append((int(m.group(1)), path))
+    return sorted(found, reverse=True)
+
+
+def newest(directory: str) -> Optional[Tuple[str, Dict[str, Any]]]:
+    """The newest checkpoint of ``directory`` that loads completely, with its contents (or None)."""
+    for _, path in list_checkpoints(directory):
+        try:
+            payload = torch.load(path, map_location="cpu", weights_only=False)
+        except Exception:  # noqa: BLE001 - a damaged file is skipped, an older one is used
+            continue
+        if isinstance(payload, dict) and payload.get("format") == FORMAT and "model" in payload:
+            return path, payload
+    return None
+
+
+def prune(directory: str, keep: int) -> None:
+    """Delete all but the newest ``keep`` checkpoints, and temporary files left by killed writers."""
+    for _, path in list_checkpoints(directory)[keep:]:
+        os.unlink(path)
+    for path in glob.glob(os.path.join(glob.escape(directory), ".tmp-*")):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def rng_state() -> Dict[str, Any]:
+    """Every random generator this process uses: torch (CPU and CUDA), Python, NumPy."""
+    state: Dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
+                             "numpy": np.random.get_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

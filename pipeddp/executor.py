@@ -49,6 +49,7 @@ def run_actions(
     inputs: Optional[Sequence[Any]] = None,
     output_grads: Optional[Sequence[Optional[Grads]]] = None,
     trace: Optional[Trace] = None,
+    rank: int = 0,
 ) -> StageResults:
     """Execute ``actions`` on ``stage``.
 
@@ -56,11 +57,37 @@ def run_actions(
     ends). The first stage reads micro-batch inputs from ``inputs``; the last
     stage takes output gradients from ``output_grads`` (None entries or no list
     at all in a loss step, where backward starts from the loss).
+
+    An exception keeps its type and traceback and gains a note naming the
+    rank, stage and action it interrupted (shown under its traceback).
     """
+    where: List[Action] = []
+    try:
+        return _run(stage, actions, spec, prev, next, inputs, output_grads, trace, where.append)
+    except BaseException as exc:
+        if where and hasattr(exc, "add_note"):
+            current = where[-1]
+            exc.add_note(f"pipeddp: rank {rank}, stage {stage.index}, while running {current} "
+                         f"({'forward' if current.kind == 'F' else 'backward'} of micro-batch {current.mb})")
+        raise
+
+
+def _run(
+    stage: Stage,
+    actions: Sequence[Action],
+    spec: StepSpec,
+    prev: Optional[Any],
+    next: Optional[Any],
+    inputs: Optional[Sequence[Any]],
+    output_grads: Optional[Sequence[Optional[Grads]]],
+    trace: Optional[Trace],
+    enter: Callable[[Action], None],
+) -> StageResults:
     results = StageResults()
     last_backward = max((k for k, a in enumerate(actions) if a.kind == "B"), default=-1)
     stream = stage.streams.compute if (trace is not None and stage.streams.cuda) else None
     for k, a in enumerate(actions):
+        enter(a)
         if a.kind == "F":
             if prev is None:
                 assert inputs is not None

@@ -21,6 +21,9 @@ device training on the concatenated global batch of R*n (mean loss).
 
 from __future__ import annotations
 
+import math
+import os
+import warnings
 import zlib
 from collections import OrderedDict
 from datetime import timedelta
@@ -31,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .checkpoint import (FORMAT, atomic_save, load_named_optimizer_state, merge_optimizer_states,
-                         named_optimizer_state)
+                         named_optimizer_state, newest, prune, rng_state, set_rng_state, step_path)
 from .ddp import COMM_HOOKS, CommHook, attach_ddp, check_ddp_kwargs
 from .devices import DeviceLike, resolve_devices
 from .executor import run_actions
@@ -45,7 +48,7 @@ from .stage import Stage, StepSpec
 from .topology import Topology, env_world
 from .trace import Trace
 
-__all__ = ["HybridParallel"]
+__all__ = ["HybridParallel", "resume"]
 
 
 class HybridParallel(nn.Module):
@@ -72,6 +75,8 @@ class HybridParallel(nn.Module):
         timeout: for the process groups and every wait of the engine.
         trace: record a timeline (``engine.trace``).
         threads: intra-op threads per CPU stage thread (replica mode).
+        skip_nonfinite: skip (on every rank together) a step whose loss or
+            gradients are not finite anywhere; see ``train_step``.
     """
 
     def __init__(
@@ -95,6 +100,7 @@ class HybridParallel(nn.Module):
         timeout: timedelta = timedelta(minutes=30),
         trace: bool = False,
         threads: Optional[int] = None,
+        skip_nonfinite: bool = False,
     ) -> None:
         super().__init__()
         model = check_model(model)
@@ -115,6 +121,8 @@ class HybridParallel(nn.Module):
         self.schedule = schedule
         self.checkpoint = checkpoint
         self.timeout = timeout
+        self.skip_nonfinite = skip_nonfinite
+        self.skipped_steps = 0
         devs = self._local_devices(devices)
         self.devices = devs
         self.backend = self._backend(backend, devs)
@@ -137,6 +145,7 @@ class HybridParallel(nn.Module):
                             timeout=timeout)
             pipe.partition = self.partition
             pipe.trace = self.trace
+            pipe.rank = rank
             self.__dict__["_pipe"] = pipe  # not registered: the layers are registered below, by name
             self._stages: List[Stage] = pipe.stages
             self._prev: Optional[P2PChannel] = None
@@ -324,18 +333,12 @@ class HybridParallel(nn.Module):
             return draw_base_seed()
         return None
 
-    def _mean_over_replicas(self, value: float) -> float:
-        if not self._distributed:
-            return value
-        t = torch.tensor([value], dtype=torch.float64, device=self._comm_device)
-        dist.all_reduce(t)
-        return t.item() / self.topology.replicas
-
     def _run_stage(self, rows: List[Any], spec: StepSpec, xs: Optional[List[Any]]) -> Any:
         st = self._stages[0]
         st.streams.enter()
         try:
-            return run_actions(st, rows, spec, prev=self._prev, next=self._next, inputs=xs, trace=self.trace)
+            return run_actions(st, rows, spec, prev=self._prev, next=self._next, inputs=xs, trace=self.trace,
+                               rank=self.topology.rank)
         except BaseException:
             for ch in (self._prev, self._next):
                 if ch is not None:
@@ -355,29 +358,54 @@ class HybridParallel(nn.Module):
         In stage mode the rank of stage 0 needs ``x`` and the rank of the last
         stage needs ``y``; the others may pass None. Gradients land in ``.grad``
         of ``engine.parameters()``, already averaged over replicas.
+
+        With ``skip_nonfinite=True``, a step whose loss or gradients are not
+        finite on any rank is skipped on every rank alike: gradients are dropped
+        (set to None, so ``optimizer.step()`` changes nothing), a warning names the
+        ranks, and ``engine.skipped_steps`` counts it.
         """
         n = self._local_batch(x, y, need_y=True)
         topo = self.topology
         sync = topo.replicas > 1
         if topo.mode == "replica":
-            loss = self._pipe.train_step(x, y, loss_fn, sync=sync).item()
-            return torch.tensor(self._mean_over_replicas(loss), dtype=torch.float64)
-        sizes = split_sizes(n, self.chunks, self.split_size)
-        st = self._stages[0]
-        xs = split(tree_map(lambda t: t.to(st.device), x), sizes) if self.is_first else None
-        ys = split(tree_map(lambda t: t.to(st.device), y), sizes) if self.is_last else None
-        m = len(sizes)
-        spec = StepSpec(grad=True, recompute=recompute_policy(self.checkpoint, m), seed=self._seed(),
-                        loss_fn=loss_fn if self.is_last else None, targets=ys, weights=[k / n for k in sizes],
-                        sync=sync)
-        rows = get_schedule(self.schedule, topo.stages, m)[topo.stage]
-        results = self._run_stage(rows, spec, xs)
-        local = float(sum(v.item() for v in results.losses.values())) if self.is_last else 0.0
-        if not self._distributed:
-            return torch.tensor(local, dtype=torch.float64)
-        t = torch.tensor([local], dtype=torch.float64, device=self._comm_device)
-        dist.all_reduce(t)
-        return torch.tensor(t.item() / topo.replicas, dtype=torch.float64)
+            local = self._pipe.train_step(x, y, loss_fn, sync=sync).item()
+        else:
+            sizes = split_sizes(n, self.chunks, self.split_size)
+            st = self._stages[0]
+            xs = split(tree_map(lambda t: t.to(st.device), x), sizes) if self.is_first else None
+            ys = split(tree_map(lambda t: t.to(st.device), y), sizes) if self.is_last else None
+            m = len(sizes)
+            spec = StepSpec(grad=True, recompute=recompute_policy(self.checkpoint, m), seed=self._seed(),
+                            loss_fn=loss_fn if self.is_last else None, targets=ys,
+                            weights=[k / n for k in sizes], sync=sync)
+            rows = get_schedule(self.schedule, topo.stages, m)[topo.stage]
+            results = self._run_stage(rows, spec, xs)
+            local = float(sum(v.item() for v in results.losses.values())) if self.is_last else 0.0
+        return self._finish_step(local)
+
+    def _finish_step(self, local_loss: float) -> torch.Tensor:
+        """Average the loss over replicas (one collective) and apply the non-finite guard."""
+        bad = 0.0
+        if self.skip_nonfinite:
+            grads = [p.grad for p in self.parameters() if p.grad is not None]
+            finite = math.isfinite(local_loss) and all(bool(torch.isfinite(g).all()) for g in grads)
+            bad = 0.0 if finite else 1.0
+        mine = torch.tensor([local_loss, bad], dtype=torch.float64, device=self._comm_device)
+        if self._distributed:
+            everyone = [torch.zeros_like(mine) for _ in range(self.topology.world_size)]
+            dist.all_gather(everyone, mine)
+        else:
+            everyone = [mine]
+        loss = sum(t[0].item() for t in everyone) / self.topology.replicas
+        culprits = [r for r, t in enumerate(everyone) if t[1].item() > 0]
+        if culprits:
+            for p in self.parameters():
+                p.grad = None
+            self.skipped_steps += 1
+            warnings.warn(f"pipeddp: skipped a training step: non-finite loss or gradients on rank(s) {culprits}; "
+                          f"gradients were dropped on every rank ({self.skipped_steps} skipped so far)",
+                          RuntimeWarning, stacklevel=3)
+        return torch.tensor(loss, dtype=torch.float64)
 
     def forward(self, x: Any) -> Any:  # type: ignore[override]
         """Forward only (no gradients): the output on the last stage, None on other stage-mode ranks."""
@@ -511,20 +539,71 @@ class HybridParallel(nn.Module):
         dist.all_gather_object(parts, local if self.topology.replica == 0 else None)
         return merge_optimizer_states(parts)
 
+    def _payload(self, optimizer: Optional[torch.optim.Optimizer], extra: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+        """Everything a checkpoint holds (collectives: call on every rank; complete on rank 0)."""
+        model = self.state_dict()
+        optim = self._optimizer_state(optimizer)
+        rngs: List[Any] = [rng_state()]
+        if self._distributed:
+            rngs = [None] * self.topology.world_size
+            dist.all_gather_object(rngs, rng_state())
+        return {"format": FORMAT, "model": model, "optimizer": optim, "extra": extra or {}, "rng": rngs,
+                "meta": {"stages": self.topology.stages, "replicas": self.topology.replicas,
+                         "world_size": self.topology.world_size, "balance": self.balance,
+                         "mode": self.topology.mode}}
+
     def save(self, path: str, optimizer: Optional[torch.optim.Optimizer] = None,
              extra: Optional[Dict[str, Any]] = None) -> None:
         """Write one consolidated checkpoint (rank 0 writes, atomically; every rank waits for it).
 
         Call on every rank. ``extra`` is stored as is (step counters, epochs).
         """
-        model = self.state_dict()
-        optim = self._optimizer_state(optimizer)
+        payload = self._payload(optimizer, extra)
         if self.topology.rank == 0:
-            atomic_save({"format": FORMAT, "model": model, "optimizer": optim, "extra": extra or {},
-                         "meta": {"stages": self.topology.stages, "replicas": self.topology.replicas,
-                                  "balance": self.balance, "mode": self.topology.mode}}, path)
+            atomic_save(payload, path)
         if self._distributed:
             dist.barrier()
+
+    def save_checkpoint(self, directory: str, step: int, optimizer: Optional[torch.optim.Optimizer] = None, *,
+                        keep: int = 3, extra: Optional[Dict[str, Any]] = None) -> str:
+        """Save ``directory/step-<step>.pt`` (atomic) and keep only the newest ``keep`` checkpoints.
+
+        Besides model and optimizer, the file records ``step``, every rank's random
+        generator states, and ``extra`` (e.g. the epoch and batch index: where the
+        data loader stands). ``resume`` restores all of it.
+        """
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        payload = self._payload(optimizer, dict(extra or {}, step=step))
+        path = step_path(directory, step)
+        if self.topology.rank == 0:
+            os.makedirs(directory, exist_ok=True)
+            atomic_save(payload, path)
+            prune(directory, keep)
+        if self._distributed:
+            dist.barrier()
+        return path
+
+    def resume(self, directory: str, optimizer: Optional[torch.optim.Optimizer] = None) -> Optional[Dict[str, Any]]:
+        """Load the newest complete checkpoint of ``directory``; returns its ``extra`` (with ``step``) or None.
+
+        Rank 0 picks the file (a damaged or half-written one is skipped) and every
+        rank loads the same one. Random generator states are restored when the job
+        has the same number of ranks as the one that saved.
+        """
+        chosen: List[Any] = [None]
+        if self.topology.rank == 0 or not self._distributed:
+            found = newest(directory) if os.path.isdir(directory) else None
+            chosen = [found[0] if found else None]
+        if self._distributed:
+            dist.broadcast_object_list(chosen, src=0)
+        if chosen[0] is None:
+            return None
+        payload = self._load_payload(chosen[0], optimizer)
+        rngs = payload.get("rng") or []
+        if len(rngs) == self.topology.world_size:
+            set_rng_state(rngs[self.topology.rank])
+        return payload.get("extra", {})
 
     def load(self, path: str, optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, Any]:
         """Load a checkpoint written by ``save`` (any stages/replicas layout); returns its ``extra``.
@@ -532,6 +611,9 @@ class HybridParallel(nn.Module):
         Tensors are read onto the CPU and copied into this rank's parameters and
         optimizer state on their own devices.
         """
+        return self._load_payload(path, optimizer).get("extra", {})
+
+    def _load_payload(self, path: str, optimizer: Optional[torch.optim.Optimizer]) -> Dict[str, Any]:
         ckpt = torch.load(path, map_location="cpu", weights_only=False)
         if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
             raise ValueError(f"{path} is not a pipeddp checkpoint (written by HybridParallel.save)")
@@ -540,7 +622,7 @@ class HybridParallel(nn.Module):
             if ckpt.get("optimizer") is None:
                 raise ValueError(f"{path} holds no optimizer state (it was saved without optimizer=)")
             load_named_optimizer_state(self, optimizer, ckpt["optimizer"])
-        return ckpt.get("extra", {})
+        return ckpt
 
     # -- life cycle --------------------------------------------------------------------------------
 
@@ -562,3 +644,8 @@ class HybridParallel(nn.Module):
         t = self.topology
         return (f"mode={t.mode!r}, replicas={t.replicas}, stages={t.stages}, rank={t.rank}, "
                 f"devices={[str(d) for d in self.devices]}, balance={self.balance}, backend={self.backend!r}")
+
+
+def resume(engine: HybridParallel, optimizer: Optional[torch.optim.Optimizer], directory: str) -> Optional[Dict[str, Any]]:
+    """``engine.resume(directory, optimizer)``: load the newest complete checkpoint, or return None."""
+    return engine.resume(directory, optimizer)

@@ -184,6 +184,8 @@ class Pipeline(nn.Module):
         self._workers = Workers(n_stages, threads=threads)
         self._finalizer = weakref.finalize(self, self._workers.close)
         self.trace: Optional[Trace] = Trace() if trace else None
+        #: The process's rank, named in errors (set by HybridParallel; 0 on its own).
+        self.rank = 0
         self._schedules: Dict[Tuple[int, int], Schedule] = {}
 
     # -- structure ---------------------------------------------------------------------------------
@@ -272,7 +274,7 @@ class Pipeline(nn.Module):
                 run_actions, st, rows[s], spec, prev=prev, next=nxt,
                 inputs=inputs if s == 0 else None,
                 output_grads=output_grads if s == last else None,
-                trace=self.trace,
+                trace=self.trace, rank=self.rank,
             ))
 
         def abort(exc: BaseException) -> None:

@@ -1,0 +1,163 @@
+"""Faults injected for real: dead and stalled peers, writers killed mid-save."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import pipeddp
+from pipeddp import checkpoint as ckpt
+from pipeddp.launch import free_port
+
+HERE = Path(__file__).resolve().parent
+
+
+def start_job(script, args, nprocs):
+    port = free_port()
+    procs = []
+    for rank in range(nprocs):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        procs.append(subprocess.Popen([sys.executable, str(HERE / script), *map(str, args)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("how", ["kill", "stall"])
+def test_survivors_fail_with_a_named_error_within_the_timeout(how):
+    timeout, margin, victim = 10.0, 25.0, 3
+    procs = start_job("fault_job.py", [victim, how, timeout], 4)
+    try:
+        # wait for the victim to stop itself (it prints first)
+        deadline = time.monotonic() + 120
+        while procs[victim].poll() is None and time.monotonic() < deadline:
+            if how == "stall" and _is_stopped(procs[victim].pid):
+                break
+            time.sleep(0.05)
+        stopped_at = time.monotonic()
+        outcomes = {}
+        for rank, p in enumerate(procs):
+            if rank == victim:
+                continue
+            try:
+                out, err = p.communicate(timeout=timeout + margin)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"rank {rank} still running {timeout + margin:.0f} s after rank {victim} {how}ed: a hang")
+            outcomes[rank] = (p.returncode, err, time.monotonic() - stopped_at)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+    for rank, (code, err, took) in outcomes.items():
+        assert code != 0, f"rank {rank} exited 0 after its peer {how}ed"
+        assert "finished" not in err
+        assert took < timeout + margin
+        assert f"rank {rank}" in err and "stage" in err and "micro-batch" in err, err[-3000:]
+
+
+def _is_stopped(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] == "T"
+    except OSError:
+        return False
+
+
+class _KillAfter:
+    """A file object that SIGKILLs its own process once ``limit`` bytes have been written."""
+
+    def __init__(self, f, limit):
+        self.f, self.limit, self.written = f, limit, 0
+
+    def write(self, data):
+        if self.written + len(data) > self.limit:
+            self.f.write(data[: max(self.limit - self.written, 0)])
+            self.f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        self.written += len(data)
+        return self.f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+@pytest.mark.timeout(240)
+def test_killed_writers_never_lose_or_corrupt_a_checkpoint(tmp_path):
+    """Kill the writer at random byte offsets (and right before/after the rename), many times."""
+    directory = str(tmp_path / "ckpts")
+    torch.manual_seed(0)
+    engine = pipeddp.HybridParallel(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4)), stages=2)
+    opt = torch.optim.SGD(engine.parameters(), lr=0.1, momentum=0.9)
+    rng = random.Random(0)
+    size = None
+    completed, killed, trials = 0, 0, 40
+    step = 0
+    engine.save_checkpoint(directory, step, opt, keep=2)
+    weights_at = {0: engine.state_dict()["0.weight"].clone()}
+    for trial in range(trials):
+        with torch.no_grad():
+            for p in engine.parameters():
+                p.add_(1.0)  # a visible change per step
+        step += 1
+        weights_at[step] = engine.state_dict()["0.weight"].clone()
+        size = size or os.path.getsize(ckpt.step_path(directory, 0))
+        mode = rng.choice(["bytes", "bytes", "bytes", "before-rename", "after-rename"])
+        limit = rng.randint(0, size)
+        pid = os.fork()
+        if pid == 0:  # the writer
+            try:
+                if mode == "bytes":
+                    ckpt._open_for_write = lambda fd, limit=limit: _KillAfter(os.fdopen(fd, "wb"), limit)
+                elif mode == "before-rename":
+                    os.replace = lambda *a: os.kill(os.getpid(), signal.SIGKILL)
+                else:
+                    real = os.replace
+                    os.replace = lambda *a: (real(*a), os.kill(os.getpid(), signal.SIGKILL))
+                engine.save_checkpoint(directory, step, opt, keep=2)
+            finally:
+                os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        killed += os.WIFSIGNALED(status)
+        found = ckpt.newest(directory)
+        assert found is not None, "the last complete checkpoint was lost"
+        path, payload = found
+        got_step = payload["extra"]["step"]
+        expect = step if mode == "after-rename" else step - 1
+        if mode == "bytes" and limit >= size:
+            expect = got_step  # the whole file may have been written before the limit was hit
+        assert got_step == expect, (mode, limit, got_step, step)
+        # the checkpoint holds exactly the weights of its step
+        assert torch.equal(payload["model"]["0.weight"], weights_at[got_step])
+        # no partial file is taken for a checkpoint: every step file loads completely
+        for _, p in ckpt.list_checkpoints(directory):
+            torch.load(p, weights_only=False)
+        if got_step != step:
+            with torch.no_grad():  # roll the model back to the saved step, as a restart would
+                engine.load_state_dict({k: v for k, v in payload["model"].items()})
+            step = got_step
+        completed += 1
+    engine.close()
+    assert killed == trials and completed == trials
+    # an honest save afterwards sweeps the temporary debris and keeps 2
+    engine2 = pipeddp.HybridParallel(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4)), stages=1)
+    engine2.resume(directory)
+    engine2.save_checkpoint(directory, step + 1, keep=2)
+    assert len(ckpt.list_checkpoints(directory)) == 2
+    assert not [n for n in os.listdir(directory) if n.startswith(".tmp-")]
+    engine2.close()
