@@ -324,7 +324,9 @@ def _agree(rank: int, ok: bool, err: str) -> Tuple[bool, str]:
     parts: List[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(parts, (ok, err))
     errs = [e for o, e in parts if not o]
-    return not errs, (errs[0] if errs else "")
+    # A rank whose peer failed usually times out waiting; list the real error (not a timeout) first.
+    errs.sort(key=lambda e: "Timed out" in e or "timed out" in e)
+    return not errs, " | ".join(errs)
 
 
 def _guarded(rank: int, fn: Callable[[], Any], group: Any = None) -> Tuple[Any, str]:
@@ -546,7 +548,9 @@ def job(settings: Dict[str, Any]) -> Optional[Dict[str, Any]]:
         model.train()
         x, y = work.batch()
         # Same weights and data on both ranks (same seed); verify by a checksum.
-        sig = (float(sum(p.double().sum() for p in model.parameters())), float(x.double().sum()), float(y.double().sum()))
+        with torch.no_grad():
+            sig = (sum(float(p.double().sum()) for p in model.parameters()), float(x.double().sum()),
+                   float(y.double().sum()))
         sigs: List[Any] = [None, None]
         dist.all_gather_object(sigs, sig)
         if sigs[0] != sigs[1]:
@@ -721,7 +725,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--no-probe", action="store_true", help="skip the host parallelism probe (~50 ms per round)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole spawned job")
-    p.add_argument("--group-timeout", type=float, default=120.0,
+    p.add_argument("--group-timeout", type=float, default=60.0,
                    help="seconds a torch-pipelining rank waits for its peer before giving up (failure detection)")
     p.add_argument("--out", default="results/hybrid_cpu.json")
     args = p.parse_args(argv)

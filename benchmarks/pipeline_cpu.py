@@ -1,6 +1,6 @@
 """How much a 2-stage CPU pipeline speeds up one training step, and against what.
 
-    python benchmarks/pipeline_cpu.py                      # mlp + resnet50, m = 1 2 4 8 16 (~9 min)
+    python benchmarks/pipeline_cpu.py                      # mlp + resnet50, m = 1 2 4 8 16 (~8 min on an idle host)
     python benchmarks/pipeline_cpu.py --quick              # smoke run: 1 round, m = 1 4 (~2 min)
     python benchmarks/pipeline_cpu.py --models mlp --ms 4 8 --rounds 20 --schedules 1f1b gpipe
 
@@ -57,7 +57,7 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 @dataclass
 class Workload:
-    """One benchmark model: how to build it and its batch, and the default rounds for a ~9 min run."""
+    """One benchmark model: how to build it and its batch, and the default rounds for a ~8 min run."""
 
     describe: str
     build: Callable[[], nn.Sequential]

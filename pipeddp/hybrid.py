@@ -45,7 +45,7 @@ from .pipeline import Pipeline, check_chunks, check_model, recompute_policy
 from .rng import draw_base_seed, is_random
 from .schedule import ScheduleFn, forward_only, get_schedule
 from .stage import Stage, StepSpec
-from .topology import Topology, env_world
+from .topology import Topology, env_world, init_process_group
 from .trace import Trace
 
 __all__ = ["HybridParallel", "resume"]
@@ -128,7 +128,7 @@ class HybridParallel(nn.Module):
         self.backend = self._backend(backend, devs)
         self._owns_group = False
         if world > 1 and not dist.is_initialized():
-            dist.init_process_group(self.backend, timeout=timeout)
+            init_process_group(self.backend, timeout)
             self._owns_group = True
         self._comm_device = devs[0] if self.backend == "nccl" else torch.device("cpu")
 

@@ -1,0 +1,71 @@
+"""A torchrun job that checkpoints every 2 steps and resumes from the newest checkpoint on (re)start.
+
+    torchrun --nproc_per_node=4 --max-restarts=1 tests/resilient_job.py DIR STEPS KILL_AT OUT
+
+On the first attempt (TORCHELASTIC_RESTART_COUNT=0) rank 2 (replica 1, stage 0) SIGKILLs itself in the
+middle of step KILL_AT (0: never). torchrun restarts the job; it resumes from the
+newest checkpoint (model, optimizer, every rank's RNG, data position) and must end
+exactly where an uninterrupted job ends. The model has dropout, so the RNG matters.
+"""
+
+import os
+import signal
+import sys
+
+import torch
+from torch import nn
+
+import pipeddp
+
+
+class KillSwitch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = False
+
+    def forward(self, x):
+        if self.armed:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return x
+
+
+def main() -> None:
+    directory, steps, kill_at, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    torch.manual_seed(0)
+    switch = KillSwitch()
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.2), switch, nn.Linear(32, 32), nn.Tanh(),
+                          nn.Dropout(0.1), nn.Linear(32, 4))
+    g = torch.Generator().manual_seed(1)
+    dataset = torch.utils.data.TensorDataset(torch.randn(96, 16, generator=g), torch.randn(96, 4, generator=g))
+    engine = pipeddp.HybridParallel(model, stages=2, mode="stage", chunks=3, balance=[4, 4])
+    loader = pipeddp.data.loader(dataset, batch_size=6, engine=engine, seed=3, drop_last=True)
+    per_epoch = len(loader)
+    opt = torch.optim.Adam(engine.parameters(), lr=1e-2)
+    resumed = pipeddp.resume(engine, opt, directory)
+    step = resumed["step"] if resumed else 0
+    if engine.topology.rank == 0:
+        print(f"attempt {attempt}: starting at step {step}", flush=True)
+    while step < steps:
+        epoch, skip = divmod(step, per_epoch)
+        loader.set_epoch(epoch)
+        for i, (x, y) in enumerate(loader):
+            if i < skip:
+                continue  # the data position: batches this epoch already trained on
+            switch.armed = attempt == 0 and engine.topology.rank == 2 and step + 1 == kill_at
+            opt.zero_grad()
+            engine.train_step(x, y, nn.functional.mse_loss)
+            opt.step()
+            step += 1
+            if step % 2 == 0:
+                engine.save_checkpoint(directory, step, opt, keep=2, extra={"epoch": epoch, "batch": i + 1})
+            if step == steps:
+                break
+    state = engine.state_dict()
+    if engine.topology.rank == 0:
+        torch.save(state, out)
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()

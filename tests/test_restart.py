@@ -1,0 +1,34 @@
+"""A real torchrun job killed mid-step restarts, resumes and ends exactly like an uninterrupted one."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+JOB = Path(__file__).resolve().parent / "resilient_job.py"
+
+
+def torchrun(tmp_path, name, kill_at, steps=9):
+    directory, out = tmp_path / f"{name}-ckpt", tmp_path / f"{name}.pt"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "--max-restarts=1",
+         str(JOB), str(directory), str(steps), str(kill_at), str(out)],
+        env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return torch.load(out), proc.stdout + proc.stderr
+
+
+@pytest.mark.timeout(600)
+def test_killed_worker_restarts_and_resumes_exactly(tmp_path):
+    clean, log_clean = torchrun(tmp_path, "clean", kill_at=0)
+    assert "attempt 0: starting at step 0" in log_clean and "attempt 1" not in log_clean
+    resumed, log = torchrun(tmp_path, "killed", kill_at=7)
+    assert "attempt 0: starting at step 0" in log
+    assert "attempt 1: starting at step 6" in log  # the newest complete checkpoint before step 7
+    assert list(resumed) == list(clean)
+    for k in clean:
+        assert torch.equal(resumed[k], clean[k]), k
