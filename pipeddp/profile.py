@@ -5,11 +5,11 @@ size the pipeline will really use (per-sample cost on a CPU or a GPU is far
 from constant in the batch size), the parameter count, and the size of the
 layer's output (what must cross to the next device if a cut falls after it).
 
-Layers are timed one at a time on a copy-free path: the sample is pushed
-through the model once, each layer's input is kept, and each layer is then
-run forward and backward ``repeat`` times on its own input. The median is
-used, because a single slow run (page faults, the host's neighbours) must not
-move a cut.
+The sample is pushed through the model once and each layer's input is kept;
+then every layer is run forward and backward on its own input, layer after
+layer, ``repeat`` rounds over the whole model. The median per layer is used,
+because a slow stretch of the machine (page faults, the host's neighbours)
+must not move a cut.
 """
 
 from __future__ import annotations
@@ -91,16 +91,26 @@ def profile_layers(
         first = next(layers.parameters(), None)
         device = first.device if first is not None else torch.device("cpu")
     device = torch.device(device)
+    # One pass to get every layer's input; then the timing rounds go layer 0, 1, ..., n-1, again and
+    # again, so that a slow stretch of the machine hits one repeat of every layer, not every repeat of
+    # a few neighbouring layers (which would move the cut).
+    works, inputs, outs = [], [], []
     x = tree_map(lambda t: t.detach().to(device), sample)
-    for i, (name, layer) in enumerate(named):
+    for _, layer in named:
         work = copy.deepcopy(layer).to(device)
         work.train(layer.training)
-        fwd: List[float] = []
-        bwd: List[float] = []
-        out: Any = None
-        for _ in range(repeat + 1 if timed else 1):
-            inp = tree_map(lambda t: t.detach().requires_grad_(t.is_floating_point()), x)
-            inp = tree_map(lambda t: t.clone() if t.requires_grad else t, inp)
+        works.append(work)
+        inputs.append(x)
+        with torch.no_grad():
+            x = work(tree_map(lambda t: t.clone(), x))
+        outs.append(_bytes(x))
+    fwd: List[List[float]] = [[] for _ in named]
+    bwd: List[List[float]] = [[] for _ in named]
+    for _ in range(repeat + 1 if timed else 0):
+        for i, work in enumerate(works):
+            # the first layer gets no input gradient, as in the pipeline (the batch does not require grad)
+            want = i > 0 or any(t.requires_grad for t in tree_tensors(sample))
+            inp = tree_map(lambda t: t.detach().clone().requires_grad_(want and t.is_floating_point()), inputs[i])
             _sync(device)
             start = time.perf_counter()
             out = work(inp)
@@ -110,11 +120,10 @@ def profile_layers(
             if grads:
                 torch.autograd.backward(grads, [torch.ones_like(t) for t in grads])
             _sync(device)
-            fwd.append(mid - start)
-            bwd.append(time.perf_counter() - mid)
-        f = statistics.median(fwd[1:]) if timed and len(fwd) > 1 else 0.0
-        b = statistics.median(bwd[1:]) if timed and len(bwd) > 1 else 0.0
-        costs.append(LayerCost(name, f, b, params[i], pbytes[i], _bytes(out)))
-        x = tree_map(lambda v: v.detach(), out)
-        del work
+            fwd[i].append(mid - start)
+            bwd[i].append(time.perf_counter() - mid)
+    for i, (name, _) in enumerate(named):
+        f = statistics.median(fwd[i][1:]) if len(fwd[i]) > 1 else 0.0
+        b = statistics.median(bwd[i][1:]) if len(bwd[i]) > 1 else 0.0
+        costs.append(LayerCost(name, f, b, params[i], pbytes[i], outs[i]))
     return costs
