@@ -385,26 +385,29 @@ class HybridParallel(nn.Module):
 
     def _finish_step(self, local_loss: float) -> torch.Tensor:
         """Average the loss over replicas (one collective) and apply the non-finite guard."""
-        bad = 0.0
+        bad_loss = bad_grads = 0.0
         if self.skip_nonfinite:
             grads = [p.grad for p in self.parameters() if p.grad is not None]
-            finite = math.isfinite(local_loss) and all(bool(torch.isfinite(g).all()) for g in grads)
-            bad = 0.0 if finite else 1.0
-        mine = torch.tensor([local_loss, bad], dtype=torch.float64, device=self._comm_device)
+            bad_loss = 0.0 if math.isfinite(local_loss) else 1.0
+            bad_grads = 0.0 if all(bool(torch.isfinite(g).all()) for g in grads) else 1.0
+        mine = torch.tensor([local_loss, bad_loss, bad_grads], dtype=torch.float64, device=self._comm_device)
         if self._distributed:
             everyone = [torch.zeros_like(mine) for _ in range(self.topology.world_size)]
             dist.all_gather(everyone, mine)
         else:
             everyone = [mine]
         loss = sum(t[0].item() for t in everyone) / self.topology.replicas
-        culprits = [r for r, t in enumerate(everyone) if t[1].item() > 0]
-        if culprits:
+        losses = [r for r, t in enumerate(everyone) if t[1].item() > 0]
+        grads_bad = [r for r, t in enumerate(everyone) if t[2].item() > 0]
+        if losses or grads_bad:
             for p in self.parameters():
                 p.grad = None
             self.skipped_steps += 1
-            warnings.warn(f"pipeddp: skipped a training step: non-finite loss or gradients on rank(s) {culprits}; "
-                          f"gradients were dropped on every rank ({self.skipped_steps} skipped so far)",
-                          RuntimeWarning, stacklevel=3)
+            where = "; ".join(part for part in (
+                f"non-finite loss on rank(s) {losses}" if losses else "",
+                f"non-finite gradients on rank(s) {grads_bad}" if grads_bad else "") if part)
+            warnings.warn(f"pipeddp: skipped a training step: {where}; gradients were dropped on every rank "
+                          f"({self.skipped_steps} skipped so far)", RuntimeWarning, stacklevel=3)
         return torch.tensor(loss, dtype=torch.float64)
 
     def forward(self, x: Any) -> Any:  # type: ignore[override]

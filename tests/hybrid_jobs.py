@@ -147,3 +147,29 @@ def traced_job(mode: str, stages: int) -> List[Dict[str, Any]]:
     spans = engine.trace.to_json()
     engine.close()
     return spans
+
+
+def nonfinite_job(mode: str) -> Dict[str, Any]:
+    """Replica 1's batch holds a NaN at step 1: every rank must skip that step together."""
+    import warnings
+
+    init()
+    engine = pipeddp.HybridParallel(make_mlp(), stages=2, mode=mode, chunks=2, skip_nonfinite=True)
+    opt = torch.optim.SGD(engine.parameters(), lr=0.1)
+    seen = []
+    for step, batch in enumerate(global_batches(2, 3)):
+        x, y = local_slice(batch, engine.topology.replica, 10)
+        if step == 1 and engine.topology.replica == 1:
+            x = x.clone()
+            x[0, 0] = float("nan")
+        before = [p.detach().clone() for p in engine.parameters()]
+        opt.zero_grad()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine.train_step(x if engine.is_first else None, y if engine.is_last else None, LOSS)
+        opt.step()
+        changed = any(not torch.equal(a, b) for a, b in zip(before, engine.parameters()))
+        seen.append({"changed": changed, "warnings": [str(w.message) for w in caught]})
+    engine.check_replicas()
+    engine.close()
+    return {"steps": seen, "skipped": engine.skipped_steps}

@@ -172,3 +172,16 @@ def test_trace_records_the_gradient_all_reduce(mode, nprocs):
             for step, red in enumerate(sorted(reduces, key=lambda s: s["start"])):
                 last_b = backs[4 * step + 3]
                 assert last_b["start"] <= red["start"] <= last_b["end"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode,nprocs", [("replica", 2), ("stage", 4)])
+def test_nonfinite_batch_on_one_rank_skips_the_step_everywhere(mode, nprocs):
+    from hybrid_jobs import nonfinite_job
+
+    loss_rank = 1 if mode == "replica" else 3  # the last stage of replica 1 sees the NaN loss
+    for res in pipeddp.spawn(nonfinite_job, nprocs, args=(mode,), timeout=100):
+        assert res["skipped"] == 1
+        assert [s["changed"] for s in res["steps"]] == [True, False, True]
+        assert any(f"non-finite loss on rank(s) [{loss_rank}]" in w for w in res["steps"][1]["warnings"])
+        assert not res["steps"][0]["warnings"] and not res["steps"][2]["warnings"]
