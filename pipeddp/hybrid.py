@@ -286,10 +286,16 @@ class HybridParallel(nn.Module):
         mine = (nx, ny, ex or ey)
         if not self._distributed:
             return [mine]
+        # One small tensor collective per step; messages travel only when some rank has one.
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.topology.world_size))
-        out: List[Any] = [None] * len(ranks)
-        dist.all_gather_object(out, mine, group=group)
-        return out
+        t = torch.tensor([nx, ny, 1 if mine[2] else 0], dtype=torch.int64, device=self._comm_device)
+        gathered = [torch.zeros_like(t) for _ in ranks]
+        dist.all_gather(gathered, t, group=group)
+        rows = [tuple(int(v) for v in g.tolist()) for g in gathered]
+        messages: List[Any] = [""] * len(ranks)
+        if any(r[2] for r in rows):
+            dist.all_gather_object(messages, mine[2], group=group)
+        return [(r[0], r[1], m) for r, m in zip(rows, messages)]
 
     def _local_batch(self, x: Any, y: Any, *, need_y: bool, group: Any = None) -> int:
         """Check every rank's batch and return the common local batch size."""
