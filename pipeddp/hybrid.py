@@ -41,7 +41,7 @@ from .executor import run_actions
 from .microbatch import batch_size, merge, split, split_sizes, tree_map
 from .p2p import P2PChannel
 from .partition import Partition, check_balance, partition
-from .pipeline import Pipeline, check_chunks, check_model, recompute_policy
+from .pipeline import Pipeline, check_chunks, check_model, profile_chunks, recompute_policy
 from .rng import draw_base_seed, is_random
 from .schedule import ScheduleFn, forward_only, get_schedule
 from .stage import Stage, StepSpec
@@ -226,7 +226,8 @@ class HybridParallel(nn.Module):
             balance = "time" if sample is not None else "params"
         if not isinstance(balance, str):
             return partition(model, stages, method=check_balance(balance, len(model), stages))
-        plan = [partition(model, stages, method=balance, sample=sample, chunks=self.chunks or 1, device=device)
+        chunks = profile_chunks(sample, self.chunks, self.split_size)
+        plan = [partition(model, stages, method=balance, sample=sample, chunks=chunks, device=device)
                 if self.topology.rank == 0 or not self._distributed else None]
         if self._distributed:
             dist.broadcast_object_list(plan, src=0)

@@ -68,6 +68,13 @@ def check_chunks(chunks: Optional[int], split_size: Optional[int], stages: int) 
     return chunks, split_size
 
 
+def profile_chunks(sample: Any, chunks: Optional[int], split_size: Optional[int]) -> int:
+    """How many pieces to cut ``sample`` into so that it is profiled at the real micro-batch size."""
+    if sample is None or split_size is None:
+        return chunks or 1
+    return max(1, -(-batch_size(sample, name="sample") // split_size))
+
+
 def recompute_policy(checkpoint: str, chunks: int) -> Callable[[int], bool]:
     """Which micro-batches drop their activations and recompute them in backward.
 
@@ -153,7 +160,8 @@ class Pipeline(nn.Module):
             balance = "time" if sample is not None else "params"
         if isinstance(balance, str):
             self.partition: Partition = partition(model, n_stages, method=balance, sample=sample,
-                                                  chunks=self.chunks or 1, device=devs[0])
+                                                  chunks=profile_chunks(sample, self.chunks, self.split_size),
+                                                  device=devs[0])
         else:
             self.partition = partition(model, n_stages, method=check_balance(balance, len(model), n_stages))
         self.balance: List[int] = list(self.partition.balance)

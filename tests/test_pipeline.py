@@ -87,7 +87,9 @@ def test_split_size_instead_of_chunks():
     model = make_mlp()
     x, y = data(10)
     ref_grads, _ = reference_training(model, [(x, y)], LOSS)
-    with pipeddp.Pipeline(copy.deepcopy(model), DEVICES[2], split_size=4) as pipe:
+    with pipeddp.Pipeline(copy.deepcopy(model), DEVICES[2], split_size=4, sample=x) as pipe:
+        # profiled at the real micro-batch size: 4 samples of 12 float64 features out of the first layer
+        assert pipe.partition.method == "time" and pipe.partition.layers[0].activation_bytes == 4 * 12 * 8
         pipe.train_step(x, y, LOSS)
         assert max_diff(ref_grads[0], [p.grad for p in pipe.parameters()]) < 1e-12
 
