@@ -1,0 +1,31 @@
+"""The command line: demo, partition (timeline and plan are covered in test_trace.py)."""
+
+import re
+
+import pytest
+
+from pipeddp.cli import main
+
+
+@pytest.mark.timeout(180)
+def test_demo_trains_plain_pipeline_and_hybrid_alike(capsys):
+    assert main(["demo", "--steps", "4", "--batch", "32", "--chunks", "4", "--layers", "3", "--width", "64",
+                 "--replicas", "2", "--stages", "2"]) == 0
+    out = capsys.readouterr().out
+    rows = {name: line for name in ("plain", "pipeline 1 x 2", "hybrid 2 x 2") for line in out.splitlines()
+            if name in line}
+    assert len(rows) == 3, out
+    for name in ("pipeline 1 x 2", "hybrid 2 x 2"):
+        diff = float(re.findall(r"(\d\.\de[-+]\d+)", rows[name])[-1])
+        assert diff < 1e-5, rows[name]  # the trained weights equal the plain model's (float32)
+
+
+def test_partition_report(capsys):
+    assert main(["partition", "--model", "mlp", "--stages", "3", "--batch", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "partition by time" in out and "bottleneck / ideal" in out
+
+
+def test_bad_arguments_give_an_error_not_a_traceback(capsys):
+    assert main(["partition", "--model", "mlp", "--stages", "40"]) == 2
+    assert "at most 32" in capsys.readouterr().out
