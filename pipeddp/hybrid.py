@@ -126,6 +126,9 @@ class HybridParallel(nn.Module):
         devs = self._local_devices(devices)
         self.devices = devs
         self.backend = self._backend(backend, devs)
+        if sync_batchnorm and any(d.type != "cuda" for d in devs):
+            raise ValueError(f"rank {rank}: sync_batchnorm=True needs CUDA devices (torch's SyncBatchNorm runs only "
+                             "on GPUs); on CPU, BatchNorm buffers follow DDP's broadcast_buffers instead")
         self._owns_group = False
         if world > 1 and not dist.is_initialized():
             init_process_group(self.backend, timeout)

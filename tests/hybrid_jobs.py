@@ -173,3 +173,40 @@ def nonfinite_job(mode: str) -> Dict[str, Any]:
     engine.check_replicas()
     engine.close()
     return {"steps": seen, "skipped": engine.skipped_steps}
+
+
+def ddp_options_job(mode: str, chunks: int) -> Dict[str, Any]:
+    """DDP options reach every stage: many small buckets, bucket views, unused-parameter search, fp16 hook."""
+    init()
+    out: Dict[str, Any] = {}
+    options = {
+        "buckets": dict(ddp_kwargs={"bucket_cap_mb": 0.0005, "gradient_as_bucket_view": True}),
+        "unused": dict(ddp_kwargs={"find_unused_parameters": True}),
+        "fp16": dict(comm_hook="fp16"),
+        "bf16": dict(comm_hook="bf16"),
+        "powersgd": dict(comm_hook="powersgd"),
+    }
+    for name, kw in options.items():
+        hook = kw.pop("comm_hook", None)
+        engine = pipeddp.HybridParallel(make_mlp(), stages=2, mode=mode, chunks=chunks, balance="uniform",
+                                        comm_hook=hook or counting_hook, **kw)
+        HOOK_CALLS.clear()
+        train(engine, global_batches(2, 3), local=10)
+        engine.check_replicas()
+        out[name] = {"state": engine.state_dict(), "hook_calls": sorted(HOOK_CALLS.values())}
+        engine.close()
+    return out
+
+
+def batchnorm_job(mode: str) -> Dict[str, Any]:
+    """BatchNorm buffers under DDP's broadcast_buffers: every replica ends with rank 0's running stats."""
+    init()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 12), nn.BatchNorm1d(12), nn.ReLU(), nn.Linear(12, 12), nn.BatchNorm1d(12),
+                          nn.Linear(12, 12)).double()
+    engine = pipeddp.HybridParallel(model, stages=2, mode=mode, chunks=2, balance=[3, 3])
+    train(engine, global_batches(2, 3), local=10)
+    buffers = {k: v for k, v in engine.local_state_dict().items() if "running" in k}
+    engine.close()
+    return buffers
+

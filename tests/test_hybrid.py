@@ -86,6 +86,8 @@ def test_bad_configuration_errors_in_one_process():
         pipeddp.HybridParallel(make_mlp(), stages=2, devices=["cuda:0", "cuda:1"])
     with pytest.raises(ValueError, match="at most 11 stages"):
         pipeddp.HybridParallel(make_mlp(), stages=12)
+    with pytest.raises(ValueError, match="rank 0: sync_batchnorm=True needs CUDA"):
+        pipeddp.HybridParallel(make_mlp(), stages=2, sync_batchnorm=True)
     with pytest.raises(ValueError, match="static_graph"):
         pipeddp.HybridParallel(make_mlp(), stages=1, ddp_kwargs={"static_graph": True})._ddps  # noqa: B018
 
@@ -185,3 +187,43 @@ def test_nonfinite_batch_on_one_rank_skips_the_step_everywhere(mode, nprocs):
         assert [s["changed"] for s in res["steps"]] == [True, False, True]
         assert any(f"non-finite loss on rank(s) [{loss_rank}]" in w for w in res["steps"][1]["warnings"])
         assert not res["steps"][0]["warnings"] and not res["steps"][2]["warnings"]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode,nprocs", [("replica", 2), ("stage", 4)])
+def test_ddp_options_and_comm_hooks_reach_every_stage(mode, nprocs):
+    from hybrid_jobs import ddp_options_job
+
+    expected = reference_state(global_batches(2, 3))
+    results = {}
+    for chunks in (1, 5):
+        results[chunks] = pipeddp.spawn(ddp_options_job, nprocs, args=(mode, chunks), timeout=200)
+    for chunks, per_rank in results.items():
+        for res in per_rank:
+            for name in ("buckets", "unused"):
+                assert max_diff(expected.values(), res[name]["state"].values()) < 1e-12, name
+            # compressed gradients: close to, not equal to, the exact result
+            for name in ("fp16", "bf16", "powersgd"):
+                err = max_diff(expected.values(), res[name]["state"].values())
+                assert err < (5e-2 if name != "fp16" else 1e-3), (name, err)
+    # tiny buckets: several all-reduces per step per stage (DDP re-buckets after the first step), and the
+    # same number whatever the micro-batch count
+    for a, b in zip(results[1], results[5]):
+        calls = a["buckets"]["hook_calls"]
+        assert calls == b["buckets"]["hook_calls"]
+        assert all(c > 3 for c in calls), calls
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode,nprocs", [("replica", 2), ("stage", 4)])
+def test_batchnorm_buffers_follow_broadcast_buffers(mode, nprocs):
+    from hybrid_jobs import batchnorm_job
+
+    per_rank = pipeddp.spawn(batchnorm_job, nprocs, args=(mode,), timeout=100)
+    by_key = {}
+    for bufs in per_rank:
+        for k, v in bufs.items():
+            by_key.setdefault(k, []).append(v)
+    assert set(by_key) == {"1.running_mean", "1.running_var", "4.running_mean", "4.running_var"}
+    for k, copies in by_key.items():
+        assert len(copies) == 2 and torch.equal(copies[0], copies[1]), k
