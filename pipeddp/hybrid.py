@@ -71,7 +71,8 @@ class HybridParallel(nn.Module):
             ``gradient_as_bucket_view``, ``find_unused_parameters``,
             ``broadcast_buffers``, ...).
         comm_hook: ``"fp16"``, ``"bf16"``, ``"powersgd"`` or a DDP comm hook function.
-        sync_batchnorm: convert BatchNorm layers to ``SyncBatchNorm`` over each stage's group.
+        sync_batchnorm: convert BatchNorm layers to ``SyncBatchNorm`` over each stage's group
+            (CUDA only, as torch's SyncBatchNorm; no effect with one replica).
         timeout: for the process groups and every wait of the engine.
         trace: record a timeline (``engine.trace``).
         threads: intra-op threads per CPU stage thread (replica mode).
@@ -140,6 +141,9 @@ class HybridParallel(nn.Module):
         self._ddps: List[Any] = []
         self._groups = self._make_groups()
         self.trace: Optional[Trace] = Trace(rank) if trace else None
+        if sync_batchnorm and topo.replicas > 1:
+            # convert before anything holds the layers; each stage's group is set below
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         named = list(model.named_children())
 
         if mode == "replica":
@@ -169,11 +173,10 @@ class HybridParallel(nn.Module):
         if topo.replicas > 1:
             for st in self._stages:
                 group = self._groups["stage"][st.index]
-                if sync_batchnorm:
-                    st.module = nn.SyncBatchNorm.convert_sync_batchnorm(st.module, process_group=group)
+                for layer in st.module.modules():
+                    if isinstance(layer, nn.SyncBatchNorm):
+                        layer.process_group = group  # statistics are shared by this stage's copies only
                 self._ddps.append(attach_ddp(st, group, ddp_kwargs=ddp_kwargs, comm_hook=comm_hook, trace=self.trace))
-        elif sync_batchnorm:
-            raise ValueError("sync_batchnorm=True needs more than one replica")
 
     # -- set-up ------------------------------------------------------------------------------------
 
