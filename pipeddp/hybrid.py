@@ -315,7 +315,7 @@ class HybridParallel(nn.Module):
                 raise ValueError(f"rank {r}: {err}")
         needs = []  # (rank, size, what)
         for r, (nx, ny, _) in zip(ranks, infos):
-            stage = None if topo.mode == "replica" else self._stage_of(r)
+            stage = None if topo.mode == "replica" else topo.stage_of(r)
             if stage is None or stage == 0:
                 if nx < 0:
                     raise ValueError(f"rank {r} holds stage 0 and must pass the inputs x, but passed None")
@@ -336,10 +336,6 @@ class HybridParallel(nn.Module):
             listing = ", ".join(f"rank {r} {what}={n}" for r, n, what in needs)
             raise ValueError(f"the ranks disagree on the local batch size ({listing}); {advice}")
         return sizes.pop()
-
-    def _stage_of(self, rank: int) -> int:
-        topo = self.topology
-        return rank % topo.stages if topo.layout == "pipeline" else rank // topo.replicas
 
     def _seed(self) -> Optional[int]:
         if any(st.module.training and is_random(st.module) for st in self._stages):

@@ -94,23 +94,27 @@ class Topology:
             return replica * self.stages + stage
         return stage * self.replicas + replica
 
+    def replica_of(self, rank: int) -> int:
+        """The replica that ``rank`` belongs to."""
+        if self.mode == "replica":
+            return rank
+        return rank // self.stages if self.layout == "pipeline" else rank % self.replicas
+
+    def stage_of(self, rank: int) -> int:
+        """The stage ``rank`` holds (stage mode only; in replica mode every process holds all stages)."""
+        if self.mode == "replica":
+            raise AttributeError("in mode='replica' every process holds all stages")
+        return rank % self.stages if self.layout == "pipeline" else rank // self.replicas
+
     @property
     def replica(self) -> int:
         """This process's replica index (what the data sampler shards by)."""
-        if self.mode == "replica":
-            return self.rank
-        if self.layout == "pipeline":
-            return self.rank // self.stages
-        return self.rank % self.replicas
+        return self.replica_of(self.rank)
 
     @property
     def stage(self) -> int:
-        """This process's stage (stage mode only; replica mode holds all stages)."""
-        if self.mode == "replica":
-            raise AttributeError("in mode='replica' every process holds all stages")
-        if self.layout == "pipeline":
-            return self.rank % self.stages
-        return self.rank // self.replicas
+        """This process's stage (stage mode only)."""
+        return self.stage_of(self.rank)
 
     def stage_ranks(self, stage: int) -> List[int]:
         """The ranks holding a copy of ``stage``: the members of its DDP group."""
