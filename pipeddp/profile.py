@@ -110,7 +110,9 @@ def profile_layers(
         for i, work in enumerate(works):
             # the first layer gets no input gradient, as in the pipeline (the batch does not require grad)
             want = i > 0 or any(t.requires_grad for t in tree_tensors(sample))
-            inp = tree_map(lambda t: t.detach().clone().requires_grad_(want and t.is_floating_point()), inputs[i])
+            leaf = tree_map(lambda t: t.detach().requires_grad_(want and t.is_floating_point()), inputs[i])
+            # a fresh non-leaf copy: in-place layers (ReLU(inplace=True)) may write into it
+            inp = tree_map(lambda t: t.clone(), leaf)
             _sync(device)
             start = time.perf_counter()
             out = work(inp)

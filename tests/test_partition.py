@@ -68,6 +68,16 @@ def test_errors():
         partition(nn.Linear(2, 2), 1)
 
 
+def test_time_profiles_in_place_layers():
+    # torchvision's ResNet stem: conv, bn, ReLU(inplace=True)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(inplace=True), nn.Flatten(), nn.Linear(144, 2))
+    x = torch.randn(4, 3, 8, 8)
+    before = x.clone()
+    plan = partition(model, 3, method="time", sample=x)
+    assert sum(plan.balance) == 5 and all(c.time > 0 for c in plan.layers[:3])
+    assert torch.equal(x, before)  # the sample itself is never written to
+
+
 def test_methods_and_report():
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8), nn.ReLU(), nn.Linear(8, 8))
     x = torch.randn(16, 64)
