@@ -13,17 +13,53 @@ checks schedules for deadlocks), so the simulator and the executor agree on
 what may run when. The result is the predicted step time, the bubble (idle
 share of stage time), and how many micro-batches of activations each stage
 holds at its peak.
+
+Four effects are off by default (the textbook model above) and switched on by
+keyword arguments, for hosts where they matter:
+
+* ``contention``: the stages (and replicas) share cores, caches and memory
+  bandwidth, e.g. CPU stages on one machine. ``contention[n - 1]`` is how much
+  slower compute runs while ``n`` workers (busy stages x ``replicas``) compute
+  at once, measured on the host (time of a kernel run on n cores at once over
+  its time alone; ``contention[0]`` is normally 1). With n beyond the list, the
+  workers time-share the cores: the last factor x n / len(contention). The
+  schedule is then played by an event-driven processor-sharing model
+  (``play_shared``): every running action progresses at 1 / contention[n - 1]
+  of its solo speed, re-evaluated whenever an action starts or ends, so a
+  stage computing alone in the fill or drain of the pipeline runs at full
+  speed and only the overlapped part pays. Without contention the schedule is
+  played by ``schedule.play`` exactly as before.
+* ``bucket_bytes``: DDP does not reduce a stage's gradients in one piece that
+  can start with the last backward; it cuts them into buckets (25 MiB by
+  default), each reduced once the backward has produced it, one after
+  another. Gradients are taken to appear at a steady rate over the last
+  backward, so bucket k is ready at ``start + duration * (bytes up to and
+  including k) / param_bytes``; the last bucket, always exposed, is ready
+  only when the backward ends. Without it, the whole all-reduce may start
+  with the last backward (the optimistic bound).
+* ``collectives_share_cores`` (with ``contention``): the all-reduce runs on
+  the same cores as the compute (gloo on CPU: copies through the loopback
+  socket and the reduction are CPU work), so a bucket in flight is one more
+  busy worker per replica: it slows the compute beside it, and is slowed by
+  it, as ``contention`` says (its own duration, from ``allreduce_link``, is
+  the time with only the reductions running, which is how it is measured).
+  On a host whose every core computes, this makes the all-reduce cost about
+  as much as if it did not overlap at all, which is what a 2-core CPU shows.
+* ``step_overhead``: a fixed cost per step outside the schedule (seconds),
+  e.g. the collectives with which ``HybridParallel.train_step`` checks the
+  batch sizes and averages the loss.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-from .schedule import Action, Played, ScheduleFn, get_schedule, play
+from .schedule import Action, Played, Schedule, ScheduleFn, _ready_time, get_schedule, play
 
-__all__ = ["StageCost", "Link", "LINKS", "Prediction", "simulate", "ring_allreduce_time", "bubble_bound"]
+__all__ = ["StageCost", "Link", "LINKS", "Prediction", "simulate", "ring_allreduce_time", "bubble_bound",
+           "play_shared", "contention_factor"]
 
 
 @dataclass(frozen=True)
@@ -89,6 +125,135 @@ class Prediction:
         return self.played.makespan
 
 
+def contention_factor(contention: Optional[Sequence[float]], workers: int) -> float:
+    """How much slower compute runs with ``workers`` computing at once (see the module docstring)."""
+    if not contention or workers < 1:
+        return 1.0
+    if workers <= len(contention):
+        return float(contention[workers - 1])
+    return float(contention[-1]) * workers / len(contention)
+
+
+def play_shared(
+    schedule: Schedule,
+    duration: Callable[[int, Action], float],
+    transfer: Callable[[int, int, Action], float],
+    slowdown: Callable[[int], float],
+) -> Played:
+    """``schedule.play`` on shared compute: with n stages busy, each progresses at 1 / slowdown(n).
+
+    Event-driven: at every start or end of an action the number of busy
+    stages, and with it every running action's speed, is re-evaluated.
+    ``duration`` is the solo compute time; transfers are not slowed down.
+    With ``slowdown`` always 1 the result equals ``play``'s.
+    """
+    events, _ = _play_shared(schedule, duration, transfer, slowdown)
+    return Played(events)
+
+
+Span = Tuple[float, float]
+
+
+def _play_shared(
+    schedule: Schedule,
+    duration: Callable[[int, Action], float],
+    transfer: Callable[[int, int, Action], float],
+    slowdown: Callable[[int], float],
+    collectives: Optional[Sequence[Sequence[Tuple[float, float]]]] = None,
+) -> Tuple[List[List[Tuple[Action, float, float]]], List[List[Span]]]:
+    """``play_shared``, optionally with collectives that compete for the same cores.
+
+    ``collectives[s]`` lists stage s's reductions as ``(fraction, seconds)``:
+    reduction k may start once the stage's last backward has done ``fraction``
+    of its work and reduction k-1 has finished; ``seconds`` is its duration when
+    only the collectives run (that is how it was measured). A running reduction
+    counts as one more busy worker: with n busy (actions + reductions), an
+    action progresses at 1 / slowdown(n) and a reduction at slowdown(1) /
+    slowdown(n). Returns the actions' events and each stage's reduction spans.
+    """
+    p = len(schedule)
+    jobs = [list(j) for j in collectives] if collectives is not None else [[] for _ in range(p)]
+    last_b = [max((k for k, a in enumerate(row) if a.kind == "B"), default=-1) for row in schedule]
+    done: Dict[Tuple[int, str, int], float] = {}
+    events: List[List[Tuple[Action, float, float]]] = [[] for _ in range(p)]
+    reduced: List[List[Span]] = [[] for _ in range(p)]
+    pos = [0] * p
+    running: List[Optional[List[Any]]] = [None] * p  # [action, start, solo work left, solo work, index in row]
+    comm: List[Optional[List[float]]] = [None] * p  # [start, work left]
+    queued = [0] * p  # next reduction of each stage
+    total = sum(len(r) for r in schedule) + sum(len(j) for j in jobs)
+    finished = 0
+    now = 0.0
+
+    def progress(s: int) -> Optional[float]:
+        """Share of stage s's last backward done so far (None before it starts)."""
+        if pos[s] <= last_b[s]:
+            return None
+        r = running[s]
+        if r is not None and r[4] == last_b[s] and r[3] > 0:
+            return 1.0 - r[2] / r[3]
+        return 1.0
+
+    while finished < total:
+        pending: List[float] = []
+        for s in range(p):
+            if running[s] is not None or pos[s] >= len(schedule[s]):
+                continue
+            a = schedule[s][pos[s]]
+            ready = _ready_time(s, a, p, done, transfer)
+            if ready is None:
+                continue
+            if ready <= now:
+                work = max(duration(s, a), 0.0)
+                running[s] = [a, now, work, work, pos[s]]
+                pos[s] += 1
+            else:
+                pending.append(ready)
+        for s in range(p):
+            if comm[s] is None and queued[s] < len(jobs[s]):
+                share = progress(s)
+                if share is not None and share >= jobs[s][queued[s]][0] - 1e-12:
+                    comm[s] = [now, max(jobs[s][queued[s]][1], 0.0)]
+                    queued[s] += 1
+        busy = [s for s in range(p) if running[s] is not None]
+        talking = [s for s in range(p) if comm[s] is not None]
+        n = len(busy) + len(talking)
+        factor = slowdown(n) if n else 1.0
+        comm_factor = factor / slowdown(1) if n else 1.0
+        ends = {s: now + running[s][2] * factor for s in busy}
+        comm_ends = {s: now + comm[s][1] * comm_factor for s in talking}
+        triggers = []
+        for s in busy:  # a running last backward reaching the share at which the next reduction may start
+            r = running[s]
+            if r[4] == last_b[s] and comm[s] is None and queued[s] < len(jobs[s]):
+                left = r[2] - (1.0 - jobs[s][queued[s]][0]) * r[3]
+                if left > 0:
+                    triggers.append(now + left * factor)
+        candidates = list(ends.values()) + list(comm_ends.values()) + pending + triggers
+        if not candidates:
+            stuck = ", ".join(f"stage {s} at {schedule[s][pos[s]]}" for s in range(p) if pos[s] < len(schedule[s]))
+            raise ValueError(f"the schedule deadlocks: no stage can proceed ({stuck})")
+        nxt = min(candidates)
+        for s in busy:
+            if ends[s] <= nxt:
+                a, start = running[s][0], running[s][1]
+                events[s].append((a, start, nxt))
+                done[(s, a.kind, a.mb)] = nxt
+                running[s] = None
+                finished += 1
+            else:
+                running[s][2] -= (nxt - now) / factor
+        for s in talking:
+            if comm_ends[s] <= nxt:
+                reduced[s].append((comm[s][0], nxt))
+                comm[s] = None
+                finished += 1
+            else:
+                comm[s][1] -= (nxt - now) / comm_factor
+        now = nxt
+    return events, reduced
+
+
 def simulate(
     costs: Sequence[StageCost],
     schedule: Union[str, ScheduleFn] = "1f1b",
@@ -97,6 +262,11 @@ def simulate(
     replicas: int = 1,
     links: Union[None, str, Link] = None,
     allreduce_link: Union[None, str, Link] = None,
+    *,
+    contention: Optional[Sequence[float]] = None,
+    bucket_bytes: Optional[float] = None,
+    collectives_share_cores: bool = False,
+    step_overhead: float = 0.0,
 ) -> Prediction:
     """Predict one training step of ``replicas`` pipelines of ``len(costs)`` stages.
 
@@ -106,10 +276,22 @@ def simulate(
     replicas (default: ``links``). Each stage's gradient all-reduce starts with its
     last backward (DDP reduces buckets as they fill) and ends no earlier than that
     backward; the step ends when the last stage's all-reduce does.
+
+    ``contention`` (slowdown by number of workers computing at once on shared
+    cores, replicas included), ``bucket_bytes`` (DDP bucket size: buckets are
+    reduced one after another as the last backward produces them),
+    ``collectives_share_cores`` (a reduction in flight is one more worker on
+    those cores; needs ``contention``) and ``step_overhead`` (seconds added to
+    the step) are described in the module docstring; their defaults leave the
+    model as above.
     """
     stages = len(costs) if stages is None else stages
     if stages != len(costs):
         raise ValueError(f"{len(costs)} stage costs given for stages={stages}")
+    if contention is not None and (not contention or any(c <= 0 for c in contention)):
+        raise ValueError(f"contention must be a non-empty list of positive slowdown factors, got {contention!r}")
+    if bucket_bytes is not None and bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes!r}")
     link = _link(links)
     ar_link = _link(allreduce_link) if allreduce_link is not None else link
     plan = get_schedule(schedule, stages, chunks)
@@ -122,22 +304,63 @@ def simulate(
         sender = src if a.kind == "F" else dst
         return link.time(costs[sender].activation_bytes)
 
-    played = play(plan, duration, transfer)
-    reduce = [ring_allreduce_time(c.param_bytes, replicas, ar_link) for c in costs]
-    end = played.makespan
-    for s, row in enumerate(played.events):
-        last_b = [(start, stop) for a, start, stop in row if a.kind == "B"]
-        if last_b and reduce[s] > 0:
-            start, stop = last_b[-1]
-            end = max(end, stop, start + reduce[s])
+    buckets = [_buckets(c.param_bytes, bucket_bytes) for c in costs]
+    reduce = [sum(ring_allreduce_time(b, replicas, ar_link) for b in bs) for bs in buckets]
+    if collectives_share_cores:
+        if contention is None:
+            raise ValueError("collectives_share_cores=True needs contention= (how the shared cores slow down)")
+        jobs: List[List[Tuple[float, float]]] = []
+        for c, bs in zip(costs, buckets):
+            produced, row = 0.0, []
+            for size in bs:
+                produced += size
+                # a bucket may start once the backward has produced it; one piece (no bucket size) may start
+                # with the last backward, as in the model without sharing
+                share = produced / c.param_bytes if bucket_bytes is not None else 0.0
+                row.append((share, ring_allreduce_time(size, replicas, ar_link)))
+            jobs.append(row if replicas > 1 else [])
+        events, spans = _play_shared(plan, duration, transfer,
+                                     lambda n: contention_factor(contention, n * replicas), jobs)
+        played = Played(events)
+        end = max([played.makespan] + [stop for row in spans for _, stop in row])
+    else:
+        if contention is None:
+            played = play(plan, duration, transfer)
+        else:
+            played = play_shared(plan, duration, transfer, lambda n: contention_factor(contention, n * replicas))
+        end = played.makespan
+        for s, row in enumerate(played.events):
+            last_b = [(start, stop) for a, start, stop in row if a.kind == "B"]
+            if last_b and reduce[s] > 0:
+                start, stop = last_b[-1]
+                if bucket_bytes is None:
+                    end = max(end, stop, start + reduce[s])
+                    continue
+                clock, produced = start, 0.0
+                for size in buckets[s]:
+                    produced += size
+                    ready = start + (stop - start) * produced / costs[s].param_bytes
+                    clock = max(clock, ready) + ring_allreduce_time(size, replicas, ar_link)
+                end = max(end, stop, clock)
     return Prediction(
-        step_time=end,
+        step_time=end + step_overhead,
         bubble=played.bubble,
         peak_activations=[played.peak_in_flight(s) for s in range(stages)],
         allreduce_time=reduce,
         exposed_allreduce=end - played.makespan,
         played=played,
     )
+
+
+def _buckets(nbytes: float, bucket_bytes: Optional[float]) -> List[float]:
+    """``nbytes`` of gradients as DDP-like buckets of ``bucket_bytes`` (one piece without a size)."""
+    if nbytes <= 0:
+        return []
+    if bucket_bytes is None or nbytes <= bucket_bytes:
+        return [float(nbytes)]
+    full = int(nbytes // bucket_bytes)
+    rest = nbytes - full * bucket_bytes
+    return [float(bucket_bytes)] * full + ([float(rest)] if rest > 0 else [])
 
 
 def _link(value: Union[None, str, Link]) -> Link:
