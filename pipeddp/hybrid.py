@@ -140,7 +140,7 @@ class HybridParallel(nn.Module):
         self.balance = list(self.partition.balance)
         self._ddps: List[Any] = []
         self._groups = self._make_groups()
-        self.trace: Optional[Trace] = Trace(rank) if trace else None
+        self.trace = Trace(rank) if trace else None
         if sync_batchnorm and topo.replicas > 1:
             # convert before anything holds the layers; each stage's group is set below
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -179,6 +179,19 @@ class HybridParallel(nn.Module):
                 self._ddps.append(attach_ddp(st, group, ddp_kwargs=ddp_kwargs, comm_hook=comm_hook, trace=self.trace))
 
     # -- set-up ------------------------------------------------------------------------------------
+
+    @property
+    def trace(self) -> Optional[Trace]:
+        """The timeline being recorded (None when off). Assigning one also reaches the stage threads;
+        gradient all-reduce spans are recorded only when the engine was built with ``trace=True``."""
+        return self.__dict__.get("_trace")
+
+    @trace.setter
+    def trace(self, value: Optional[Trace]) -> None:
+        self.__dict__["_trace"] = value
+        pipe = self.__dict__.get("_pipe")
+        if pipe is not None:
+            pipe.trace = value
 
     def _local_devices(self, devices: Optional[Sequence[DeviceLike]]) -> List[torch.device]:
         topo = self.topology

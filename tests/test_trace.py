@@ -70,3 +70,14 @@ def test_plan_command_respects_memory(capsys):
     out = capsys.readouterr().out
     assert "stages x" in out and "1:" in out
     assert main(["plan", "--model", "mlp", "--devices", "4", "--memory", "1MB", "--profile-batch", "4"]) == 1
+
+
+def test_trace_assigned_later_reaches_the_stage_threads():
+    from pipeddp.trace import Trace
+
+    with pipeddp.HybridParallel(make_mlp(), stages=2, chunks=3) as engine:
+        assert engine.trace is None
+        engine.trace = Trace()
+        engine.train_step(*data(6), nn.functional.mse_loss)
+        assert sorted((s.stage, s.kind, s.mb) for s in engine.trace.spans if s.kind in "FB") == sorted(
+            (s, k, i) for s in range(2) for k in "FB" for i in range(3))
