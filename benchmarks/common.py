@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -23,7 +24,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-__all__ = ["interleaved", "median_ratio", "median_ms", "parallel_probe", "machine_info", "write_json", "print_table", "fmt"]
+__all__ = [
+    "interleaved", "median_ratio", "median_ms", "parallel_probe", "machine_info", "pipeddp_commit", "write_json",
+    "print_table", "fmt", "grad_snapshot", "grad_rel_diff",
+]
 
 
 def interleaved(fns: Mapping[str, Callable[[], Any]], rounds: int, warmup: int = 1) -> Dict[str, List[float]]:
@@ -122,15 +126,52 @@ def machine_info() -> Dict[str, Any]:
     }
 
 
+def pipeddp_commit() -> str:
+    """The checkout's commit, with "-dirty" if pipeddp/ has local changes: the code a figure measured."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "pipeddp"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head or "unknown") + ("-dirty" if dirty else "")
+
+
+def grad_snapshot(model: torch.nn.Module) -> List[Optional[torch.Tensor]]:
+    """Copies of the gradients: the next step's zero_grad would free them."""
+    return [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+
+
+def grad_rel_diff(ref: Sequence[Optional[torch.Tensor]], model: torch.nn.Module) -> float:
+    """max |g - g_ref| / max |g_ref| over all parameters (a pipeline keeps the model's parameter order).
+
+    A benchmark that times a wrong result measures nothing: every script checks
+    its configurations against the plain model's gradients with this.
+    """
+    params = list(model.parameters())
+    if len(params) != len(ref):
+        return float("inf")
+    diff = scale = 0.0
+    for r, p in zip(ref, params):
+        if (r is None) != (p.grad is None):
+            return float("inf")
+        if r is not None:
+            diff = max(diff, (p.grad - r).abs().max().item())
+            scale = max(scale, r.abs().max().item())
+    return diff / (scale or 1.0)
+
+
 def write_json(path: Union[str, os.PathLike], payload: Any) -> Path:
-    """Write ``payload`` (with ``"machine": machine_info()`` added) as indented JSON.
+    """Write ``payload`` (with ``"machine": machine_info()`` and ``"pipeddp_commit"`` added) as indented JSON.
 
     Parent directories are created, so a fresh checkout can write to
     ``results/...`` directly. Returns the path written.
     """
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    doc: Dict[str, Any] = {"machine": machine_info()}
+    doc: Dict[str, Any] = {"machine": machine_info(), "pipeddp_commit": pipeddp_commit()}
     if isinstance(payload, Mapping):
         doc.update(payload)
     else:

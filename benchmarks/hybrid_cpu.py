@@ -40,10 +40,7 @@ for every pipeline, the time each stage spent in its forward and backward calls
 (where the time goes; medians over the undisturbed rounds are reported).
 
 pipeddp's cut comes from ``pipeddp.partition(model, 2, method="time", sample=x,
-chunks=m)`` on rank 0. Should that raise (since commit adfe42f it does for the
-ResNets: the profiler feeds each layer a leaf that requires grad, and the stem's
-``ReLU(inplace=True)`` refuses it), the error is recorded in the JSON and the cut
-comes from the same partitioner run on a copy with in-place ops turned off.
+chunks=m)`` on rank 0, sent to rank 1.
 """
 
 from __future__ import annotations
@@ -435,15 +432,6 @@ def build_torch_configs(rank: int, model: nn.Sequential, x: torch.Tensor, y: tor
     return configs, report
 
 
-def _without_inplace(model: nn.Sequential) -> nn.Sequential:
-    """A copy of ``model`` whose in-place modules (``ReLU(inplace=True)``) compute out of place."""
-    twin = copy.deepcopy(model)
-    for mod in twin.modules():
-        if getattr(mod, "inplace", False):
-            mod.inplace = False
-    return twin
-
-
 def run_m(rank: int, name: str, work: Workload, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, m: int,
           opts: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     loss_fn = work.loss_fn
@@ -452,18 +440,9 @@ def run_m(rank: int, name: str, work: Workload, model: nn.Sequential, x: torch.T
     plan: List[Any] = [None]
     if rank == 0:
         t0 = time.perf_counter()
-        failure = None
-        try:
-            part = partition(model, STAGES, method="time", sample=x, chunks=m)
-        except Exception as exc:  # noqa: BLE001 - a pipeddp bug; recorded, and worked around below
-            failure = f"{type(exc).__name__}: {exc}"
-            print(f"  [{name}] m={m}: pipeddp.partition(method='time') FAILED: {failure}; profiling a copy with "
-                  "in-place ops turned off instead (same layers, same partitioner)", flush=True)
-            part = partition(_without_inplace(model), STAGES, method="time", sample=x, chunks=m)
+        part = partition(model, STAGES, method="time", sample=x, chunks=m)
         plan = [{"balance": list(part.balance), "stage_ms": [c * 1e3 for c in part.stage_costs],
-                 "layer_ms": [c * 1e3 for c in part.layer_costs], "profile_s": time.perf_counter() - t0,
-                 "partition_error": failure,
-                 "profiled_model": "copy with inplace=False everywhere" if failure else "the model"}]
+                 "layer_ms": [c * 1e3 for c in part.layer_costs], "profile_s": time.perf_counter() - t0}]
     dist.broadcast_object_list(plan, src=0)
     cut_info = plan[0]
     balance = cut_info["balance"]

@@ -47,9 +47,9 @@ from pipeddp.schedule import get_schedule, play
 from pipeddp.trace import Trace
 
 try:  # run as a script (benchmarks/ is sys.path[0]) or as python -m benchmarks.pipeline_cpu
-    from benchmarks.common import interleaved, median_ms, median_ratio, parallel_probe, print_table, write_json
+    from benchmarks.common import grad_rel_diff, grad_snapshot, interleaved, median_ms, median_ratio, parallel_probe, print_table, write_json
 except ImportError:  # pragma: no cover - depends on how the script is started
-    from common import interleaved, median_ms, median_ratio, parallel_probe, print_table, write_json
+    from common import grad_rel_diff, grad_snapshot, interleaved, median_ms, median_ratio, parallel_probe, print_table, write_json
 
 STAGES = 2
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -90,26 +90,6 @@ WORKLOADS: Dict[str, Workload] = {
 def bubble_bound(m: int, p: int = STAGES) -> float:
     """Best possible speedup of p equal stages over m micro-batches: the fill/drain bubble costs p-1 slots."""
     return m * p / (m + p - 1)
-
-
-def grad_snapshot(model: nn.Module) -> List[Optional[torch.Tensor]]:
-    """Copies of the gradients: the next step's zero_grad would free them."""
-    return [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
-
-
-def grad_rel_diff(ref: Sequence[Optional[torch.Tensor]], model: nn.Module) -> float:
-    """max |g - g_ref| / max |g_ref| over all parameters (the pipeline keeps the model's parameter order)."""
-    params = list(model.parameters())
-    if len(params) != len(ref):
-        return float("inf")
-    diff = scale = 0.0
-    for r, p in zip(ref, params):
-        if (r is None) != (p.grad is None):
-            return float("inf")
-        if r is not None:
-            diff = max(diff, (p.grad - r).abs().max().item())
-            scale = max(scale, r.abs().max().item())
-    return diff / (scale or 1.0)
 
 
 def trace_step(pipe: Pipeline, step: Callable[[], Any], schedule: str, m: int, accum_ms: float) -> Dict[str, Any]:
