@@ -98,6 +98,8 @@ def _mb_text(sizes: Sequence[int]) -> str:
             groups[-1][0] += 1
         else:
             groups.append([1, k])
+    if len(groups) == 1:
+        return f"{groups[0][0]} x {groups[0][1]}"  # "1 x 120", not "120": a count, then a size
     return " + ".join(f"{n} x {k}" if n > 1 else str(k) for n, k in groups)
 
 

@@ -1,0 +1,53 @@
+"""The timing helpers every benchmark's figures rest on (benchmarks/common.py)."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from benchmarks.common import grad_rel_diff, grad_snapshot, interleaved, median_ratio, write_json
+
+
+def test_interleaved_rotates_the_order_and_drops_warmup_rounds():
+    calls = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in "abc"}
+    times = interleaved(fns, rounds=3, warmup=1)
+    # round r starts at configuration r mod 3: no configuration always follows the same neighbour
+    assert calls == list("abc" "bca" "cab" "abc")
+    assert {k: len(v) for k, v in times.items()} == {"a": 3, "b": 3, "c": 3}
+    with pytest.raises(ValueError, match="rounds"):
+        interleaved(fns, rounds=0)
+
+
+def test_median_ratio_pairs_rounds_so_that_drift_cancels():
+    # the host slows down 3x over the run; b is always exactly twice as fast as a in the same round
+    a = [1.0, 2.0, 3.0, 10.0, 30.0]
+    b = [0.5, 1.0, 1.5, 5.0, 15.0]
+    assert median_ratio(a, b) == 2.0
+    # one round hit by a hiccup does not move the median
+    assert median_ratio(a, b[:2] + [30.0] + b[3:]) == 2.0
+    with pytest.raises(ValueError, match="same rounds"):
+        median_ratio(a, b[:-1])
+
+
+def test_grad_rel_diff_is_zero_for_equal_grads_and_scales_with_the_difference():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    model(torch.randn(5, 4)).sum().backward()
+    ref = grad_snapshot(model)
+    assert grad_rel_diff(ref, model) == 0.0
+    scale = max(g.abs().max().item() for g in ref if g is not None)
+    with torch.no_grad():
+        model[0].weight.grad[0, 0] += 0.5 * scale
+    assert grad_rel_diff(ref, model) == pytest.approx(0.5)
+    model[2].bias.grad = None
+    assert grad_rel_diff(ref, model) == float("inf")
+
+
+def test_write_json_records_the_machine_and_the_code(tmp_path):
+    out = write_json(tmp_path / "sub" / "r.json", {"value": torch.tensor([1.5])})
+    doc = json.loads(out.read_text())
+    assert doc["value"] == [1.5]
+    assert doc["machine"]["torch"] == torch.__version__
+    assert doc["pipeddp_commit"]  # a commit id, or "unknown" outside a git checkout
