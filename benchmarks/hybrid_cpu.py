@@ -603,8 +603,6 @@ def run_m(rank: int, name: str, work: Workload, model: nn.Sequential, x: torch.T
         "profiled_stage_ms": cut_info["stage_ms"],
         "profiled_layer_ms": cut_info["layer_ms"],
         "profile_s": cut_info["profile_s"],
-        "partition_error": cut_info["partition_error"],
-        "profiled_model": cut_info["profiled_model"],
         "torch_pipelining": torch_report,
         "check": check,
         "rank1_idle_cpu_frac": statistics.median(idle[1]) if idle and idle[1] else None,
@@ -909,11 +907,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for k, v in fails.items():
             console.print(f"[yellow]{name}: {k} failed on cut(s) "
                           f"{[a['cut'] for a in v['attempts'] if not a['ok']]}, used cut {v['used_cut']}[/yellow]")
-        for r in res[name]["by_m"]:
-            if r["partition_error"]:
-                console.print(f"[red]{name} m={r['m']}: pipeddp.partition(method='time') failed[/red] "
-                              f"({r['partition_error']}); the cut {r['balance']} comes from the same partitioner run "
-                              "on a copy with in-place ops turned off")
         for r in res[name]["by_m"]:
             used = [f for n, fl in r["foreign_cores"].items() if not n.startswith("host_")
                     for f, ok in zip(fl, r["undisturbed"][n]) if ok]
