@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -26,8 +27,33 @@ from rich.table import Table
 
 __all__ = [
     "interleaved", "median_ratio", "median_ms", "parallel_probe", "machine_info", "pipeddp_commit", "write_json",
-    "print_table", "fmt", "grad_snapshot", "grad_rel_diff",
+    "print_table", "fmt", "grad_snapshot", "grad_rel_diff", "LossFn", "Workload", "bubble_bound",
 ]
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Workload:
+    """One benchmark model: how to build it and its batch, its loss, and the defaults of a full run.
+
+    ``batch`` takes no argument (a fixed batch) or, where the script varies it,
+    the batch size; ``batch_size`` is then the default.
+    """
+
+    describe: str
+    build: Callable[[], torch.nn.Sequential]
+    batch: Callable[..., Tuple[torch.Tensor, torch.Tensor]]
+    loss_fn: LossFn
+    rounds: int
+    warmup: int = 1
+    max_retries: int = 0
+    batch_size: Optional[int] = None
+
+
+def bubble_bound(m: int, p: int) -> float:
+    """Best possible speedup of p equal stages over m micro-batches: the fill/drain bubble costs p-1 slots."""
+    return m * p / (m + p - 1)
 
 
 def interleaved(fns: Mapping[str, Callable[[], Any]], rounds: int, warmup: int = 1) -> Dict[str, List[float]]:

@@ -68,26 +68,18 @@ from pipeddp.pipeline import Pipeline
 from pipeddp.trace import Trace
 
 try:  # run as a script (benchmarks/ is sys.path[0]) or as python -m benchmarks.hybrid_cpu
-    from benchmarks.common import median_ms, median_ratio, parallel_probe, print_table, write_json
+    from benchmarks.common import (
+        LossFn, Workload, bubble_bound, median_ms, median_ratio, parallel_probe, print_table,
+        write_json,
+    )
 except ImportError:  # pragma: no cover - depends on how the script is started
-    from common import median_ms, median_ratio, parallel_probe, print_table, write_json
+    from common import (
+        LossFn, Workload, bubble_bound, median_ms, median_ratio, parallel_probe, print_table,
+        write_json,
+    )
 
 STAGES = 2
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Grads = Dict[str, torch.Tensor]
-
-
-@dataclass
-class Workload:
-    """One benchmark model: how to build it and its batch, and the default rounds for the full run."""
-
-    describe: str
-    build: Callable[[], nn.Sequential]
-    batch: Callable[[], Tuple[torch.Tensor, torch.Tensor]]
-    loss_fn: LossFn
-    rounds: int
-    warmup: int
-    max_retries: int
 
 
 def _mlp_batch() -> Tuple[torch.Tensor, torch.Tensor]:
@@ -115,11 +107,6 @@ WORKLOADS: Dict[str, Workload] = {
                          "(1000 classes)", _resnet50, _resnet_batch, nn.functional.cross_entropy, rounds=4, warmup=0,
                          max_retries=3),
 }
-
-
-def bubble_bound(m: int, p: int = STAGES) -> float:
-    """Best possible speedup of p equal stages over m micro-batches: the fill/drain bubble costs p-1 slots."""
-    return m * p / (m + p - 1)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -700,7 +687,7 @@ def analyse(row: Dict[str, Any]) -> Dict[str, Any]:
     """Medians (undisturbed steps) and per-round ratios (rounds where both steps were undisturbed)."""
     names = list(row["times_s"]) + [t for t in TORCH if t not in row["times_s"]]
     med = {n: _clean_median_ms(row, n) for n in names}
-    bound = bubble_bound(len(row["microbatch_sizes"]))
+    bound = bubble_bound(len(row["microbatch_sizes"]), STAGES)
     speed: Dict[str, Dict[str, Any]] = {}
     for p in [n for n in row["times_s"] if n.startswith("pipeddp")]:
         entry: Dict[str, Any] = {"rounds": {}}

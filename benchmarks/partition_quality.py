@@ -33,8 +33,7 @@ import argparse
 import statistics
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from rich.console import Console
@@ -45,21 +44,11 @@ from pipeddp.partition import block_move, partition
 from pipeddp.stage import Stage, StepSpec
 
 try:  # run as a script (benchmarks/ is sys.path[0]) or as python -m benchmarks.partition_quality
-    from benchmarks.common import median_ratio, print_table, write_json
+    from benchmarks.common import LossFn, Workload, median_ratio, print_table, write_json
 except ImportError:  # pragma: no cover - depends on how the script is started
-    from common import median_ratio, print_table, write_json
+    from common import LossFn, Workload, median_ratio, print_table, write_json
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 METHODS = ["pipeddp", "uniform", "params", "block-move"]
-
-
-@dataclass
-class Workload:
-    describe: str
-    build: Callable[[], nn.Sequential]
-    batch: Callable[[], Tuple[torch.Tensor, torch.Tensor]]
-    loss_fn: LossFn
-    rounds: int
 
 
 WORKLOADS: Dict[str, Workload] = {

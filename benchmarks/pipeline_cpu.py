@@ -33,8 +33,7 @@ from __future__ import annotations
 import argparse
 import copy
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from rich.console import Console
@@ -47,24 +46,17 @@ from pipeddp.schedule import get_schedule, play
 from pipeddp.trace import Trace
 
 try:  # run as a script (benchmarks/ is sys.path[0]) or as python -m benchmarks.pipeline_cpu
-    from benchmarks.common import grad_rel_diff, grad_snapshot, interleaved, median_ms, median_ratio, parallel_probe, print_table, write_json
+    from benchmarks.common import (
+        Workload, bubble_bound, grad_rel_diff, grad_snapshot, interleaved, median_ms, median_ratio,
+        parallel_probe, print_table, write_json,
+    )
 except ImportError:  # pragma: no cover - depends on how the script is started
-    from common import grad_rel_diff, grad_snapshot, interleaved, median_ms, median_ratio, parallel_probe, print_table, write_json
+    from common import (
+        Workload, bubble_bound, grad_rel_diff, grad_snapshot, interleaved, median_ms, median_ratio,
+        parallel_probe, print_table, write_json,
+    )
 
 STAGES = 2
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-@dataclass
-class Workload:
-    """One benchmark model: how to build it and its batch, and the default rounds for a ~8 min run."""
-
-    describe: str
-    build: Callable[[], nn.Sequential]
-    batch: Callable[[], Tuple[torch.Tensor, torch.Tensor]]
-    loss_fn: LossFn
-    rounds: int
-    warmup: int
 
 
 WORKLOADS: Dict[str, Workload] = {
@@ -85,11 +77,6 @@ WORKLOADS: Dict[str, Workload] = {
         rounds=4, warmup=0,
     ),
 }
-
-
-def bubble_bound(m: int, p: int = STAGES) -> float:
-    """Best possible speedup of p equal stages over m micro-batches: the fill/drain bubble costs p-1 slots."""
-    return m * p / (m + p - 1)
 
 
 def trace_step(pipe: Pipeline, step: Callable[[], Any], schedule: str, m: int, accum_ms: float) -> Dict[str, Any]:
@@ -205,7 +192,7 @@ def run_m(
         for pipe in pipes.values():
             pipe.close()
 
-    bound = bubble_bound(len(sizes))
+    bound = bubble_bound(len(sizes), STAGES)
     vs_whole = {s: median_ratio(times["whole"], times[s]) for s in schedules}
     vs_accum = {s: median_ratio(times["accum"], times[s]) for s in schedules}
     host = median_ratio([STAGES * t for t in times["host_solo"]], times["host_both"]) if probe else None

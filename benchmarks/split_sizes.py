@@ -35,8 +35,7 @@ import copy
 import os
 import statistics
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from rich.console import Console
@@ -48,23 +47,14 @@ from pipeddp.partition import Partition
 from pipeddp.pipeline import Pipeline
 
 try:  # run as a script (benchmarks/ is sys.path[0]) or as python -m benchmarks.split_sizes
-    from benchmarks.common import grad_rel_diff, interleaved, median_ms, median_ratio, print_table, write_json
+    from benchmarks.common import (
+        Workload, grad_rel_diff, interleaved, median_ms, median_ratio, print_table, write_json,
+    )
 except ImportError:  # pragma: no cover - depends on how the script is started
-    from common import grad_rel_diff, interleaved, median_ms, median_ratio, print_table, write_json
+    from common import Workload, grad_rel_diff, interleaved, median_ms, median_ratio, print_table, write_json
 
 STAGES = 2
 SPLITS = [8, 12, 16, 20, 24, 32, 48, 64, 96, 120]
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-@dataclass
-class Workload:
-    describe: str
-    build: Callable[[], nn.Sequential]
-    batch: Callable[[int], Tuple[torch.Tensor, torch.Tensor]]
-    loss_fn: LossFn
-    batch_size: int
-    rounds: int
 
 
 WORKLOADS: Dict[str, Workload] = {
