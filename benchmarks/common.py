@@ -173,8 +173,9 @@ def grad_snapshot(model: torch.nn.Module) -> List[Optional[torch.Tensor]]:
 def grad_rel_diff(ref: Sequence[Optional[torch.Tensor]], model: torch.nn.Module) -> float:
     """max |g - g_ref| / max |g_ref| over all parameters (a pipeline keeps the model's parameter order).
 
-    A benchmark that times a wrong result measures nothing: every script checks
-    its configurations against the plain model's gradients with this.
+    A benchmark that times a wrong result measures nothing: the scripts that time
+    training steps check their configurations' gradients against a reference
+    (the plain model, or accumulation over the same micro-batches) with this.
     """
     params = list(model.parameters())
     if len(params) != len(ref):
