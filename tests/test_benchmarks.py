@@ -1,6 +1,9 @@
 """The timing helpers every benchmark's figures rest on (benchmarks/common.py)."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -51,3 +54,39 @@ def test_write_json_records_the_machine_and_the_code(tmp_path):
     assert doc["value"] == [1.5]
     assert doc["machine"]["torch"] == torch.__version__
     assert doc["pipeddp_commit"]  # a commit id, or "unknown" outside a git checkout
+
+
+def _run_script(name, *args, tmp_path):
+    """Run ``benchmarks/<name>.py`` as a user would, with its JSON in ``tmp_path``; return the JSON."""
+    out = tmp_path / f"{name}.json"
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / f"{name}.py"), *args, "--out", str(out)],
+                          cwd=root, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.timeout(300)
+def test_partition_quality_script_never_ranks_pipeddp_below_another_cut_on_its_own_profile(tmp_path):
+    doc = _run_script("partition_quality", "--models", "mlp", "--stages", "2", "3", "--rounds", "1",
+                      tmp_path=tmp_path)
+    rows = doc["models"]["mlp"]["rows"]
+    for stages in (2, 3):
+        by = {r["method"]: r for r in rows if r["stages"] == stages}
+        assert set(by) == {"pipeddp", "uniform", "params", "block-move"}
+        # the cut is the optimal min-max of the profile it was made from: no other cut predicts better
+        for r in by.values():
+            assert by["pipeddp"]["predicted_ratio"] <= r["predicted_ratio"] + 1e-9, (stages, r["method"])
+            assert sum(r["balance"]) == doc["models"]["mlp"]["layers"]
+            assert r["measured_bottleneck_ms"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_split_sizes_script_times_pipelines_that_compute_the_plain_gradients(tmp_path):
+    doc = _run_script("split_sizes", "--model", "mlp", "--batch", "64", "--splits", "16", "24", "--rounds", "1",
+                      tmp_path=tmp_path)
+    assert [r["split_size"] for r in doc["by_split"]] == [16, 24]
+    assert doc["by_split"][1]["microbatch_sizes"] == [24, 24, 16]
+    for name in ("naive-mp", "split=16", "split=24"):
+        assert doc["check"][name]["grad_rel_diff_vs_plain"] < 1e-5, name
+    assert doc["best"]["split_size"] in (16, 24)
