@@ -28,6 +28,7 @@ from rich.table import Table
 __all__ = [
     "interleaved", "median_ratio", "median_ms", "parallel_probe", "machine_info", "pipeddp_commit", "write_json",
     "print_table", "fmt", "grad_snapshot", "grad_rel_diff", "LossFn", "Workload", "bubble_bound",
+    "host_cpu_seconds",
 ]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -150,6 +151,25 @@ def machine_info() -> Dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "argv": sys.argv,
     }
+
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def host_cpu_seconds() -> Tuple[float, float]:
+    """(busy, steal) CPU seconds of the whole machine since boot, from /proc/stat ((0, 0) where there is none).
+
+    The host is shared: busy time beyond a benchmark's own processes' CPU time
+    during a step is other processes competing for the cores, and steal is the
+    hypervisor taking them away. Both mark a step as disturbed.
+    """
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0.0, 0.0
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq) / _TICK, steal / _TICK
 
 
 def pipeddp_commit() -> str:

@@ -69,12 +69,12 @@ from pipeddp.trace import Trace
 
 try:  # run as a script (benchmarks/ is sys.path[0]) or as python -m benchmarks.hybrid_cpu
     from benchmarks.common import (
-        LossFn, Workload, bubble_bound, median_ms, median_ratio, parallel_probe, print_table,
+        LossFn, Workload, bubble_bound, host_cpu_seconds, median_ms, median_ratio, parallel_probe, print_table,
         write_json,
     )
 except ImportError:  # pragma: no cover - depends on how the script is started
     from common import (
-        LossFn, Workload, bubble_bound, median_ms, median_ratio, parallel_probe, print_table,
+        LossFn, Workload, bubble_bound, host_cpu_seconds, median_ms, median_ratio, parallel_probe, print_table,
         write_json,
     )
 
@@ -305,32 +305,18 @@ def _log(rank: int, msg: str) -> None:
         print(msg, flush=True)
 
 
-_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def _host_cpu() -> Tuple[float, float]:
-    """(busy, steal) CPU seconds of the whole machine since boot, from /proc/stat ((0, 0) where there is none)."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return 0.0, 0.0
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
-    return (user + nice + system + irq + softirq) / _TICK, steal / _TICK
-
-
 def _timed(cfg: Config) -> Tuple[float, float, float, float]:
     """One step between barriers: (wall seconds from the common start to both ranks done, this rank's CPU
     seconds, the machine's busy CPU seconds, its steal seconds) over that stretch."""
     dist.barrier()
-    h0, s0 = _host_cpu()
+    h0, s0 = host_cpu_seconds()
     c0 = time.process_time()
     t0 = time.perf_counter()
     if cfg.step is not None:
         cfg.step()
     dist.barrier()
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    h1, s1 = _host_cpu()
+    h1, s1 = host_cpu_seconds()
     return wall, cpu, h1 - h0, s1 - s0
 
 

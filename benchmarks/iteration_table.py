@@ -110,8 +110,9 @@ def _phases(spans: List[Any], t0: float, stages: int) -> Dict[str, Any]:
     }
 
 
-def plain_config(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> Config:
-    mod = copy.deepcopy(model)
+def _direct_step(mod: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                 loss_fn: LossFn) -> Callable[[float], Dict[str, Any]]:
+    """A step of a module whose forward (model + loss) and backward are timed directly (plain model, DDP)."""
 
     def run(t0: float) -> Dict[str, Any]:
         mod.zero_grad(set_to_none=True)
@@ -122,6 +123,11 @@ def plain_config(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_fn
         t3 = time.perf_counter()
         return {"lead": t1 - t0, "fwd": t2 - t1, "F": [t2 - t1], "B": [t3 - t2], "loss": loss.item()}
 
+    return run
+
+
+def plain_config(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> Config:
+    run = _direct_step(copy.deepcopy(model), x, y, loss_fn)
     return Config("one device", 1, run, info={"procs_x_threads": "1 x 1", "batch_per_process": x.shape[0]})
 
 
@@ -131,16 +137,7 @@ def ddp_config(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor
     ddp = DistributedDataParallel(copy.deepcopy(model))
     half = x.shape[0] // PROCS
     xl, yl = x[rank * half:(rank + 1) * half], y[rank * half:(rank + 1) * half]
-
-    def run(t0: float) -> Dict[str, Any]:
-        ddp.zero_grad(set_to_none=True)
-        t1 = time.perf_counter()
-        loss = loss_fn(ddp(xl), yl)
-        t2 = time.perf_counter()
-        loss.backward()
-        t3 = time.perf_counter()
-        return {"lead": t1 - t0, "fwd": t2 - t1, "F": [t2 - t1], "B": [t3 - t2], "loss": loss.item()}
-
+    run = _direct_step(ddp, xl, yl, loss_fn)
     return Config("DDP N=2", 2, run, lambda: None,
                   {"procs_x_threads": f"{PROCS} x 1", "batch_per_process": half, "backend": "gloo"})
 

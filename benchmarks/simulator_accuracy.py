@@ -89,9 +89,9 @@ from pipeddp.simulate import Link, StageCost, simulate
 from pipeddp.transport import Inbox
 
 try:  # run as a script (benchmarks/ is sys.path[0]) or as python -m benchmarks.simulator_accuracy
-    from benchmarks.common import parallel_probe, print_table, write_json
+    from benchmarks.common import host_cpu_seconds, parallel_probe, print_table, write_json
 except ImportError:  # pragma: no cover - depends on how the script is started
-    from common import parallel_probe, print_table, write_json
+    from common import host_cpu_seconds, parallel_probe, print_table, write_json
 
 BATCH = 256
 WIDTH = 1024
@@ -489,40 +489,28 @@ def build(rank: int, spec: Spec, model: nn.Sequential, x: torch.Tensor, y: torch
     return Runner(spec, staged, engine.close)
 
 
-def _cpu_jiffies() -> Tuple[int, int]:
-    """(busy, steal) jiffies of the whole host so far, from /proc/stat (0, 0 where there is none)."""
-    try:
-        with open("/proc/stat") as f:
-            v = [int(t) for t in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return 0, 0
-    idle = v[3] + (v[4] if len(v) > 4 else 0)
-    steal = v[7] if len(v) > 7 else 0
-    return sum(v[:8]) - idle - steal, steal
-
-
 def _faults() -> Tuple[int, int]:
     """(minor, major) page faults of this process so far."""
     use = resource.getrusage(resource.RUSAGE_SELF)
     return use.ru_minflt, use.ru_majflt
 
 
-def timed(rank: int, runner: Runner) -> Tuple[float, float, int, int, Tuple[int, int]]:
-    """One step: (seconds read on rank 0, this process's CPU seconds, host busy and steal jiffies, faults).
+def timed(rank: int, runner: Runner) -> Tuple[float, float, float, float, Tuple[int, int]]:
+    """One step: (seconds read on rank 0, this process's CPU seconds, host busy and steal seconds, faults).
 
-    See the module docstring for what the seconds cover. The host's busy jiffies minus both ranks'
+    See the module docstring for what the seconds cover. The host's busy seconds minus both ranks'
     CPU seconds is the CPU that other processes used meanwhile (the host is shared). ``faults`` are
     this process's (minor, major) page faults during the step.
     """
     dist.barrier()
-    j0, c0, f0 = _cpu_jiffies(), time.process_time(), _faults()
+    j0, c0, f0 = host_cpu_seconds(), time.process_time(), _faults()
     t0 = time.perf_counter()
     if runner.step is not None:
         runner.step()
     t1 = time.perf_counter()
     dist.barrier()
     t2 = time.perf_counter()
-    j1, f1 = _cpu_jiffies(), _faults()
+    j1, f1 = host_cpu_seconds(), _faults()
     return ((t2 if runner.spec.procs > 1 else t1) - t0, time.process_time() - c0, j1[0] - j0[0], j1[1] - j0[1],
             (f1[0] - f0[0], f1[1] - f0[1]))
 
@@ -596,8 +584,8 @@ def job(settings: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     names = [s.name for s in specs]
     times: Dict[str, List[float]] = {n: [] for n in names}
     own_cpu: Dict[str, List[float]] = {n: [] for n in names}
-    host_busy: Dict[str, List[int]] = {n: [] for n in names}
-    host_steal: Dict[str, List[int]] = {n: [] for n in names}
+    host_busy: Dict[str, List[float]] = {n: [] for n in names}
+    host_steal: Dict[str, List[float]] = {n: [] for n in names}
     paired: Dict[str, List[Optional[Dict[str, Any]]]] = {n: [] for n in names}
     faults: Dict[str, List[Tuple[int, int]]] = {n: [] for n in names}
     for r in range(rounds):
@@ -630,10 +618,9 @@ def job(settings: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     dist.barrier()
     if rank != 0:
         return None
-    hz = os.sysconf("SC_CLK_TCK")
     # per step, in cores: CPU of both ranks, and of every other process on the host (busy - ours)
     ours = {n: [(a + b) / t for a, b, t in zip(cpus[0][n], cpus[1][n], times[n])] for n in names}
-    others = {n: [max(j / hz - a - b, 0.0) / t for j, a, b, t in zip(host_busy[n], cpus[0][n], cpus[1][n], times[n])]
+    others = {n: [max(j - a - b, 0.0) / t for j, a, b, t in zip(host_busy[n], cpus[0][n], cpus[1][n], times[n])]
               for n in names}
     final = {s.name: predict(s, calib, balance(s)) for s in specs}
     plain = {s.name: predict(s, calib, balance(s), plain=True) for s in specs}
@@ -655,7 +642,7 @@ def job(settings: Dict[str, Any]) -> Optional[Dict[str, Any]]:
             "paired_error": statistics.median(per_round) if per_round else None,
             "prediction": final[n], "prior_prediction": prior[n],
             "host": {"ours_cores": ours[n], "others_cores": others[n],
-                     "steal_cores": [j / hz / t for j, t in zip(host_steal[n], times[n])],
+                     "steal_cores": [j / t for j, t in zip(host_steal[n], times[n])],
                      "median_ours": statistics.median(ours[n]), "median_others": statistics.median(others[n]),
                      "page_faults_minor": [a[0] + b[0] for a, b in zip(flts[0][n], flts[1][n])],
                      "page_faults_major": [a[1] + b[1] for a, b in zip(flts[0][n], flts[1][n])]},
