@@ -1,11 +1,22 @@
 """Checkpoint files: one consolidated file with the plain model's keys.
 
-A checkpoint is a ``torch.save`` of::
+A checkpoint is a ``torch.save`` of plain values only (tensors, numbers,
+strings, lists, tuples, dicts), so PyTorch's safe loader opens it and
+nothing in it can run code when it is read::
 
-    {"format": "pipeddp/1",
+    {"format": "pipeddp/2",
      "model": {"0.weight": ..., ...},        # loads into the plain nn.Sequential
      "optimizer": {"state": {"0.weight": {...}}, "param_groups": [...]} or None,
-     "meta": {...}, "extra": {...}}
+     "extra": {...},                         # the caller's own values (step, epoch, ...)
+     "rng": [{"torch": ..., "python": ..., "numpy": {...}, "cuda": [...]}, ...],   # one per rank
+     "meta": {"stages": 2, "replicas": 2, "world_size": 4, "balance": [...], "mode": "replica"}}
+
+    ck = torch.load("ckpt.pt")               # weights_only=True, PyTorch's default
+    plain_model.load_state_dict(ck["model"])
+
+pipeddp reads checkpoints only with ``weights_only=True`` (``load``): a file
+that needs anything else (a pickled object that would run code, or a file
+written by another program) is refused with an error naming it.
 
 Optimizer state is keyed by parameter *name* (via
 ``torch.distributed.checkpoint.state_dict``), not by position, so it can be
@@ -26,7 +37,9 @@ loads completely, skipping any that do not.
 from __future__ import annotations
 
 import glob
+import numbers
 import os
+import pickle
 import random
 import re
 import tempfile
@@ -39,9 +52,11 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 __all__ = ["atomic_save", "named_optimizer_state", "load_named_optimizer_state", "merge_optimizer_states", "FORMAT",
-           "step_path", "list_checkpoints", "newest", "prune", "rng_state", "set_rng_state"]
+           "step_path", "list_checkpoints", "newest", "prune", "rng_state", "set_rng_state", "load", "check_plain",
+           "UnsafeCheckpointError"]
 
-FORMAT = "pipeddp/1"
+#: ``pipeddp/1`` files held NumPy objects in their RNG states; see the README for a one-time conversion.
+FORMAT = "pipeddp/2"
 _STEP = re.compile(r"^step-(\d+)\.pt$")
 
 
@@ -70,6 +85,59 @@ def atomic_save(obj: Any, path: str) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+class UnsafeCheckpointError(ValueError):
+    """A file that PyTorch's safe loader refuses: it would need to run pickled code to be read."""
+
+
+def load(path: str) -> Dict[str, Any]:
+    """Read a pipeddp checkpoint with ``torch.load(weights_only=True)``, onto the CPU.
+
+    Raises ``UnsafeCheckpointError`` (nothing from the file is run) when the
+    file holds anything but plain values, and ``ValueError`` when it is a safe
+    file but not a pipeddp checkpoint. Other errors (a truncated file) pass
+    through unchanged.
+    """
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise UnsafeCheckpointError(
+            f"{path} was refused by PyTorch's safe loader (weights_only=True): it holds pickled objects that "
+            "would run code when loaded, so it is not a pipeddp checkpoint of this version and nothing in it was "
+            "run. If you wrote it yourself with an older pipeddp and trust it, convert it once as the README's "
+            f"'Checkpoints' section shows. ({str(exc).splitlines()[0]})"
+        ) from None
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT or "model" not in payload:
+        found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
+        raise ValueError(f"{path} is not a pipeddp checkpoint of format {FORMAT!r} (found {found!r}); "
+                         "write one with HybridParallel.save or save_checkpoint")
+    return payload
+
+
+_PLAIN = (str, bytes, bool, numbers.Number, type(None), torch.Tensor, torch.dtype, torch.device, torch.Size)
+
+
+def check_plain(value: Any, where: str) -> None:
+    """Raise ``TypeError`` naming the entry of ``value`` that the safe loader could not read back.
+
+    Checked before a checkpoint is written, so that a save never produces a
+    file that ``load`` (or a plain ``torch.load``) then refuses.
+    """
+    if isinstance(value, _PLAIN) and not isinstance(value, (np.generic, np.ndarray)):
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            check_plain(k, f"{where} key {k!r}")
+            check_plain(v, f"{where}[{k!r}]")
+        return
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            check_plain(v, f"{where}[{i}]")
+        return
+    raise TypeError(f"{where} is a {type(value).__module__}.{type(value).__qualname__}; a checkpoint holds plain "
+                    "values only (tensors, numbers, strings, lists, tuples, dicts), so that it loads with "
+                    "torch.load(weights_only=True): convert it (e.g. int(x), x.tolist(), torch.as_tensor(x))")
 
 
 def _to_cpu(value: Any) -> Any:
@@ -133,11 +201,11 @@ def newest(directory: str) -> Optional[Tuple[str, Dict[str, Any]]]:
     """The newest checkpoint of ``directory`` that loads completely, with its contents (or None)."""
     for _, path in list_checkpoints(directory):
         try:
-            payload = torch.load(path, map_location="cpu", weights_only=False)
+            return path, load(path)
+        except UnsafeCheckpointError:
+            raise  # not damaged but refused: resuming from an older file instead would hide it
         except Exception:  # noqa: BLE001 - a damaged file is skipped, an older one is used
             continue
-        if isinstance(payload, dict) and payload.get("format") == FORMAT and "model" in payload:
-            return path, payload
     return None
 
 
@@ -153,17 +221,29 @@ def prune(directory: str, keep: int) -> None:
 
 
 def rng_state() -> Dict[str, Any]:
-    """Every random generator this process uses: torch (CPU and CUDA), Python, NumPy."""
-    state: Dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
-                             "numpy": np.random.get_state()}
+    """Every random generator this process uses: torch (CPU and CUDA), Python, NumPy, as plain values.
+
+    NumPy's legacy state is a tuple holding an ndarray, which the safe loader
+    refuses; it is stored as its parts, the 624 key words as an int64 tensor.
+    """
+    name, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+    state: Dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": {"name": str(name), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(gauss)},
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def set_rng_state(state: Dict[str, Any]) -> None:
+    """Restore what ``rng_state`` recorded."""
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    n = state["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

@@ -33,8 +33,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .checkpoint import (FORMAT, atomic_save, load_named_optimizer_state, merge_optimizer_states,
+from .checkpoint import (FORMAT, atomic_save, check_plain, load_named_optimizer_state, merge_optimizer_states,
                          named_optimizer_state, newest, prune, rng_state, set_rng_state, step_path)
+from .checkpoint import UnsafeCheckpointError
+from .checkpoint import load as load_checkpoint
 from .ddp import COMM_HOOKS, CommHook, attach_ddp, check_ddp_kwargs
 from .devices import DeviceLike, resolve_devices
 from .executor import run_actions
@@ -63,7 +65,8 @@ class HybridParallel(nn.Module):
         mode: ``"replica"`` (one process per replica, driving ``stages`` devices
             with threads) or ``"stage"`` (one process per stage).
         devices: this process's devices (``stages`` of them in replica mode, one in
-            stage mode). Default: consecutive CUDA devices by local rank, else CPU.
+            stage mode). Default: consecutive CUDA devices by local rank, else CPU; a
+            single process with fewer GPUs than stages puts several stages on one GPU.
         backend: ``"nccl"`` or ``"gloo"``; default nccl for CUDA, gloo for CPU.
         layout: stage mode only: ``"pipeline"`` (ranks 0..S-1 are replica 0) or
             ``"data"`` (ranks 0..R-1 hold stage 0).
@@ -208,6 +211,12 @@ class HybridParallel(nn.Module):
             return [torch.device("cpu")] * want
         count = torch.cuda.device_count()
         need = topo.local_world_size * want
+        if need > count and topo.local_world_size == 1:
+            # one process: its stages share the GPUs there are (several stages on one GPU run on streams)
+            devs = [torch.device("cuda", s % count) for s in range(want)]
+            warnings.warn(f"pipeddp: {want} stage(s) on {count} CUDA device(s): stages share devices "
+                          f"{[str(d) for d in devs]}; pass devices= to choose", RuntimeWarning, stacklevel=3)
+            return devs
         if need > count:
             raise ValueError(
                 f"rank {topo.rank}: {topo.local_world_size} processes on this node x {want} device(s) each need "
@@ -566,6 +575,7 @@ class HybridParallel(nn.Module):
 
     def _payload(self, optimizer: Optional[torch.optim.Optimizer], extra: Optional[Dict[str, Any]]) -> Dict[str, Any]:
         """Everything a checkpoint holds (collectives: call on every rank; complete on rank 0)."""
+        check_plain(extra or {}, "extra")  # on every rank, before any collective: all raise alike
         model = self.state_dict()
         optim = self._optimizer_state(optimizer)
         rngs: List[Any] = [rng_state()]
@@ -616,12 +626,17 @@ class HybridParallel(nn.Module):
         rank loads the same one. Random generator states are restored when the job
         has the same number of ranks as the one that saved.
         """
-        chosen: List[Any] = [None]
+        chosen: List[Any] = [None, ""]
         if self.topology.rank == 0 or not self._distributed:
-            found = newest(directory) if os.path.isdir(directory) else None
-            chosen = [found[0] if found else None]
+            try:
+                found = newest(directory) if os.path.isdir(directory) else None
+                chosen = [found[0] if found else None, ""]
+            except ValueError as exc:  # an unsafe file: every rank must raise, none may wait for rank 0
+                chosen = [None, str(exc)]
         if self._distributed:
             dist.broadcast_object_list(chosen, src=0)
+        if chosen[1]:
+            raise UnsafeCheckpointError(f"rank {self.topology.rank}: {chosen[1]}")
         if chosen[0] is None:
             return None
         payload = self._load_payload(chosen[0], optimizer)
@@ -639,9 +654,7 @@ class HybridParallel(nn.Module):
         return self._load_payload(path, optimizer).get("extra", {})
 
     def _load_payload(self, path: str, optimizer: Optional[torch.optim.Optimizer]) -> Dict[str, Any]:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-        if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
-            raise ValueError(f"{path} is not a pipeddp checkpoint (written by HybridParallel.save)")
+        ckpt = load_checkpoint(path)
         self.load_state_dict(ckpt["model"])
         if optimizer is not None:
             if ckpt.get("optimizer") is None:
