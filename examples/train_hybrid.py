@@ -21,11 +21,19 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import pipeddp
-from pipeddp.demo import synthetic_regression
+
+
+def teacher_task(samples: int, width: int, seed: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``y = teacher(x)`` for a fixed random 2-layer tanh network: a target the model can learn."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(samples, width, generator=g)
+    w1 = torch.randn(width, 4 * width, generator=g) / width**0.5
+    w2 = torch.randn(4 * width, width, generator=g) / (4 * width) ** 0.5
+    return x, torch.tanh(x @ w1) @ w2
 
 
 def build(args: argparse.Namespace) -> Tuple[nn.Sequential, TensorDataset, TensorDataset]:
-    """The model (same initial weights on every rank) and the train / evaluation sets."""
+    """The model (same initial weights on every rank) and the train / held-out sets of one task."""
     torch.manual_seed(args.seed)
     width = args.width
     layers = []
@@ -33,9 +41,9 @@ def build(args: argparse.Namespace) -> Tuple[nn.Sequential, TensorDataset, Tenso
         layers += [nn.Linear(width, width), nn.Tanh()]
     layers.append(nn.Linear(width, width))
     model = nn.Sequential(*layers)
-    train = synthetic_regression(args.samples, width, width, seed=args.seed)
-    held_out = synthetic_regression(args.samples // 4 + 1, width, width, seed=args.seed + 1)
-    return model, TensorDataset(train["x"], train["y"]), TensorDataset(held_out["x"], held_out["y"])
+    held = args.samples // 4
+    x, y = teacher_task(args.samples + held, width, args.seed)
+    return model, TensorDataset(x[:args.samples], y[:args.samples]), TensorDataset(x[args.samples:], y[args.samples:])
 
 
 def parse(argv: Any = None) -> argparse.Namespace:
@@ -44,12 +52,13 @@ def parse(argv: Any = None) -> argparse.Namespace:
     p.add_argument("--mode", choices=["replica", "stage"], default="replica")
     p.add_argument("--chunks", type=int, default=4)
     p.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
-    p.add_argument("--batch", type=int, default=16, help="samples per replica per step")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--batch", type=int, default=32, help="samples per replica per step (the global batch is "
+                   "this times the number of replicas)")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--samples", type=int, default=256)
+    p.add_argument("--samples", type=int, default=2048, help="training samples (a quarter more are held out)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the final consolidated state dict here")
     return p.parse_args(argv)
@@ -67,6 +76,12 @@ def main(argv: Any = None) -> float:
     if rank == 0:
         print(f"{engine.topology.replicas} replica(s) x {args.stages} stage(s), mode={args.mode}, "
               f"balance {engine.balance}, devices {[str(d) for d in engine.devices]}", flush=True)
+    held_out = pipeddp.data.loader(eval_set, args.batch, engine=engine, train=False)
+
+    def held_out_mse() -> float:
+        return engine.evaluate(held_out, lambda out, y: {"mse": loss_fn(out, y)})["mse"]
+
+    before = held_out_mse()
     step, epoch, loss = 0, 0, float("nan")
     while step < args.steps:
         loader.set_epoch(epoch)
@@ -75,16 +90,16 @@ def main(argv: Any = None) -> float:
             loss = engine.train_step(x, y, loss_fn).item()
             optimizer.step()
             step += 1
-            if rank == 0 and (step % 5 == 0 or step == 1):
+            if rank == 0 and (step % 25 == 0 or step == 1):
                 print(f"step {step:4d}  loss {loss:.5f}", flush=True)
             if step == args.steps:
                 break
         epoch += 1
-    metrics = engine.evaluate(pipeddp.data.loader(eval_set, args.batch, engine=engine, train=False),
-                              lambda out, y: {"mse": loss_fn(out, y)})
+    after = held_out_mse()
     state = engine.state_dict()
     if rank == 0:
-        print(f"held-out mse {metrics['mse']:.5f} over {int(metrics['samples'])} samples", flush=True)
+        print(f"held-out mse {before:.5f} before training, {after:.5f} after ({after / before:.0%}) over "
+              f"{len(eval_set)} samples", flush=True)
         if args.out:
             torch.save(state, args.out)
     engine.close()

@@ -9,10 +9,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Iterator, List, Optional
 
 from rich.console import Console
+from rich.progress import Progress
 
 __all__ = ["main"]
 
@@ -25,6 +27,26 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _progress(console: Console, what: str) -> Iterator[Callable[[int, int], None]]:
+    """A ``progress(done, total)`` callback: a bar on a terminal, a line per quarter in a log or a pipe."""
+    if console.is_terminal:
+        with Progress(console=console, transient=True) as bar:
+            task = bar.add_task(what, total=None)
+            yield lambda done, total: bar.update(task, completed=done, total=total)
+        return
+    console.print(f"{what} ...")
+    shown = [0]
+
+    def report(done: int, total: int) -> None:
+        quarter = 4 * done // total
+        if quarter > shown[0]:
+            shown[0] = quarter
+            console.print(f"  {what}: {25 * quarter}% ({done}/{total} layer runs)")
+
+    yield report
+
+
 def _partition(args: argparse.Namespace, console: Console) -> int:
     import torch
 
@@ -34,7 +56,9 @@ def _partition(args: argparse.Namespace, console: Console) -> int:
     torch.set_num_threads(args.threads)
     model, make_sample = build(args.model)
     sample = make_sample(args.batch)
-    plan = partition(model, args.stages, method=args.method, sample=sample, chunks=args.chunks)
+    with _progress(console, f"profiling {args.model} ({len(model)} layers) for method={args.method}") as progress:
+        plan = partition(model, args.stages, method=args.method, sample=sample, chunks=args.chunks,
+                         progress=progress)
     console.print(plan.table())
     console.print(f"bottleneck / ideal (total / stages): {plan.bottleneck / plan.ideal:.3f}")
     return 0
@@ -90,8 +114,8 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     torch.set_num_threads(args.threads)
     model, make_sample = build(args.model)
     sizes = (max(1, args.profile_batch // 4), args.profile_batch)
-    with console.status(f"profiling {args.model} at micro-batches {sizes[0]} and {sizes[1]} ..."):
-        layers = fit_layers(model, make_sample, sizes=sizes)
+    with _progress(console, f"profiling {args.model} at micro-batches {sizes[0]} and {sizes[1]}") as progress:
+        layers = fit_layers(model, make_sample, sizes=sizes, progress=progress)
     budget = parse_bytes(args.memory)
     found = plan(layers, args.devices, args.batch, link=args.link, allreduce_link=args.allreduce_link,
                  memory=budget, optimizer_slots=args.optimizer_slots)
@@ -103,7 +127,7 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
                         + (f", replicas over {args.allreduce_link}" if args.allreduce_link else "")
                         + (f", {args.memory} per device" if args.memory else ""))
     for col in ("#", "stages x replicas", "micro-batches (size)", "schedule", "step ms", "bubble", "memory/device"):
-        table.add_column(col, justify="right")
+        table.add_column(col, justify="right", overflow="fold")
     for i, c in enumerate(found[:args.top]):
         table.add_row(str(i + 1), f"{c.stages} x {c.replicas}", f"{c.chunks} ({c.micro_batch})", c.schedule,
                       f"{c.step_time * 1e3:.1f}", f"{c.prediction.bubble:.0%}", f"{max(c.memory) / 2**30:.2f} GiB")
@@ -169,6 +193,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
     console = Console()
+    if not console.is_terminal:  # a log or a pipe: rich would assume 80 columns and cut table cells
+        console = Console(width=max(console.width, 160))
     fn: Callable[[argparse.Namespace, Console], int] = args.fn
     try:
         return fn(args, console)

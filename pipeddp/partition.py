@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from rich.console import Console
@@ -142,7 +142,7 @@ class Partition:
         """A rich table: stage, layers, params, fwd+bwd ms, activation bytes out, share of bottleneck."""
         t = Table(title=f"partition by {self.method}: balance {self.balance}")
         for col in ("stage", "layers", "params", "fwd+bwd ms", "activation out", "share of bottleneck"):
-            t.add_column(col, justify="right")
+            t.add_column(col, justify="right", overflow="fold")  # narrow output wraps a cell, never cuts it
         bott = self.bottleneck or 1.0
         for s, (a, b) in enumerate(self.ranges()):
             chunk = self.layers[a:b]
@@ -157,7 +157,7 @@ class Partition:
     def report(self) -> str:
         """The table as plain text (what ``print(partition)`` shows)."""
         buf = io.StringIO()
-        Console(file=buf, width=110, force_terminal=False).print(self.table())
+        Console(file=buf, width=160, force_terminal=False).print(self.table())
         return buf.getvalue()
 
     def __str__(self) -> str:
@@ -208,6 +208,7 @@ def partition(
     device: Optional[Union[str, torch.device]] = None,
     link_bandwidth: Optional[float] = None,
     repeat: int = 3,
+    progress: Optional[Callable[[int, int], None]] = None,
 ) -> Partition:
     """Cut ``model`` into ``stages`` balanced contiguous stages.
 
@@ -218,6 +219,7 @@ def partition(
     layers) or an explicit list of layers per stage. ``link_bandwidth``
     (bytes/s) prices sending an activation between stages under ``"time"``;
     0 cost when it is None and the stages share a device type of CPU.
+    ``progress(done, total)`` reports the profile's progress (see ``profile_layers``).
     """
     if not isinstance(model, nn.Sequential):
         raise TypeError(
@@ -246,7 +248,7 @@ def partition(
         )
     mb = sample_microbatch(sample, chunks) if sample is not None else None
     layers = profile_layers(model, mb, device=torch.device(device) if device is not None else None,
-                            repeat=repeat, timed=method == "time")
+                            repeat=repeat, timed=method == "time", progress=progress)
     comm = [0.0] * n
     if method == "time":
         costs = [c.time for c in layers]

@@ -57,13 +57,21 @@ def _line(t1: float, t2: float, b1: int, b2: int) -> tuple:
 
 
 def fit_layers(model: nn.Sequential, make_sample: Callable[[int], Any], sizes: Sequence[int] = (4, 16),
-               device: Optional[torch.device] = None, repeat: int = 3) -> List[LayerModel]:
-    """Profile ``model`` at two micro-batch sizes and fit ``a + c b`` per layer (forward, backward)."""
+               device: Optional[torch.device] = None, repeat: int = 3,
+               progress: Optional[Callable[[int, int], None]] = None) -> List[LayerModel]:
+    """Profile ``model`` at two micro-batch sizes and fit ``a + c b`` per layer (forward, backward).
+
+    ``progress(done, total)`` covers both profiles.
+    """
     b1, b2 = sizes
     if not 0 < b1 < b2:
         raise ValueError(f"sizes must be two increasing micro-batch sizes, got {sizes}")
-    small = profile_layers(model, make_sample(b1), device=device, repeat=repeat)
-    large = profile_layers(model, make_sample(b2), device=device, repeat=repeat)
+
+    def half(offset: int) -> Optional[Callable[[int, int], None]]:
+        return None if progress is None else (lambda done, total: progress(offset * total + done, 2 * total))
+
+    small = profile_layers(model, make_sample(b1), device=device, repeat=repeat, progress=half(0))
+    large = profile_layers(model, make_sample(b2), device=device, repeat=repeat, progress=half(1))
     out = []
     for s, l in zip(small, large):
         fa, fc = _line(s.forward, l.forward, b1, b2)

@@ -18,7 +18,7 @@ import copy
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 from torch import nn
@@ -72,6 +72,7 @@ def profile_layers(
     device: Optional[torch.device] = None,
     repeat: int = 3,
     timed: bool = True,
+    progress: Optional[Callable[[int, int], None]] = None,
 ) -> List[LayerCost]:
     """Cost of every layer of ``layers`` (see module docstring).
 
@@ -79,6 +80,8 @@ def profile_layers(
     (without it both are 0). The model is not modified: layers are deep-copied
     to ``device`` (default: where the first parameter lives, else CPU) so that
     profiling neither moves the user's model nor touches its gradients.
+    ``progress(done, total)`` is called after every layer run, so that a
+    command line can show how far a profile of many seconds has come.
     """
     named = list(layers.named_children())
     costs: List[LayerCost] = []
@@ -94,6 +97,15 @@ def profile_layers(
     # One pass to get every layer's input; then the timing rounds go layer 0, 1, ..., n-1, again and
     # again, so that a slow stretch of the machine hits one repeat of every layer, not every repeat of
     # a few neighbouring layers (which would move the cut).
+    rounds = repeat + 1 if timed else 0
+    total, done = len(named) * (rounds + 1), 0
+
+    def advance() -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total)
+
     works, inputs, outs = [], [], []
     x = tree_map(lambda t: t.detach().to(device), sample)
     for _, layer in named:
@@ -104,9 +116,10 @@ def profile_layers(
         with torch.no_grad():
             x = work(tree_map(lambda t: t.clone(), x))
         outs.append(_bytes(x))
+        advance()
     fwd: List[List[float]] = [[] for _ in named]
     bwd: List[List[float]] = [[] for _ in named]
-    for _ in range(repeat + 1 if timed else 0):
+    for _ in range(rounds):
         for i, work in enumerate(works):
             # the first layer gets no input gradient, as in the pipeline (the batch does not require grad)
             want = i > 0 or any(t.requires_grad for t in tree_tensors(sample))
@@ -124,6 +137,7 @@ def profile_layers(
             _sync(device)
             fwd[i].append(mid - start)
             bwd[i].append(time.perf_counter() - mid)
+            advance()
     for i, (name, _) in enumerate(named):
         f = statistics.median(fwd[i][1:]) if len(fwd[i]) > 1 else 0.0
         b = statistics.median(bwd[i][1:]) if len(bwd[i]) > 1 else 0.0

@@ -1,6 +1,7 @@
 """The hybrid example under a real torchrun, and as a plain script, against single-device training."""
 
 import importlib.util
+import re
 import os
 import subprocess
 import sys
@@ -77,3 +78,10 @@ def test_plain_script_equals_single_device(tmp_path):
     got = torch.load(out)
     expected = reference(argv, 1)
     assert max((got[k] - expected[k]).abs().max().item() for k in got) < 2e-5
+
+
+@pytest.mark.timeout(300)
+def test_example_learns_with_its_defaults(tmp_path):
+    stdout = run([sys.executable, str(EXAMPLE)], tmp_path)
+    before, after = map(float, re.search(r"held-out mse ([\d.]+) before training, ([\d.]+) after", stdout).groups())
+    assert after < 0.7 * before, stdout[-2000:]
