@@ -61,11 +61,11 @@ from rich.console import Console
 from torch import nn
 
 import pipeddp
-from pipeddp.microbatch import split, split_sizes
-from pipeddp.models import mlp, resnet
-from pipeddp.partition import partition
+from pipeddp.runtime.microbatch import split, split_sizes
+from pipeddp.tools.models import mlp, resnet
+from pipeddp.partitioning.report import partition
 from pipeddp.pipeline import Pipeline
-from pipeddp.trace import Trace
+from pipeddp.runtime.trace import Trace
 
 try:  # run as a script (benchmarks/ is sys.path[0]) or as python -m benchmarks.hybrid_cpu
     from benchmarks.common import (

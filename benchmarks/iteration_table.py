@@ -52,9 +52,9 @@ from rich.console import Console
 from torch import nn
 
 import pipeddp
-from pipeddp.microbatch import split_sizes
-from pipeddp.models import mlp, resnet
-from pipeddp.partition import Partition, partition
+from pipeddp.runtime.microbatch import split_sizes
+from pipeddp.tools.models import mlp, resnet
+from pipeddp.partitioning.report import Partition, partition
 from pipeddp.pipeline import Pipeline
 
 try:  # run as a script (benchmarks/ is sys.path[0]) or as python -m benchmarks.iteration_table

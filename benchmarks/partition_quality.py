@@ -39,9 +39,10 @@ import torch
 from rich.console import Console
 from torch import nn
 
-from pipeddp.models import mlp, resnet
-from pipeddp.partition import block_move, partition
-from pipeddp.stage import Stage, StepSpec
+from pipeddp.tools.models import mlp, resnet
+from pipeddp.partitioning.report import partition
+from pipeddp.partitioning.solve import block_move
+from pipeddp.runtime.stage import Stage, StepSpec
 
 try:  # run as a script (benchmarks/ is sys.path[0]) or as python -m benchmarks.partition_quality
     from benchmarks.common import LossFn, Workload, median_ratio, print_table, write_json

@@ -39,11 +39,11 @@ import torch
 from rich.console import Console
 from torch import nn
 
-from pipeddp.microbatch import split, split_sizes
-from pipeddp.models import mlp, resnet
+from pipeddp.runtime.microbatch import split, split_sizes
+from pipeddp.tools.models import mlp, resnet
 from pipeddp.pipeline import Pipeline
-from pipeddp.schedule import get_schedule, play
-from pipeddp.trace import Trace
+from pipeddp.runtime.schedule import get_schedule, play
+from pipeddp.runtime.trace import Trace
 
 try:  # run as a script (benchmarks/ is sys.path[0]) or as python -m benchmarks.pipeline_cpu
     from benchmarks.common import (

@@ -81,12 +81,12 @@ from rich.console import Console
 from torch import nn
 
 import pipeddp
-from pipeddp.models import mlp
-from pipeddp.partition import solve
+from pipeddp.tools.models import mlp
+from pipeddp.partitioning.solve import solve
 from pipeddp.pipeline import Pipeline
-from pipeddp.profile import LayerCost, profile_layers
-from pipeddp.simulate import Link, StageCost, simulate
-from pipeddp.transport import Inbox
+from pipeddp.partitioning.profile import LayerCost, profile_layers
+from pipeddp.tools.simulate import Link, StageCost, simulate
+from pipeddp.runtime.channels import Inbox
 
 try:  # run as a script (benchmarks/ is sys.path[0]) or as python -m benchmarks.simulator_accuracy
     from benchmarks.common import host_cpu_seconds, parallel_probe, print_table, write_json

@@ -37,7 +37,7 @@ from rich.console import Console
 from torch import nn
 
 import pipeddp
-from pipeddp.models import mlp
+from pipeddp.tools.models import mlp
 
 try:  # run as a script (benchmarks/ is sys.path[0]) or as python -m benchmarks.soak
     from benchmarks.common import print_table, write_json

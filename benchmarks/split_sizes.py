@@ -41,9 +41,9 @@ import torch
 from rich.console import Console
 from torch import nn
 
-from pipeddp.microbatch import split_sizes
-from pipeddp.models import mlp, resnet
-from pipeddp.partition import Partition
+from pipeddp.runtime.microbatch import split_sizes
+from pipeddp.tools.models import mlp, resnet
+from pipeddp.partitioning.report import Partition
 from pipeddp.pipeline import Pipeline
 
 try:  # run as a script (benchmarks/ is sys.path[0]) or as python -m benchmarks.split_sizes

@@ -11,13 +11,13 @@ The public face is small:
 - ``simulate``: predict a step from measured costs (``pipeddp plan`` ranks configurations with it).
 """
 
-from . import data
+from .distributed import data
+from .distributed.launch import spawn
 from .hybrid import HybridParallel, resume
-from .launch import spawn
-from .partition import Partition, partition
+from .partitioning.report import Partition, partition
 from .pipeline import Pipeline
-from .schedule import format_schedule, gpipe, one_f_one_b
-from .simulate import simulate
+from .runtime.schedule import format_schedule, gpipe, one_f_one_b
+from .tools.simulate import simulate
 
 __all__ = ["Pipeline", "HybridParallel", "Partition", "partition", "spawn", "resume", "data", "simulate",
            "gpipe", "one_f_one_b", "format_schedule"]

@@ -18,84 +18,31 @@ one built on the plain model.
 
 from __future__ import annotations
 
-import functools
 import weakref
-from collections import OrderedDict
 from datetime import timedelta
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
-from . import bridge
-from .devices import DeviceLike, resolve_devices
-from .executor import StageResults, Workers, run_actions
-from .microbatch import batch_size, merge, split, split_sizes, tree_map, tree_tensors
-from .partition import Partition, check_balance, partition
-from .rng import draw_base_seed, is_random
-from .schedule import Schedule, ScheduleFn, backward_only, forward_only, get_schedule
-from .stage import Grads, Stage, StepSpec
-from .trace import Trace
-from .transport import Inbox, LocalChannel
+from ._settings import check_settings, choose_partition
+from .partitioning.report import Partition
+from .runtime.devices import DeviceLike, resolve_devices
+from .runtime.executor import ThreadRunner
+from .runtime.microbatch import batch_size, tree_tensors
+from .runtime.schedule import ScheduleFn
+from .runtime.stage import Stage, build_stages, register_layers
+from .runtime.step import Step
+from .runtime.trace import Trace
 
-__all__ = ["Pipeline", "CHECKPOINT_MODES"]
-
-CHECKPOINT_MODES = ("never", "except_last", "always")
+__all__ = ["Pipeline"]
 
 
-def check_model(model: Any) -> nn.Sequential:
-    if not isinstance(model, nn.Sequential):
-        raise TypeError(
-            f"pipeddp pipelines an nn.Sequential, got {type(model).__name__}. Wrap the parts of your model in "
-            "order, e.g. nn.Sequential(model.features, nn.Flatten(), model.classifier), or use "
-            "pipeddp.models.flatten_sequential(model) for torchvision-style models"
-        )
-    if len(model) == 0:
-        raise ValueError("the model is an empty nn.Sequential")
-    return model
-
-
-def check_chunks(chunks: Optional[int], split_size: Optional[int], stages: int) -> Tuple[Optional[int], Optional[int]]:
-    """Validate the micro-batch settings; default: 2 micro-batches per stage."""
-    if chunks is not None and split_size is not None:
-        raise ValueError("give chunks= (number of micro-batches) or split_size= (samples per micro-batch), not both")
-    if chunks is None and split_size is None:
-        return 2 * stages, None
-    if chunks is not None and (not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1):
-        raise ValueError(f"chunks must be an int >= 1 (the number of micro-batches), got {chunks!r}")
-    if split_size is not None and (not isinstance(split_size, int) or isinstance(split_size, bool) or split_size < 1):
-        raise ValueError(f"split_size must be an int >= 1 (samples per micro-batch), got {split_size!r}")
-    return chunks, split_size
-
-
-def profile_chunks(sample: Any, chunks: Optional[int], split_size: Optional[int]) -> int:
-    """How many pieces to cut ``sample`` into so that it is profiled at the real micro-batch size."""
-    if sample is None or split_size is None:
-        return chunks or 1
-    return max(1, -(-batch_size(sample, name="sample") // split_size))
-
-
-def recompute_policy(checkpoint: str, chunks: int) -> Callable[[int], bool]:
-    """Which micro-batches drop their activations and recompute them in backward.
-
-    ``except_last`` keeps the last micro-batch: its backward comes right after
-    its forward, so recomputing it would buy no memory.
-    """
-    if checkpoint == "always":
-        return lambda i: True
-    if checkpoint == "except_last":
-        return lambda i: i != chunks - 1
-    return lambda i: False
-
-
-def _device_arg(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
+def _device_arg(args: Any, kwargs: Any) -> bool:
     """Whether a ``Module.to`` call names a device (as opposed to only a dtype)."""
     if "device" in kwargs or "tensor" in kwargs:
         return True
-    for a in args:
-        if isinstance(a, (str, torch.device, int, torch.Tensor)):
-            return True
-    return False
+    return any(isinstance(a, (str, torch.device, int, torch.Tensor)) for a in args)
 
 
 class Pipeline(nn.Module):
@@ -120,7 +67,7 @@ class Pipeline(nn.Module):
         threads: intra-op threads per CPU stage (default: the caller's thread
             count divided among the CPU stages, at least 1).
         trace: record a timeline of every action (``pipe.trace``).
-        timeout: how long a stage waits for a neighbour before raising.
+        timeout: how long a stage waits for a neighbour before raising (seconds or a timedelta).
     """
 
     def __init__(
@@ -139,72 +86,64 @@ class Pipeline(nn.Module):
         timeout: Union[float, timedelta] = timedelta(minutes=30),
     ) -> None:
         super().__init__()
-        model = check_model(model)
         devs = resolve_devices(devices)
-        n_stages = len(devs)
-        if n_stages > len(model):
-            raise ValueError(
-                f"{n_stages} devices but the model has only {len(model)} layers; every stage needs at least one "
-                f"layer: use at most {len(model)} devices or split the model into more layers"
-            )
-        self.chunks, self.split_size = check_chunks(chunks, split_size, n_stages)
-        if checkpoint not in CHECKPOINT_MODES:
-            raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
-        get_schedule(schedule, n_stages, 1)  # fail now on an unknown schedule, not at the first step
-        self.schedule = schedule
-        self.checkpoint = checkpoint
-        self.timeout = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+        settings = check_settings(model, len(devs), chunks=chunks, split_size=split_size, schedule=schedule,
+                                  checkpoint=checkpoint, timeout=timeout)
         self.devices = devs
-
-        if balance is None:
-            balance = "time" if sample is not None else "params"
-        if isinstance(balance, str):
-            self.partition: Partition = partition(model, n_stages, method=balance, sample=sample,
-                                                  chunks=profile_chunks(sample, self.chunks, self.split_size),
-                                                  device=devs[0])
-        else:
-            self.partition = partition(model, n_stages, method=check_balance(balance, len(model), n_stages))
+        self.partition: Partition = choose_partition(model, len(devs), balance, sample, settings, devs[0])
         self.balance: List[int] = list(self.partition.balance)
-
-        named = list(model.named_children())
-        for name, layer in named:
-            self.add_module(name, layer)
-        self._stages: List[Stage] = []
-        start = 0
-        for s, (count, dev) in enumerate(zip(self.balance, devs)):
-            part = nn.Sequential(OrderedDict(named[start:start + count]))
-            part.to(dev)
-            self._stages.append(Stage(s, part, dev, last=s == n_stages - 1))
-            start += count
-
-        cpu_stages = sum(1 for d in devs if d.type == "cpu")
-        if threads is None and cpu_stages > 0:
-            threads = max(1, torch.get_num_threads() // cpu_stages)
-        self.threads = threads
-        self._inboxes = [Inbox(s) for s in range(n_stages)]
-        self._links: List[Tuple[Optional[LocalChannel], Optional[LocalChannel]]] = []
-        for s, st in enumerate(self._stages):
-            prev = LocalChannel(st.streams, self._stages[s - 1].streams, self._inboxes[s], self._inboxes[s - 1],
-                                self.timeout) if s > 0 else None
-            nxt = LocalChannel(st.streams, self._stages[s + 1].streams, self._inboxes[s], self._inboxes[s + 1],
-                               self.timeout) if s < n_stages - 1 else None
-            self._links.append((prev, nxt))
-        self._workers = Workers(n_stages, threads=threads)
-        self._finalizer = weakref.finalize(self, self._workers.close)
-        self.trace: Optional[Trace] = Trace() if trace else None
-        #: The process's rank, named in errors (set by HybridParallel; 0 on its own).
-        self.rank = 0
-        self._schedules: Dict[Tuple[int, int], Schedule] = {}
+        stages = build_stages(model, self.balance, devs)
+        register_layers(self, stages)
+        self._runner = ThreadRunner(stages, threads=threads, timeout=settings.timeout)
+        self._step = Step(stages, len(stages), self._runner, chunks=settings.chunks, split_size=settings.split_size,
+                          schedule=settings.schedule, checkpoint=settings.checkpoint)
+        self._finalizer = weakref.finalize(self, self._runner.close)
+        self.settings = settings
+        self.trace = Trace() if trace else None
 
     # -- structure ---------------------------------------------------------------------------------
 
     @property
     def stages(self) -> List[Stage]:
         """The stages, in order (each has ``.module``, ``.device``)."""
-        return list(self._stages)
+        return list(self._step.stages)
+
+    @property
+    def chunks(self) -> Optional[int]:
+        return self.settings.chunks
+
+    @property
+    def split_size(self) -> Optional[int]:
+        return self.settings.split_size
+
+    @property
+    def schedule(self) -> Union[str, ScheduleFn]:
+        return self.settings.schedule
+
+    @property
+    def checkpoint(self) -> str:
+        return self.settings.checkpoint
+
+    @property
+    def timeout(self) -> float:
+        return self.settings.timeout
+
+    @property
+    def threads(self) -> Optional[int]:
+        """Intra-op threads of each CPU stage's worker thread."""
+        return self._runner.threads
+
+    @property
+    def trace(self) -> Optional[Trace]:
+        """The timeline being recorded (None when off); assign a ``Trace`` to start recording."""
+        return self._step.trace
+
+    @trace.setter
+    def trace(self, value: Optional[Trace]) -> None:
+        self._step.trace = value
 
     def stage_parameters(self, stage: int) -> Iterator[nn.Parameter]:
-        return self._stages[stage].module.parameters()
+        return self._step.stages[stage].module.parameters()
 
     def to(self, *args: Any, **kwargs: Any) -> "Pipeline":  # type: ignore[override]
         if _device_arg(args, kwargs):
@@ -232,68 +171,9 @@ class Pipeline(nn.Module):
 
     @property
     def worker_threads(self) -> List[Any]:
-        return self._workers.threads
+        return self._runner.worker_threads
 
     # -- running -----------------------------------------------------------------------------------
-
-    def _sizes(self, n: int) -> List[int]:
-        return split_sizes(n, self.chunks, self.split_size)
-
-    def _schedule(self, chunks: int) -> Schedule:
-        key = (len(self._stages), chunks)
-        if key not in self._schedules:
-            self._schedules[key] = get_schedule(self.schedule, *key)
-        return self._schedules[key]
-
-    def _seed(self) -> Optional[int]:
-        if any(st.module.training and is_random(st.module) for st in self._stages):
-            return draw_base_seed()
-        return None
-
-    def _to_first(self, x: Any) -> Any:
-        dev = self._stages[0].device
-        return tree_map(lambda t: t.to(dev, non_blocking=True) if t.device != dev else t, x)
-
-    def _to_last(self, y: Any) -> Any:
-        dev = self._stages[-1].device
-        return tree_map(lambda t: t.to(dev, non_blocking=True) if t.device != dev else t, y)
-
-    def execute(
-        self,
-        rows: Schedule,
-        spec: StepSpec,
-        *,
-        inputs: Optional[Sequence[Any]] = None,
-        output_grads: Optional[Sequence[Optional[Grads]]] = None,
-        grad_event: Any = None,
-    ) -> List[StageResults]:
-        """Run one action list per stage on the stage threads and return each stage's results."""
-        for inbox in self._inboxes:
-            inbox.reset()
-        for st in self._stages:
-            st.streams.enter()
-        if grad_event is not None and self._stages[-1].streams.cuda:
-            self._stages[-1].streams.compute.wait_event(grad_event)
-        fns = []
-        last = len(self._stages) - 1
-        for s, st in enumerate(self._stages):
-            prev, nxt = self._links[s]
-            fns.append(functools.partial(
-                run_actions, st, rows[s], spec, prev=prev, next=nxt,
-                inputs=inputs if s == 0 else None,
-                output_grads=output_grads if s == last else None,
-                trace=self.trace, rank=self.rank,
-            ))
-
-        def abort(exc: BaseException) -> None:
-            for inbox in self._inboxes:
-                inbox.abort(exc)
-
-        try:
-            return self._workers.run(fns, abort)
-        finally:
-            for st in self._stages:
-                st.streams.leave()
 
     def forward(self, x: Any) -> Any:  # type: ignore[override]
         """Run ``x`` through the pipeline; the output lives on the last device.
@@ -302,26 +182,12 @@ class Pipeline(nn.Module):
         anything computed from it runs every stage's backward, pipelined, and
         accumulates into ``.grad``.
         """
-        x = self._to_first(x)
-        sizes = self._sizes(batch_size(x, name="input"))
-        mbs = split(x, sizes)
-        m = len(sizes)
         need_grad = torch.is_grad_enabled() and (
             any(p.requires_grad for p in self.parameters()) or any(t.requires_grad for t in tree_tensors(x))
         )
-        spec = StepSpec(grad=need_grad, recompute=recompute_policy(self.checkpoint, m), seed=self._seed())
-        results = self.execute(forward_only(len(self._stages), m), spec, inputs=mbs)
-        outputs = [results[-1].outputs[i] for i in range(m)]
-        if not need_grad:
-            return merge(outputs)
+        return self._step.forward(x, batch_size(x, name="input"), need_grad=need_grad)
 
-        def run_backward(grads: List[Optional[Grads]], event: Any) -> List[Grads]:
-            res = self.execute(backward_only(len(self._stages), m), spec, output_grads=grads, grad_event=event)
-            return [res[0].input_grads[i] for i in range(m)]
-
-        return bridge.attach(run_backward, sizes, outputs, x)
-
-    def train_step(self, x: Any, y: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *, sync: bool = False) -> torch.Tensor:
+    def train_step(self, x: Any, y: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
         """Forward and backward of one batch under the schedule; returns the detached mean loss.
 
         ``loss_fn(output, target)`` must return the *mean* loss of its
@@ -334,17 +200,9 @@ class Pipeline(nn.Module):
         ny = batch_size(y, name="y")
         if n != ny:
             raise ValueError(f"x has {n} samples but y has {ny}; inputs and targets must have the same batch size")
-        sizes = self._sizes(n)
-        xs = split(self._to_first(x), sizes)
-        ys = split(self._to_last(y), sizes)
-        m = len(sizes)
-        spec = StepSpec(
-            grad=True, recompute=recompute_policy(self.checkpoint, m), seed=self._seed(),
-            loss_fn=loss_fn, targets=ys, weights=[k / n for k in sizes], sync=sync,
-        )
-        results = self.execute(self._schedule(m), spec, inputs=xs)
-        losses = results[-1].losses
-        return torch.stack([losses[i] for i in range(m)]).sum()
+        loss = self._step.train(x, y, loss_fn, n)
+        assert loss is not None  # this process runs the last stage
+        return loss
 
     def extra_repr(self) -> str:
         devs = ", ".join(str(d) for d in self.devices)

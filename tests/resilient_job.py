@@ -42,7 +42,7 @@ def main() -> None:
     loader = pipeddp.data.loader(dataset, batch_size=6, engine=engine, seed=3, drop_last=True)
     per_epoch = len(loader)
     opt = torch.optim.Adam(engine.parameters(), lr=1e-2)
-    resumed = pipeddp.resume(engine, opt, directory)
+    resumed = pipeddp.resume(engine, directory, opt)
     step = resumed["step"] if resumed else 0
     if engine.topology.rank == 0:
         print(f"attempt {attempt}: starting at step {step}", flush=True)

@@ -15,7 +15,7 @@ from torch import nn
 
 import pipeddp
 from conftest import data, max_diff
-from pipeddp import checkpoint as ckpt
+from pipeddp.distributed import checkpoint as ckpt
 
 LOSS = nn.functional.mse_loss
 
@@ -62,7 +62,10 @@ def test_a_pickle_that_would_run_code_is_refused_by_load_and_resume(tmp_path):
         with pytest.raises(ckpt.UnsafeCheckpointError, match="step-000000009.pt"):
             engine.resume(str(directory), opt)
         with pytest.raises(ckpt.UnsafeCheckpointError, match="step-000000009.pt"):
-            pipeddp.resume(engine, opt, str(directory))
+            pipeddp.resume(engine, str(directory), opt)
+        with pytest.warns(DeprecationWarning, match=r"resume\(engine, directory, optimizer\)"), \
+                pytest.raises(ckpt.UnsafeCheckpointError):
+            pipeddp.resume(engine, opt, str(directory))  # the 0.1 argument order still reaches the same check
     assert not marker.exists()
 
 
@@ -131,7 +134,7 @@ def test_checkpoint_opens_with_plain_torch_load_and_resumes_exactly(tmp_path):
     torch.manual_seed(99)
     with pipeddp.HybridParallel(dropout_model(seed=5), stages=2, chunks=2, checkpoint="always") as engine:
         opt = torch.optim.Adam(engine.parameters(), lr=1e-2)
-        extra = pipeddp.resume(engine, opt, directory)
+        extra = pipeddp.resume(engine, directory, opt)
         assert extra == {"epoch": 0, "batch": 2, "note": "half way", "step": 2}
         train(engine, opt, batches[2:])
         resumed = engine.state_dict()

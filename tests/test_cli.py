@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from pipeddp.cli import main
+from pipeddp.tools.cli import main
 
 
 @pytest.mark.timeout(180)

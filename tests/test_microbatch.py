@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from pipeddp.microbatch import batch_size, merge, split, split_sizes
+from pipeddp.runtime.microbatch import batch_size, merge, split, split_sizes
 
 
 def test_chunks_uneven_and_larger_than_batch():

@@ -5,7 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-from pipeddp.partition import block_move, partition, solve
+from pipeddp.partitioning.report import partition
+from pipeddp.partitioning.solve import block_move, solve
 
 
 def brute(costs, k):

@@ -229,13 +229,13 @@ def test_worker_error_reaches_the_caller_and_pipeline_recovers():
         with pytest.raises(ValueError, match="boom in stage 1") as info:
             pipe.train_step(torch.randn(8, 4), torch.randn(8, 4), LOSS)
         assert any("forward" in str(entry.name) for entry in info.traceback)
-        pipe._stages[1].module[0] = nn.Identity()  # noqa: SLF001 - swap the broken layer out
+        pipe.stages[1].module[0] = nn.Identity()  # swap the broken layer out
         pipe.train_step(torch.randn(8, 4), torch.randn(8, 4), LOSS)
 
 
 def test_bad_input_errors():
     model = make_mlp(depth=2)  # 3 layers
-    with pytest.raises(ValueError, match="at most 3 devices"):
+    with pytest.raises(ValueError, match="at most 3 stages"):
         pipeddp.Pipeline(model, ["cpu"] * 4)
     with pytest.raises(ValueError, match="sums to 2"):
         pipeddp.Pipeline(model, DEVICES[2], balance=[1, 1])

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from pipeddp.models import mlp
-from pipeddp.plan import LayerModel, fit_layers, parse_bytes, plan
+from pipeddp.tools.models import mlp
+from pipeddp.tools.plan import LayerModel, fit_layers, parse_bytes, plan
 
 
 def synthetic_layers(n=8):

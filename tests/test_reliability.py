@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 import pipeddp
-from pipeddp import checkpoint as ckpt
-from pipeddp.launch import free_port
+from pipeddp.distributed import checkpoint as ckpt
+from pipeddp.distributed.launch import free_port
 
 HERE = Path(__file__).resolve().parent
 

@@ -1,6 +1,6 @@
 import pytest
 
-from pipeddp.schedule import Action, format_schedule, get_schedule, gpipe, one_f_one_b, play, validate
+from pipeddp.runtime.schedule import Action, format_schedule, get_schedule, gpipe, one_f_one_b, play, validate
 
 
 def test_1f1b_layout():

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from pipeddp.simulate import LINKS, Link, StageCost, bubble_bound, ring_allreduce_time, simulate
+from pipeddp.tools.simulate import LINKS, Link, StageCost, bubble_bound, ring_allreduce_time, simulate
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

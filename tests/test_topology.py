@@ -1,6 +1,6 @@
 import pytest
 
-from pipeddp.topology import Topology
+from pipeddp.distributed.topology import Topology
 
 
 def grid(world, stages, mode, layout="pipeline"):

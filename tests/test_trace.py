@@ -8,8 +8,8 @@ from torch import nn
 
 import pipeddp
 from conftest import data, make_mlp
-from pipeddp.schedule import get_schedule
-from pipeddp.timeline import draw, have_matplotlib, measured_bubble
+from pipeddp.runtime.schedule import get_schedule
+from pipeddp.tools.timeline import draw, have_matplotlib, measured_bubble
 
 
 def traced_step(schedule, stages=3, chunks=5):
@@ -53,7 +53,7 @@ def test_chrome_trace_and_picture(tmp_path):
 
 
 def test_timeline_command(tmp_path):
-    from pipeddp.cli import main
+    from pipeddp.tools.cli import main
 
     out = tmp_path / "tl"
     assert main(["timeline", "--stages", "2", "--chunks", "4", "--batch", "16", "--steps", "2", "--out", str(out)]) == 0
@@ -63,7 +63,7 @@ def test_timeline_command(tmp_path):
 
 
 def test_plan_command_respects_memory(capsys):
-    from pipeddp.cli import main
+    from pipeddp.tools.cli import main
 
     assert main(["plan", "--model", "mlp", "--devices", "4", "--batch", "64", "--memory", "300MB",
                  "--profile-batch", "4", "--top", "3"]) == 0
@@ -73,7 +73,7 @@ def test_plan_command_respects_memory(capsys):
 
 
 def test_trace_assigned_later_reaches_the_stage_threads():
-    from pipeddp.trace import Trace
+    from pipeddp.runtime.trace import Trace
 
     with pipeddp.HybridParallel(make_mlp(), stages=2, chunks=3) as engine:
         assert engine.trace is None

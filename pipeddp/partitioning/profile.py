@@ -23,7 +23,7 @@ from typing import Any, Callable, List, Optional
 import torch
 from torch import nn
 
-from .microbatch import batch_size, split, split_sizes, tree_map, tree_tensors
+from ..runtime.microbatch import batch_size, split, split_sizes, tree_map, tree_tensors
 
 __all__ = ["LayerCost", "profile_layers", "sample_microbatch"]
 

@@ -56,9 +56,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-from .schedule import Action, Played, Schedule, ScheduleFn, _ready_time, get_schedule, play
+from ..runtime.schedule import Action, Played, Schedule, ScheduleFn, get_schedule, play, ready_time
 
-__all__ = ["StageCost", "Link", "LINKS", "Prediction", "simulate", "ring_allreduce_time", "bubble_bound",
+__all__ = ["StageCost", "Link", "LINKS", "Prediction", "simulate", "ring_allreduce_time", "bubble_bound", "resolve_link",
            "play_shared", "contention_factor"]
 
 
@@ -200,7 +200,7 @@ def _play_shared(
             if running[s] is not None or pos[s] >= len(schedule[s]):
                 continue
             a = schedule[s][pos[s]]
-            ready = _ready_time(s, a, p, done, transfer)
+            ready = ready_time(s, a, p, done, transfer)
             if ready is None:
                 continue
             if ready <= now:
@@ -292,8 +292,8 @@ def simulate(
         raise ValueError(f"contention must be a non-empty list of positive slowdown factors, got {contention!r}")
     if bucket_bytes is not None and bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes!r}")
-    link = _link(links)
-    ar_link = _link(allreduce_link) if allreduce_link is not None else link
+    link = resolve_link(links)
+    ar_link = resolve_link(allreduce_link) if allreduce_link is not None else link
     plan = get_schedule(schedule, stages, chunks)
 
     def duration(s: int, a: Action) -> float:
@@ -363,7 +363,7 @@ def _buckets(nbytes: float, bucket_bytes: Optional[float]) -> List[float]:
     return [float(bucket_bytes)] * full + ([float(rest)] if rest > 0 else [])
 
 
-def _link(value: Union[None, str, Link]) -> Link:
+def resolve_link(value: Union[None, str, Link]) -> Link:
     if value is None:
         return LINKS["local"]
     if isinstance(value, Link):

@@ -22,7 +22,7 @@ from rich.table import Table
 from torch import nn
 
 from .models import mlp
-from .pipeline import Pipeline
+from ..pipeline import Pipeline
 
 __all__ = ["run_demo", "synthetic_regression"]
 
@@ -46,7 +46,7 @@ def _batches(data: Dict[str, torch.Tensor], batch: int, steps: int) -> List[tupl
 def _hybrid_job(model: nn.Module, batches: List[tuple], stages: int, chunks: int, schedule: str,
                 mode: str) -> Dict[str, object]:
     """Runs in every spawned process: train on this replica's slice of each global batch."""
-    from .hybrid import HybridParallel
+    from ..hybrid import HybridParallel
 
     engine = HybridParallel(model, stages=stages, chunks=chunks, schedule=schedule, mode=mode, balance="params",
                             threads=1)
@@ -128,7 +128,7 @@ def run_demo(
                                                       [a / b for a, b in zip(t_plain[2:], t_pipe[2:])])},
         }
         if replicas > 1:
-            from .launch import spawn
+            from ..distributed.launch import spawn
 
             nprocs = replicas if mode == "replica" else replicas * stages
             with console.status(f"running {replicas} x {stages} hybrid job ({nprocs} processes, mode={mode}) ..."):

@@ -51,7 +51,7 @@ def _partition(args: argparse.Namespace, console: Console) -> int:
     import torch
 
     from .models import build
-    from .partition import partition
+    from ..partitioning.report import partition
 
     torch.set_num_threads(args.threads)
     model, make_sample = build(args.model)
@@ -71,7 +71,7 @@ def _timeline(args: argparse.Namespace, console: Console) -> int:
     from torch import nn
 
     from .models import build
-    from .pipeline import Pipeline
+    from ..pipeline import Pipeline
     from .timeline import draw, have_matplotlib, measured_bubble
 
     torch.set_num_threads(1)

@@ -33,8 +33,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .stage import Stage
-from .trace import Span, Trace
+from ..runtime.stage import Stage
+from ..runtime.trace import Span, Trace
 
 __all__ = ["attach_ddp", "check_ddp_kwargs", "COMM_HOOKS"]
 

@@ -2,18 +2,27 @@
 
 ``run_actions`` is the whole executor for one stage: it walks the stage's
 list from the schedule, pulls inputs from the previous stage's channel,
-pushes outputs to the next, and records a span per action when tracing. The
-single-process pipeline runs it on one ``Workers`` thread per stage; a
-process of the one-stage-per-process mode runs it on its main thread.
+pushes outputs to the next, and records a span per action when tracing.
+``ThreadRunner`` runs it for every stage of a process on one ``Workers``
+thread per stage, joined by ``LocalChannel``s::
+
+    caller --run(rows, spec)--> ThreadRunner
+                                  stage 0 thread: run_actions(F0 F1 B0 ...) --LocalChannel--.
+                                  stage 1 thread: run_actions(F0 B0 F1 ...) <---------------'
+                                <-- one StageResults per stage (outputs, losses, input grads)
+
+The process that owns one stage of a multi-process pipeline runs the same
+``run_actions`` on its main thread (``pipeddp.distributed.stage_runner``).
 
 Threads are persistent (a step is far too short to pay for thread start-up
 per stage), daemonic (a forgotten pipeline can never block interpreter exit)
-and are stopped and joined by ``Workers.close``, which ``Pipeline`` calls
-from ``close()``, ``__exit__`` and a ``weakref.finalize`` hook.
+and are stopped and joined by ``ThreadRunner.close``, which the public classes
+call from ``close()``, ``__exit__`` and a ``weakref.finalize`` hook.
 """
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
@@ -22,12 +31,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from .channels import Channel, Inbox, LocalChannel, PipelineAborted
 from .schedule import Action
 from .stage import Grads, Stage, StepSpec
 from .trace import Trace
-from .transport import PipelineAborted
 
-__all__ = ["Workers", "StageResults", "run_actions"]
+__all__ = ["Workers", "StageResults", "run_actions", "ThreadRunner"]
 
 
 @dataclass
@@ -44,8 +53,8 @@ def run_actions(
     actions: Sequence[Action],
     spec: StepSpec,
     *,
-    prev: Optional[Any],
-    next: Optional[Any],
+    prev: Optional[Channel],
+    next: Optional[Channel],
     inputs: Optional[Sequence[Any]] = None,
     output_grads: Optional[Sequence[Optional[Grads]]] = None,
     trace: Optional[Trace] = None,
@@ -76,8 +85,8 @@ def _run(
     stage: Stage,
     actions: Sequence[Action],
     spec: StepSpec,
-    prev: Optional[Any],
-    next: Optional[Any],
+    prev: Optional[Channel],
+    next: Optional[Channel],
     inputs: Optional[Sequence[Any]],
     output_grads: Optional[Sequence[Optional[Grads]]],
     trace: Optional[Trace],
@@ -123,7 +132,7 @@ def _run(
     return results
 
 
-def _recv(channel: Any, kind: str, mb: int, stage: Stage, trace: Optional[Trace]) -> Any:
+def _recv(channel: Channel, kind: str, mb: int, stage: Stage, trace: Optional[Trace]) -> Any:
     if trace is None:
         return channel.recv(kind, mb)
     with trace.span(stage.index, "recv", mb, lane="comm"):
@@ -205,3 +214,64 @@ class Workers:
     @property
     def threads(self) -> List[threading.Thread]:
         return [w.thread for w in self._workers]
+
+
+class ThreadRunner:
+    """Every stage of this process on a worker thread of its own, neighbours joined by ``LocalChannel``.
+
+    ``threads`` is the intra-op thread count of each CPU stage's worker
+    (default: the caller's count divided among the CPU stages, at least 1), so
+    that stages sharing the cores do not oversubscribe them.
+    """
+
+    def __init__(self, stages: Sequence[Stage], *, threads: Optional[int], timeout: float, rank: int = 0) -> None:
+        self.stages = list(stages)
+        self.rank = rank
+        cpu_stages = sum(1 for st in self.stages if st.device.type == "cpu")
+        if threads is None and cpu_stages > 0:
+            threads = max(1, torch.get_num_threads() // cpu_stages)
+        self.threads = threads
+        n = len(self.stages)
+        self._inboxes = [Inbox(st.index) for st in self.stages]
+        self._links: List[tuple] = []
+        for k, st in enumerate(self.stages):
+            prev = LocalChannel(st.streams, self.stages[k - 1].streams, self._inboxes[k], self._inboxes[k - 1],
+                                timeout) if k > 0 else None
+            nxt = LocalChannel(st.streams, self.stages[k + 1].streams, self._inboxes[k], self._inboxes[k + 1],
+                               timeout) if k < n - 1 else None
+            self._links.append((prev, nxt))
+        self._workers = Workers(n, threads=threads)
+
+    def run(self, rows: Sequence[Sequence[Action]], spec: StepSpec, *, inputs: Optional[Sequence[Any]] = None,
+            output_grads: Optional[Sequence[Optional[Grads]]] = None, grad_event: Any = None,
+            trace: Optional[Trace] = None) -> List[StageResults]:
+        """Run ``rows[k]`` on stage k's thread; return each stage's results (re-raising the first real error)."""
+        for inbox in self._inboxes:
+            inbox.reset()
+        for st in self.stages:
+            st.streams.enter()
+        if grad_event is not None and self.stages[-1].streams.cuda:
+            self.stages[-1].streams.compute.wait_event(grad_event)
+        last = len(self.stages) - 1
+        fns = [functools.partial(run_actions, st, rows[k], spec, prev=self._links[k][0], next=self._links[k][1],
+                                 inputs=inputs if k == 0 else None,
+                                 output_grads=output_grads if k == last else None, trace=trace, rank=self.rank)
+               for k, st in enumerate(self.stages)]
+
+        def abort(exc: BaseException) -> None:
+            for inbox in self._inboxes:
+                inbox.abort(exc)
+
+        try:
+            return self._workers.run(fns, abort)
+        finally:
+            for st in self.stages:
+                st.streams.leave()
+
+    def close(self) -> None:
+        """Stop and join the worker threads (idempotent)."""
+        self._workers.close()
+
+    @property
+    def worker_threads(self) -> List[threading.Thread]:
+        return self._workers.threads

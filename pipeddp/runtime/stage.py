@@ -21,6 +21,7 @@ gradient, uneven micro-batches included, and nothing is rescaled afterwards.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -31,7 +32,7 @@ from .microbatch import tree_map, tree_tensors
 from .rng import is_random, seeded
 from .streams import StageStreams
 
-__all__ = ["Stage", "StepSpec"]
+__all__ = ["Stage", "StepSpec", "Grads", "build_stages", "register_layers"]
 
 Grads = List[Optional[torch.Tensor]]
 
@@ -199,3 +200,33 @@ class Stage:
             if pairs:
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs] if grads is not None else None)
         return [t.grad if t.requires_grad else None for t in tree_tensors(saved.inputs)]
+
+
+def build_stages(model: nn.Sequential, balance: Sequence[int], devices: Sequence[torch.device],
+                 indices: Optional[Sequence[int]] = None) -> List[Stage]:
+    """Cut ``model`` by ``balance`` and place stage ``indices[k]`` on ``devices[k]`` (default: every stage).
+
+    A process that owns one stage of a longer pipeline builds only that one;
+    the layers of the others are left where they are.
+    """
+    indices = list(range(len(balance))) if indices is None else list(indices)
+    if len(indices) != len(devices):
+        raise ValueError(f"{len(indices)} stages to place but {len(devices)} devices")
+    named = list(model.named_children())
+    starts = [sum(balance[:s]) for s in range(len(balance))]
+    stages = []
+    for s, device in zip(indices, devices):
+        part = nn.Sequential(OrderedDict(named[starts[s]:starts[s] + balance[s]])).to(device)
+        stages.append(Stage(s, part, device, last=s == len(balance) - 1))
+    return stages
+
+
+def register_layers(owner: nn.Module, stages: Sequence[Stage]) -> None:
+    """Register the stages' layers on ``owner`` under their names in the model.
+
+    So ``owner.state_dict()`` has the plain model's keys (``"0.weight"``) and
+    ``owner.parameters()`` come in the model's order, whatever the cut.
+    """
+    for st in stages:
+        for name, layer in st.module.named_children():
+            owner.add_module(name, layer)

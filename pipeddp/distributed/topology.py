@@ -23,12 +23,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import List
 
-import torch.distributed as dist
 
-__all__ = ["Topology", "env_world", "init_process_group"]
+__all__ = ["Topology", "env_world"]
 
 MODES = ("replica", "stage")
 LAYOUTS = ("pipeline", "data")
@@ -123,23 +121,3 @@ class Topology:
     def pipeline_ranks(self, replica: int) -> List[int]:
         """The ranks making up one replica's pipeline."""
         return sorted({self.rank_of(replica, s) for s in range(self.stages)})
-
-
-def init_process_group(backend: str, timeout: timedelta) -> None:
-    """``init_process_group`` from torchrun's (or ``spawn``'s) environment, safe across torchrun restarts.
-
-    torchrun (``--max-restarts``) restarts every worker on the same store
-    (the agent's, shared with the rendezvous); the keys the previous attempt's
-    process groups left there point at dead processes, and the new group may
-    connect to them and fail (pytorch/pytorch#135712). Under torchrun the group's
-    keys are therefore put under a prefix of the restart attempt.
-    """
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        dist.init_process_group(backend, timeout=timeout)
-        return
-    rank, world, _, _ = env_world()
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world,
-                          is_master=False, timeout=timeout)
-    dist.init_process_group(backend, store=dist.PrefixStore(f"pipeddp/attempt-{attempt}", store), rank=rank,
-                            world_size=world, timeout=timeout)

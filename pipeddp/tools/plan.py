@@ -25,9 +25,9 @@ from typing import Any, Callable, List, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from .partition import solve
-from .profile import profile_layers
-from .simulate import Link, Prediction, StageCost, _link, simulate
+from ..partitioning.solve import solve
+from ..partitioning.profile import profile_layers
+from .simulate import Link, Prediction, StageCost, resolve_link, simulate
 
 __all__ = ["LayerModel", "fit_layers", "Candidate", "plan", "parse_bytes"]
 
@@ -139,8 +139,8 @@ def plan(
     """
     if devices < 1 or batch < 1:
         raise ValueError("devices and batch must be >= 1")
-    stage_link = _link(link)
-    ar_link = _link(allreduce_link) if allreduce_link is not None else stage_link
+    stage_link = resolve_link(link)
+    ar_link = resolve_link(allreduce_link) if allreduce_link is not None else stage_link
     found: List[Candidate] = []
     for stages in _divisors(devices):
         if stages > len(layers):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .trace import Span
+from ..runtime.trace import Span
 
 __all__ = ["measured_bubble", "draw", "have_matplotlib", "COLORS"]
 

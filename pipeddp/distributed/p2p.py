@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .transport import describe
+from ..runtime.channels import describe
 
 __all__ = ["P2PChannel", "PeerError"]
 

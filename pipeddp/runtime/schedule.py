@@ -44,6 +44,7 @@ __all__ = [
     "play",
     "Played",
     "SCHEDULES",
+    "ready_time",
 ]
 
 
@@ -216,7 +217,7 @@ def play(
         for s in range(p):
             while pos[s] < len(schedule[s]):
                 a = schedule[s][pos[s]]
-                ready = _ready_time(s, a, p, done, transfer)
+                ready = ready_time(s, a, p, done, transfer)
                 if ready is None:
                     break
                 start = max(clock[s], ready)
@@ -235,7 +236,7 @@ def play(
     return Played(events)
 
 
-def _ready_time(
+def ready_time(
     s: int,
     a: Action,
     p: int,

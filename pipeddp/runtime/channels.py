@@ -18,14 +18,27 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Any, Dict, Hashable, Optional, Tuple
+from typing import Any, Dict, Hashable, Optional, Protocol, Tuple
 
 import torch
 
 from .microbatch import tree_map
 from .streams import StageStreams
 
-__all__ = ["Inbox", "LocalChannel", "PipelineAborted", "describe", "device_copy"]
+__all__ = ["Channel", "Inbox", "LocalChannel", "PipelineAborted", "describe", "device_copy"]
+
+
+class Channel(Protocol):
+    """A stage's link to one neighbour: what the executor needs, and all it needs.
+
+    ``kind`` is ``"F"`` (an activation, sent to the next stage) or ``"B"`` (the
+    gradients of an activation, sent back to the previous stage); ``mb`` is the
+    micro-batch. ``recv`` returns the value ready to use on this stage's device.
+    """
+
+    def send(self, kind: str, mb: int, value: Any) -> None: ...
+
+    def recv(self, kind: str, mb: int) -> Any: ...
 
 
 class PipelineAborted(RuntimeError):

@@ -1,0 +1,95 @@
+"""The settings ``Pipeline`` and ``HybridParallel`` share, checked in one place, with one message each.
+
+Both classes take the same model and micro-batch settings; checking them
+twice is how the copies drift apart (a misspelt ``checkpoint=`` refused by
+one class and silently taken as "never" by the other). So both call
+``check_settings`` and keep the ``Settings`` it returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from .partitioning.report import Partition, check_model, partition
+from .partitioning.solve import check_stage_count
+from .runtime.microbatch import batch_size
+from .runtime.schedule import ScheduleFn, get_schedule
+
+__all__ = ["Settings", "check_settings", "CHECKPOINT_MODES", "choose_partition"]
+
+CHECKPOINT_MODES = ("never", "except_last", "always")
+
+Timeout = Union[float, int, timedelta]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What was asked for, checked: micro-batching, schedule, recompute, and the timeout in seconds."""
+
+    chunks: Optional[int]
+    split_size: Optional[int]
+    schedule: Union[str, ScheduleFn]
+    checkpoint: str
+    timeout: float
+
+    @property
+    def timeout_delta(self) -> timedelta:
+        return timedelta(seconds=self.timeout)
+
+
+def _positive_int(value: Any, name: str, meaning: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1 ({meaning}), got {value!r}")
+
+
+def check_settings(
+    model: Any,
+    stages: int,
+    *,
+    chunks: Optional[int],
+    split_size: Optional[int],
+    schedule: Union[str, ScheduleFn],
+    checkpoint: str,
+    timeout: Timeout,
+) -> Settings:
+    """Check everything that does not need a device or a process group; raise naming the fix.
+
+    ``chunks`` defaults to two micro-batches per stage. ``timeout`` is seconds
+    or a ``timedelta``.
+    """
+    check_model(model)
+    check_stage_count(stages, len(model))
+    if chunks is not None and split_size is not None:
+        raise ValueError("give chunks= (number of micro-batches) or split_size= (samples per micro-batch), not both")
+    if chunks is not None:
+        _positive_int(chunks, "chunks", "the number of micro-batches")
+    if split_size is not None:
+        _positive_int(split_size, "split_size", "samples per micro-batch")
+    if chunks is None and split_size is None:
+        chunks = 2 * stages
+    if checkpoint not in CHECKPOINT_MODES:
+        raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
+    get_schedule(schedule, stages, 1)  # an unknown schedule fails now, not at the first step
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+        raise ValueError(f"timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
+    return Settings(chunks, split_size, schedule, checkpoint, float(seconds))
+
+
+def choose_partition(model: nn.Sequential, stages: int, balance: Union[None, str, Sequence[int]], sample: Any,
+                     settings: Settings, device: torch.device) -> Partition:
+    """The cut for ``balance``: measured on ``sample`` at the real micro-batch size, or as given.
+
+    ``balance=None`` means ``"time"`` with a sample and ``"params"`` without.
+    """
+    if balance is None:
+        balance = "time" if sample is not None else "params"
+    pieces = settings.chunks or 1
+    if sample is not None and settings.split_size is not None:
+        pieces = max(1, -(-batch_size(sample, name="sample") // settings.split_size))
+    return partition(model, stages, method=balance, sample=sample, chunks=pieces, device=device)

@@ -1,0 +1,15 @@
+"""The distributed layer: replicas of the pipeline in several processes.
+
+::
+
+    topology       the replicas x stages grid and this process's place in it (pure data)
+    groups         devices and backend for this process, the process group, stage / pipeline groups
+    p2p            ``P2PChannel``: activations and gradients between stage processes (send/recv)
+    stage_runner   ``ProcessRunner``: the process that owns one stage runs its action list
+    ddp            DDP per stage, armed for the stage's last backward of the step
+    agreement      what the ranks must agree on: batch sizes, the loss, non-finite steps, identical replicas
+    data           DataLoaders sharded by replica
+    launch         ``spawn``: a local multi-process job with torchrun's environment
+    state          the whole model's state dict and checkpoints across processes
+    checkpoint     the checkpoint file: plain values, atomic writes, safe loading
+"""

@@ -1,0 +1,221 @@
+"""What the ranks of a job must agree on, and how they find out together.
+
+A rank that raises on its own while the others enter a collective leaves
+them waiting forever. So every check here is a collective that *every* rank
+of the group enters: each rank reports what it has (or what went wrong), and
+then all ranks raise, or proceed, alike::
+
+    batch sizes     one int64 all-gather per step: (x size, y size, error flag)
+    the loss        one float64 all-gather: (local loss, loss not finite, grads not finite)
+    replicas        a CRC32 of every parameter, compared within each stage's group
+    a partition     rank 0 measures, every rank uses rank 0's cut (DDP needs identical replicas)
+    metrics         sample-weighted sums, gathered once after an evaluation
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+import zlib
+from typing import Any, Callable, Dict, Iterable, List, Sequence, Tuple, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..runtime.microbatch import batch_size
+from .topology import Topology
+
+__all__ = ["Agreement"]
+
+T = TypeVar("T")
+
+
+class Agreement:
+    """The collectives of one engine (``comm_device``: where gloo or nccl wants its tensors)."""
+
+    def __init__(self, topology: Topology, comm_device: torch.device) -> None:
+        self.topology = topology
+        self.comm_device = comm_device
+
+    @property
+    def distributed(self) -> bool:
+        return self.topology.world_size > 1
+
+    # -- rank 0's choice -----------------------------------------------------------------------------
+
+    def from_rank0(self, make: Callable[[], T]) -> T:
+        """``make()`` on rank 0, sent to every rank (the others do not call it).
+
+        If ``make`` raises on rank 0, every rank raises (rank 0 its own error),
+        instead of the others waiting for a value that never comes.
+        """
+        if not self.distributed:
+            return make()
+        box: List[Any] = [None, ""]
+        error: BaseException | None = None
+        if self.topology.rank == 0:
+            try:
+                box[0] = make()
+            except Exception as exc:  # noqa: BLE001 - re-raised below, after the others are told
+                error, box[1] = exc, f"{type(exc).__name__}: {exc}"
+        dist.broadcast_object_list(box, src=0)
+        if error is not None:
+            raise error
+        if box[1]:
+            raise RuntimeError(f"rank {self.topology.rank}: rank 0 failed: {box[1]}")
+        return box[0]
+
+    # -- batch sizes ---------------------------------------------------------------------------------
+
+    def _gather_sizes(self, x: Any, y: Any, group: Any, ranks: List[int]) -> List[Tuple[int, int, str]]:
+        """Every rank's (x size, y size, error) in ``group``; never raises before the collective."""
+
+        def size(v: Any, name: str) -> Tuple[int, str]:
+            if v is None:
+                return -1, ""
+            try:
+                return batch_size(v, name=name), ""
+            except ValueError as exc:
+                return -2, str(exc)
+
+        nx, ex = size(x, "x")
+        ny, ey = size(y, "y")
+        mine = (nx, ny, ex or ey)
+        if not self.distributed:
+            return [mine]
+        # One small tensor collective per step; messages travel only when some rank has one.
+        t = torch.tensor([nx, ny, 1 if mine[2] else 0], dtype=torch.int64, device=self.comm_device)
+        gathered = [torch.zeros_like(t) for _ in ranks]
+        dist.all_gather(gathered, t, group=group)
+        rows = [tuple(int(v) for v in g.tolist()) for g in gathered]
+        messages: List[Any] = [""] * len(ranks)
+        if any(r[2] for r in rows):
+            dist.all_gather_object(messages, mine[2], group=group)
+        return [(r[0], r[1], m) for r, m in zip(rows, messages)]
+
+    def local_batch(self, x: Any, y: Any, *, need_y: bool, group: Any = None) -> int:
+        """Check every rank's batch (the ranks of ``group``, default all) and return the common local size.
+
+        The rank of stage 0 must pass ``x``, the rank of the last stage ``y``
+        when ``need_y``; every replica the same number of samples.
+        """
+        topo = self.topology
+        ranks = dist.get_process_group_ranks(group) if (group is not None and self.distributed) \
+            else list(range(topo.world_size))
+        infos = self._gather_sizes(x, y, group, ranks)
+        for r, (_, _, err) in zip(ranks, infos):
+            if err:
+                raise ValueError(f"rank {r}: {err}")
+        needs = []  # (rank, size, what)
+        for r, (nx, ny, _) in zip(ranks, infos):
+            stage = None if topo.mode == "replica" else topo.stage_of(r)
+            if stage is None or stage == 0:
+                if nx < 0:
+                    raise ValueError(f"rank {r} holds stage 0 and must pass the inputs x, but passed None")
+                needs.append((r, nx, "x"))
+            if need_y and (stage is None or stage == topo.stages - 1):
+                if ny < 0:
+                    raise ValueError(f"rank {r} holds the last stage and must pass the targets y, but passed None")
+                needs.append((r, ny, "y"))
+        sizes = {n for _, n, _ in needs}
+        if len(sizes) > 1:
+            votes = {n: sum(1 for _, k, _ in needs if k == n) for n in sizes}
+            common = max(votes, key=lambda n: votes[n])
+            advice = ("every replica must pass the same local batch size and x and y must match "
+                      "(pipeddp.data.loader shards a dataset so that they do)")
+            if list(votes.values()).count(votes[common]) == 1:
+                r, n, what = next(item for item in needs if item[1] != common)
+                raise ValueError(f"rank {r} passed {what} with {n} samples but the others have {common}; {advice}")
+            listing = ", ".join(f"rank {r} {what}={n}" for r, n, what in needs)
+            raise ValueError(f"the ranks disagree on the local batch size ({listing}); {advice}")
+        return sizes.pop()
+
+    # -- the loss and non-finite steps -----------------------------------------------------------------
+
+    def finish_step(self, local_loss: float, params: Iterable[nn.Parameter], *, skip_nonfinite: bool,
+                    skipped: int) -> Tuple[torch.Tensor, bool]:
+        """Average the loss over replicas (one collective); with ``skip_nonfinite``, vote on the step.
+
+        Returns the global mean loss and whether the step was skipped: then every
+        rank drops its gradients (set to None, so ``optimizer.step()`` changes
+        nothing) and a warning names the ranks with a non-finite loss or gradients.
+        """
+        params = list(params)
+        bad_loss = bad_grads = 0.0
+        if skip_nonfinite:
+            grads = [p.grad for p in params if p.grad is not None]
+            bad_loss = 0.0 if math.isfinite(local_loss) else 1.0
+            bad_grads = 0.0 if all(bool(torch.isfinite(g).all()) for g in grads) else 1.0
+        mine = torch.tensor([local_loss, bad_loss, bad_grads], dtype=torch.float64, device=self.comm_device)
+        if self.distributed:
+            everyone = [torch.zeros_like(mine) for _ in range(self.topology.world_size)]
+            dist.all_gather(everyone, mine)
+        else:
+            everyone = [mine]
+        loss = sum(t[0].item() for t in everyone) / self.topology.replicas
+        losses = [r for r, t in enumerate(everyone) if t[1].item() > 0]
+        grads_bad = [r for r, t in enumerate(everyone) if t[2].item() > 0]
+        if not (losses or grads_bad):
+            return torch.tensor(loss, dtype=torch.float64), False
+        for p in params:
+            p.grad = None
+        where = "; ".join(part for part in (
+            f"non-finite loss on rank(s) {losses}" if losses else "",
+            f"non-finite gradients on rank(s) {grads_bad}" if grads_bad else "") if part)
+        warnings.warn(f"pipeddp: skipped a training step: {where}; gradients were dropped on every rank "
+                      f"({skipped + 1} skipped so far)", RuntimeWarning, stacklevel=3)
+        return torch.tensor(loss, dtype=torch.float64), True
+
+    # -- identical replicas ----------------------------------------------------------------------------
+
+    def check_replicas(self, stages: Sequence[Any], groups: Dict[int, Any]) -> None:
+        """Raise if any stage's parameters differ between its replicas (a collective: every rank calls it)."""
+        if not self.distributed or self.topology.replicas == 1:
+            return
+        problem = ""
+        for st in stages:
+            names = [n for n, _ in st.module.named_parameters()]
+            sums = [zlib.crc32(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+                    for p in st.module.parameters()]
+            group = groups[st.index]
+            everyone: List[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(everyone, sums, group=group)
+            ranks = dist.get_process_group_ranks(group)
+            for i, name in enumerate(names):
+                values = [e[i] for e in everyone]
+                if len(set(values)) > 1 and not problem:
+                    odd = [r for r, v in zip(ranks, values) if v != values[0]]
+                    problem = (f"stage {st.index}: parameter {name!r} differs between replicas "
+                               f"(ranks {odd} disagree with rank {ranks[0]})")
+        problems: List[Any] = [None] * self.topology.world_size
+        dist.all_gather_object(problems, problem)
+        first = next((p for p in problems if p), "")
+        if first:
+            raise RuntimeError(first)
+
+    # -- metrics ---------------------------------------------------------------------------------------
+
+    def mean_metrics(self, count: int, sums: Dict[str, float]) -> Dict[str, float]:
+        """Sample-weighted means over every rank's ``(count, sums)``, plus ``"samples"`` (same on every rank)."""
+        parts: List[Any] = [(count, sums)]
+        if self.distributed:
+            parts = [None] * self.topology.world_size
+            dist.all_gather_object(parts, (count, sums))
+        total = sum(c for c, _ in parts)
+        merged: Dict[str, float] = {}
+        for _, s in parts:
+            for k, v in s.items():
+                merged[k] = merged.get(k, 0.0) + v
+        result = {k: v / total for k, v in merged.items()} if total else {}
+        result["samples"] = float(total)
+        return result
+
+    def gather_to_all(self, value: Any) -> List[Any]:
+        """Every rank's ``value``, on every rank (one ``all_gather_object``)."""
+        if not self.distributed:
+            return [value]
+        parts: List[Any] = [None] * self.topology.world_size
+        dist.all_gather_object(parts, value)
+        return parts
+

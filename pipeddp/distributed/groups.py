@@ -1,0 +1,131 @@
+"""This process's devices and backend, the process group, and the stage-specific groups.
+
+Everything here is decided the same way on every rank, from the same inputs
+(the topology and the user's arguments), so that a mistake raises on every
+rank with the rank named instead of leaving some ranks waiting in a
+collective::
+
+    devices      replica mode: ``stages`` consecutive CUDA devices by local rank; stage mode: one
+                 (CPU when there is no GPU; one process with too few GPUs shares them between stages)
+    backend      nccl for CUDA, gloo for CPU (checked against the devices and the mode)
+    groups       per stage, the ranks holding a copy of it (its DDP group); in stage mode, per
+                 replica, the ranks of its pipeline. Created on every rank in the same order,
+                 as ``torch.distributed.new_group`` requires.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..runtime.devices import DeviceLike, resolve_devices
+from .topology import Topology, env_world
+
+__all__ = ["Groups", "current_topology", "local_devices", "choose_backend", "init_process_group", "make_groups"]
+
+
+def current_topology(stages: int, mode: str, layout: str) -> Topology:
+    """The grid as this process sees it: an initialised process group's rank and size win over the environment."""
+    if dist.is_available() and dist.is_initialized():
+        _, _, local_rank, local_world = env_world()
+        return Topology(dist.get_rank(), dist.get_world_size(), local_rank, local_world, stages, mode, layout)
+    rank, world, local_rank, local_world = env_world()
+    return Topology(rank, world, local_rank, local_world, stages, mode, layout)
+
+
+def local_devices(topo: Topology, devices: Optional[Sequence[DeviceLike]]) -> List[torch.device]:
+    """This process's devices: as given (checked), else by local rank (see the module docstring)."""
+    want = topo.stages if topo.mode == "replica" else 1
+    if devices is not None:
+        devs = resolve_devices(devices)
+        if len(devs) != want:
+            raise ValueError(
+                f"rank {topo.rank}: mode={topo.mode!r} with stages={topo.stages} needs {want} device(s) per "
+                f"process, got {len(devs)}: {[str(d) for d in devs]}"
+            )
+        return devs
+    if not torch.cuda.is_available():
+        return [torch.device("cpu")] * want
+    count = torch.cuda.device_count()
+    need = topo.local_world_size * want
+    if need > count and topo.local_world_size == 1:
+        # one process: its stages share the GPUs there are (several stages on one GPU run on streams)
+        devs = [torch.device("cuda", s % count) for s in range(want)]
+        warnings.warn(f"pipeddp: {want} stage(s) on {count} CUDA device(s): stages share devices "
+                      f"{[str(d) for d in devs]}; pass devices= to choose", RuntimeWarning, stacklevel=3)
+        return devs
+    if need > count:
+        raise ValueError(
+            f"rank {topo.rank}: {topo.local_world_size} processes on this node x {want} device(s) each need "
+            f"{need} CUDA devices, but there are {count}; start fewer processes per node, use fewer stages, "
+            "or pass devices= explicitly"
+        )
+    return [torch.device("cuda", topo.local_rank * want + s) for s in range(want)]
+
+
+def choose_backend(backend: Optional[str], devs: Sequence[torch.device], topo: Topology) -> str:
+    """nccl for CUDA devices, gloo for CPU; refuse a backend that cannot serve the devices."""
+    cuda = all(d.type == "cuda" for d in devs)
+    chosen = backend or ("nccl" if cuda else "gloo")
+    if chosen == "nccl" and not cuda:
+        raise ValueError(
+            f"rank {topo.rank}: backend 'nccl' cannot serve CPU devices {[str(d) for d in devs]}; use backend='gloo' "
+            "(or leave backend=None to choose automatically)"
+        )
+    if chosen == "gloo" and cuda and topo.mode == "stage":
+        raise ValueError(
+            f"rank {topo.rank}: backend 'gloo' cannot send CUDA tensors between stages; use backend='nccl' "
+            "(or leave backend=None) for mode='stage' on GPUs"
+        )
+    if chosen not in ("nccl", "gloo"):
+        raise ValueError(f"rank {topo.rank}: backend must be 'nccl' or 'gloo', got {chosen!r}")
+    return chosen
+
+
+def init_process_group(backend: str, timeout: timedelta) -> None:
+    """``init_process_group`` from torchrun's (or ``spawn``'s) environment, safe across torchrun restarts.
+
+    torchrun (``--max-restarts``) restarts every worker on the same store
+    (the agent's, shared with the rendezvous); the keys the previous attempt's
+    process groups left there point at dead processes, and the new group may
+    connect to them and fail (pytorch/pytorch#135712). Under torchrun the group's
+    keys are therefore put under a prefix of the restart attempt.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    rank, world, _, _ = env_world()
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world,
+                          is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"pipeddp/attempt-{attempt}", store), rank=rank,
+                            world_size=world, timeout=timeout)
+
+
+@dataclass
+class Groups:
+    """The process groups of a job: ``stage[s]`` holds the copies of stage s; ``pipeline`` this replica's ranks."""
+
+    stage: Dict[int, Any] = field(default_factory=dict)
+    pipeline: Any = None
+
+
+def make_groups(topo: Topology, backend: str, timeout: timedelta) -> Groups:
+    """Stage groups (and pipeline groups in stage mode), created on every rank in the same order."""
+    groups = Groups()
+    if topo.world_size == 1:
+        return groups
+    for s in range(topo.stages):
+        groups.stage[s] = dist.new_group(topo.stage_ranks(s), timeout=timeout, backend=backend)
+    if topo.mode == "stage":
+        for r in range(topo.replicas):
+            g = dist.new_group(topo.pipeline_ranks(r), timeout=timeout, backend=backend)
+            if r == topo.replica:
+                groups.pipeline = g
+    return groups

@@ -1,0 +1,18 @@
+"""The one-process runtime: everything that runs a step, and nothing that knows about other processes.
+
+::
+
+    microbatch   split a batch into micro-batches, merge outputs back
+    schedule     GPipe / 1F1B as per-stage action lists (F0 F1 B0 ...), checked by ``play``
+    stage        one slice of the model on one device: forward / backward / recompute of a micro-batch
+    channels     the ``Channel`` interface; ``LocalChannel`` moves tensors between stage threads
+    executor     ``run_actions`` walks a stage's action list; ``ThreadRunner`` runs every stage on a thread
+    step         one step, built once: split, seed, spec, schedule -> a runner (threads or a process)
+    streams      CUDA compute / copy streams of a stage (no-ops on CPU)
+    rng          per-micro-batch seeds so that dropout replays under recompute
+    trace        spans of every action, for timelines
+    devices      checking the device names users give
+
+The distributed layer (``pipeddp.distributed``) adds a second runner, the
+process that owns one stage, and DDP; it uses this package, never the reverse.
+"""

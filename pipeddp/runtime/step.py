@@ -1,0 +1,174 @@
+"""One step, built once: what both runners run, whether stages are threads or processes.
+
+A step is the same recipe wherever the stages live::
+
+    batch --split--> micro-batches --\
+    seed (one draw, in the caller) ---+--> StepSpec --> schedule rows --> runner.run(...)
+    targets, weights n_i / N --------/                                     |
+                                                                           v
+                                    losses / outputs of the last stage, input grads of the first
+
+``Step`` holds the stages this process runs (all of them, or the one it owns),
+the total number of stages, the micro-batch settings and a *runner*:
+
+* ``ThreadRunner`` (``executor``): every stage of one process, on threads;
+* ``ProcessRunner`` (``pipeddp.distributed.stage_runner``): the one stage
+  this process owns, its neighbours in other processes.
+
+Splitting, seeding, the recompute policy, choosing the schedule and reading
+the results are written here and nowhere else, so ``Pipeline`` and both modes
+of ``HybridParallel`` train, evaluate and recompute with the same code.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, Union
+
+import torch
+
+from . import _bridge
+from .executor import StageResults
+from .microbatch import merge, split, split_sizes, tree_map
+from .rng import draw_base_seed, is_random
+from .schedule import Action, Schedule, ScheduleFn, backward_only, forward_only, get_schedule
+from .stage import Grads, Stage, StepSpec
+from .trace import Trace
+
+__all__ = ["Runner", "Step", "recompute_policy"]
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+class Runner(Protocol):
+    """Runs one action list per local stage of a step and returns each stage's results."""
+
+    def run(self, rows: Sequence[Sequence[Action]], spec: StepSpec, *, inputs: Optional[Sequence[Any]] = None,
+            output_grads: Optional[Sequence[Optional[Grads]]] = None, grad_event: Any = None,
+            trace: Optional[Trace] = None) -> List[StageResults]: ...
+
+    def close(self) -> None: ...
+
+
+def recompute_policy(checkpoint: str, chunks: int) -> Callable[[int], bool]:
+    """Which micro-batches drop their activations and recompute them in backward.
+
+    ``except_last`` keeps the last micro-batch: its backward comes right after
+    its forward, so recomputing it would buy no memory.
+    """
+    if checkpoint == "always":
+        return lambda i: True
+    if checkpoint == "except_last":
+        return lambda i: i != chunks - 1
+    return lambda i: False
+
+
+class Step:
+    """Train or evaluate one batch on ``stages`` (this process's share of ``n_stages``) with ``runner``.
+
+    ``sync`` makes each stage's last backward of a training step carry the
+    data-parallel gradient all-reduce (set when there are several replicas).
+    """
+
+    def __init__(self, stages: Sequence[Stage], n_stages: int, runner: Runner, *, chunks: Optional[int],
+                 split_size: Optional[int], schedule: Union[str, ScheduleFn], checkpoint: str) -> None:
+        self.stages = list(stages)
+        self.n_stages = n_stages
+        self.runner = runner
+        self.chunks = chunks
+        self.split_size = split_size
+        self.schedule = schedule
+        self.checkpoint = checkpoint
+        self.sync = False
+        self.trace: Optional[Trace] = None
+        self._rows: Dict[Tuple[str, int], List[List[Action]]] = {}
+
+    @property
+    def first(self) -> Optional[Stage]:
+        """Stage 0 when this process runs it (it takes the inputs), else None."""
+        return self.stages[0] if self.stages[0].index == 0 else None
+
+    @property
+    def last(self) -> Optional[Stage]:
+        """The last stage when this process runs it (it sees outputs and targets), else None."""
+        return self.stages[-1] if self.stages[-1].last else None
+
+    def sizes(self, n: int) -> List[int]:
+        """Micro-batch sizes for a batch of ``n`` (uneven where ``n`` does not divide)."""
+        return split_sizes(n, self.chunks, self.split_size)
+
+    def _local_rows(self, kind: str, m: int) -> List[List[Action]]:
+        key = (kind, m)
+        if key not in self._rows:
+            if kind == "train":
+                plan: Schedule = get_schedule(self.schedule, self.n_stages, m)
+            else:
+                plan = (forward_only if kind == "forward" else backward_only)(self.n_stages, m)
+            self._rows[key] = [plan[st.index] for st in self.stages]
+        return self._rows[key]
+
+    def _seed(self) -> Optional[int]:
+        """One base seed per step, drawn in the caller's thread (so ``torch.manual_seed`` rules it)."""
+        if any(st.module.training and is_random(st.module) for st in self.stages):
+            return draw_base_seed()
+        return None
+
+    @staticmethod
+    def _to(stage: Optional[Stage], value: Any) -> Any:
+        """``value`` on ``stage``'s device (None where this process does not run that stage)."""
+        if stage is None:
+            return None
+        dev = stage.device
+        return tree_map(lambda t: t.to(dev, non_blocking=True) if t.device != dev else t, value)
+
+    def _split_to(self, stage: Optional[Stage], value: Any, sizes: List[int]) -> Optional[List[Any]]:
+        moved = self._to(stage, value)
+        return None if moved is None else split(moved, sizes)
+
+    def train(self, x: Any, y: Any, loss_fn: LossFn, n: int) -> Optional[torch.Tensor]:
+        """Forward and backward of a batch of ``n`` under the schedule; gradients accumulate into ``.grad``.
+
+        Each micro-batch's mean loss is weighted by its share of the batch, so
+        the gradients are those of the whole batch's mean loss. Returns that
+        loss (detached) where this process runs the last stage, else None.
+        """
+        sizes = self.sizes(n)
+        m = len(sizes)
+        spec = StepSpec(grad=True, recompute=recompute_policy(self.checkpoint, m), seed=self._seed(),
+                        loss_fn=loss_fn if self.last is not None else None,
+                        targets=self._split_to(self.last, y, sizes), weights=[k / n for k in sizes], sync=self.sync)
+        results = self.runner.run(self._local_rows("train", m), spec, inputs=self._split_to(self.first, x, sizes),
+                                  trace=self.trace)
+        if self.last is None:
+            return None
+        losses = results[-1].losses
+        return torch.stack([losses[i] for i in range(m)]).sum()
+
+    def forward(self, x: Any, n: int, *, need_grad: bool) -> Any:
+        """Forward of a batch of ``n``; the merged output where this process runs the last stage, else None.
+
+        With ``need_grad`` (only where this process runs every stage) the output
+        is wired into autograd: a ``backward`` through it runs every stage's
+        backward on the runner, pipelined, and returns the input's gradient.
+        """
+        sizes = self.sizes(n)
+        m = len(sizes)
+        if need_grad and (self.first is None or self.last is None):
+            raise RuntimeError("an output that carries autograd back through the pipeline needs every stage in "
+                               "this process; train with train_step(x, y, loss_fn), or evaluate under torch.no_grad()")
+        spec = StepSpec(grad=need_grad, recompute=recompute_policy(self.checkpoint, m), seed=self._seed())
+        x = self._to(self.first, x)  # the graph hangs on the moved input, whose grad lives on stage 0's device
+        xs = None if x is None else split(x, sizes)
+        results = self.runner.run(self._local_rows("forward", m), spec, inputs=xs, trace=self.trace)
+        if self.last is None:
+            return None
+        outputs = [results[-1].outputs[i] for i in range(m)]
+        if not need_grad:
+            return merge(outputs)
+        spec.sync = self.sync
+
+        def run_backward(grads: List[Optional[Grads]], event: Any) -> List[Grads]:
+            res = self.runner.run(self._local_rows("backward", m), spec, output_grads=grads, grad_event=event,
+                                  trace=self.trace)
+            return [res[0].input_grads[i] for i in range(m)]
+
+        return _bridge.attach(run_backward, sizes, outputs, x)
