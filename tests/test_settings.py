@@ -1,0 +1,84 @@
+"""The settings both public classes take are checked once, with one message each, in every mode."""
+
+from datetime import timedelta
+
+import pytest
+import torch
+from torch import nn
+
+import pipeddp
+from conftest import data, make_mlp
+from pipeddp.partitioning.solve import solve
+
+LOSS = nn.functional.mse_loss
+
+
+def build(kind, **kw):
+    """The same settings through each public class (one process: stage mode runs a 1-stage pipeline here)."""
+    stages = kw.pop("stages", 2)
+    if kind == "pipeline":
+        return pipeddp.Pipeline(kw.pop("model", make_mlp()), ["cpu"] * stages, **kw)
+    if kind == "replica":
+        return pipeddp.HybridParallel(kw.pop("model", make_mlp()), stages=stages, mode="replica",
+                                      devices=["cpu"] * stages, **kw)
+    return pipeddp.HybridParallel(kw.pop("model", make_mlp()), stages=1, mode="stage", devices=["cpu"], **kw)
+
+
+KINDS = ["pipeline", "replica", "stage"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("bad,match", [
+    (dict(checkpoint="alwayz"), r"checkpoint must be one of \('never', 'except_last', 'always'\), got 'alwayz'"),
+    (dict(chunks=0), r"chunks must be an int >= 1 \(the number of micro-batches\), got 0"),
+    (dict(split_size=2.5), r"split_size must be an int >= 1 \(samples per micro-batch\), got 2.5"),
+    (dict(chunks=2, split_size=4), "give chunks= .* or split_size= .*, not both"),
+    (dict(schedule="interleaved"), "unknown schedule 'interleaved'"),
+    (dict(timeout=-1.0), "timeout must be a positive number of seconds or a timedelta"),
+    (dict(model=nn.Linear(2, 2)), "pipeddp cuts an nn.Sequential into stages, got Linear"),
+    (dict(model=nn.Sequential()), "empty nn.Sequential"),
+])
+def test_a_bad_setting_is_refused_alike_everywhere(kind, bad, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        build(kind, **bad)
+
+
+STAGES_VS_LAYERS = "cannot cut 3 layers into 4 stages: every stage needs at least one layer; use at most 3 stages"
+
+
+def test_more_stages_than_layers_has_one_message_everywhere():
+    model = make_mlp(depth=2)  # 3 layers
+    for make in (lambda: pipeddp.Pipeline(model, ["cpu"] * 4),
+                 lambda: pipeddp.HybridParallel(model, stages=4, devices=["cpu"] * 4),
+                 lambda: pipeddp.partition(model, 4, method="params"),
+                 lambda: solve([1.0, 1.0, 1.0], 4)):
+        with pytest.raises(ValueError, match=STAGES_VS_LAYERS):
+            make()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("timeout", [30.0, 30, timedelta(seconds=30)])
+def test_timeout_in_seconds_or_as_a_timedelta(kind, timeout):
+    x, y = data(6)
+    with build(kind, timeout=timeout, chunks=2) as engine:
+        assert engine.settings.timeout == 30.0
+        assert torch.isfinite(engine.train_step(x, y, LOSS))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_forward_means_the_same_in_both_classes(kind):
+    """Under no_grad: an evaluation; with autograd (where one process has every stage): a pipelined graph."""
+    model = make_mlp()
+    x, y = data(7)
+    with torch.no_grad():
+        expect = model(x)
+    with build(kind, model=make_mlp(), chunks=3) as engine:
+        with torch.no_grad():
+            assert (engine(x) - expect).abs().max().item() < 1e-12
+        if kind != "pipeline":  # HybridParallel names its evaluation call too
+            assert (engine.eval_step(x) - expect).abs().max().item() < 1e-12
+        LOSS(engine(x), y).backward()
+        ref = make_mlp()
+        LOSS(ref(x), y).backward()
+        for p, q in zip(engine.parameters(), ref.parameters()):
+            assert (p.grad - q.grad).abs().max().item() < 1e-12
