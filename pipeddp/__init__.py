@@ -9,6 +9,7 @@ The public face is small:
 - ``data.loader``: a DataLoader sharded by replica (not by rank).
 - ``resume``: pick up the newest complete checkpoint of a directory.
 - ``simulate``: predict a step from measured costs (``pipeddp plan`` ranks configurations with it).
+- ``is_recomputing``: whether a layer's forward is a recompute (activation checkpointing) replay.
 """
 
 from .distributed import data
@@ -16,9 +17,10 @@ from .distributed.launch import spawn
 from .hybrid import HybridParallel, resume
 from .partitioning.report import Partition, partition
 from .pipeline import Pipeline
+from .runtime.rng import is_recomputing
 from .runtime.schedule import format_schedule, gpipe, one_f_one_b
 from .tools.simulate import simulate
 
 __all__ = ["Pipeline", "HybridParallel", "Partition", "partition", "spawn", "resume", "data", "simulate",
-           "gpipe", "one_f_one_b", "format_schedule"]
+           "gpipe", "one_f_one_b", "format_schedule", "is_recomputing"]
 __version__ = "0.1.0"

@@ -34,9 +34,10 @@ from torch import nn
 from ._settings import check_settings, choose_partition
 from .distributed import state
 from .distributed.agreement import Agreement
-from .distributed.ddp import COMM_HOOKS, CommHook, attach_ddp, check_ddp_kwargs
+from .distributed.ddp import CommHook, attach_stages, check_ddp_kwargs, with_sync_batchnorm
 from .distributed.groups import choose_backend, current_topology, init_process_group, local_devices, make_groups
 from .distributed.stage_runner import ProcessRunner
+from .distributed.ties import TieExchange
 from .partitioning.report import Partition
 from .runtime.devices import DeviceLike
 from .runtime.executor import ThreadRunner
@@ -44,6 +45,7 @@ from .runtime.microbatch import batch_size, tree_map
 from .runtime.schedule import ScheduleFn
 from .runtime.stage import Stage, build_stages, register_layers
 from .runtime.step import Runner, Step
+from .runtime.tied import find_ties
 from .runtime.trace import Trace
 
 __all__ = ["HybridParallel", "resume"]
@@ -56,7 +58,8 @@ class HybridParallel(nn.Module):
         model: the ``nn.Sequential`` (built identically on every rank; DDP
             copies rank 0's weights to the other replicas at start).
         stages: pipeline stages per replica.
-        chunks, split_size, balance, sample, schedule, checkpoint, timeout: as in ``Pipeline``.
+        chunks, split_size, balance, sample, schedule, checkpoint, timeout, deferred_batch_norm:
+            as in ``Pipeline`` (tied weights too, across processes in stage mode).
             A measured balance is computed on rank 0 and sent to every rank.
         mode: ``"replica"`` (one process per replica, driving ``stages`` devices
             with threads) or ``"stage"`` (one process per stage).
@@ -99,21 +102,17 @@ class HybridParallel(nn.Module):
         trace: bool = False,
         threads: Optional[int] = None,
         skip_nonfinite: bool = False,
+        deferred_batch_norm: bool = False,
     ) -> None:
         super().__init__()
         self.topology = topo = current_topology(stages, mode, layout)
         self.settings = settings = check_settings(model, stages, chunks=chunks, split_size=split_size,
                                                   schedule=schedule, checkpoint=checkpoint, timeout=timeout)
-        check_ddp_kwargs(ddp_kwargs)
-        if isinstance(comm_hook, str) and comm_hook not in COMM_HOOKS:
-            raise ValueError(f"unknown comm_hook {comm_hook!r}; choose one of {COMM_HOOKS} or pass a hook function")
+        check_ddp_kwargs(ddp_kwargs, comm_hook)
         self.skip_nonfinite = skip_nonfinite
         self.skipped_steps = 0
         self.devices = devs = local_devices(topo, devices)
         self.backend = choose_backend(backend, devs, topo)
-        if sync_batchnorm and any(d.type != "cuda" for d in devs):
-            raise ValueError(f"rank {topo.rank}: sync_batchnorm=True needs CUDA devices (torch's SyncBatchNorm runs "
-                             "only on GPUs); on CPU, BatchNorm buffers follow DDP's broadcast_buffers instead")
         self._owns_group = topo.world_size > 1 and not dist.is_initialized()
         if self._owns_group:
             init_process_group(self.backend, settings.timeout_delta)
@@ -122,8 +121,8 @@ class HybridParallel(nn.Module):
             lambda: choose_partition(model, stages, balance, sample, settings, devs[0]))
         self.balance: List[int] = list(self.partition.balance)
         self._groups = make_groups(topo, self.backend, settings.timeout_delta)
-        if sync_batchnorm and topo.replicas > 1:
-            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # before the stages take the layers
+        if sync_batchnorm:  # after profiling: a SyncBatchNorm would wait for the other ranks there
+            model = with_sync_batchnorm(model, devs, topo.replicas, topo.rank)
         local = build_stages(model, self.balance, devs, range(stages) if mode == "replica" else [topo.stage])
         register_layers(self, local)
         runner: Runner
@@ -132,18 +131,19 @@ class HybridParallel(nn.Module):
         else:
             runner = ProcessRunner.connect(local[0], topo, comm_device=self.agreement.comm_device,
                                            timeout=settings.timeout_delta)
-        self._step = Step(local, stages, runner, chunks=settings.chunks, split_size=settings.split_size,
-                          schedule=settings.schedule, checkpoint=settings.checkpoint)
-        self._step.sync = topo.replicas > 1
+        ties = find_ties(model, self.balance)
+        self._step = step = Step(local, stages, runner, chunks=settings.chunks, split_size=settings.split_size,
+                                 schedule=settings.schedule, checkpoint=settings.checkpoint, ties=ties,
+                                 deferred_batch_norm=deferred_batch_norm)
+        step.sync = topo.replicas > 1
+        exchange = TieExchange(ties, step.ties, topo, backend=self.backend, timeout=settings.timeout_delta,
+                               comm_device=self.agreement.comm_device)
+        step.before_forward.append(exchange.refresh)
+        step.after_backward.append(exchange.fold)
         self._finalizer = weakref.finalize(self, runner.close)
         self.trace = Trace(topo.rank) if trace else None
-        self._ddps: List[Any] = []
-        for st in local if topo.replicas > 1 else []:
-            group = self._groups.stage[st.index]
-            for layer in st.module.modules():
-                if isinstance(layer, nn.SyncBatchNorm):
-                    layer.process_group = group  # statistics are shared by this stage's copies only
-            self._ddps.append(attach_ddp(st, group, ddp_kwargs=ddp_kwargs, comm_hook=comm_hook, trace=self.trace))
+        self._ddps = attach_stages(local, self._groups.stage, ddp_kwargs=ddp_kwargs, comm_hook=comm_hook,
+                                   trace=self.trace) if topo.replicas > 1 else []
 
     # -- structure ---------------------------------------------------------------------------------
 

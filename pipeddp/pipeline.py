@@ -33,6 +33,7 @@ from .runtime.microbatch import batch_size, tree_tensors
 from .runtime.schedule import ScheduleFn
 from .runtime.stage import Stage, build_stages, register_layers
 from .runtime.step import Step
+from .runtime.tied import find_ties
 from .runtime.trace import Trace
 
 __all__ = ["Pipeline"]
@@ -68,6 +69,12 @@ class Pipeline(nn.Module):
             count divided among the CPU stages, at least 1).
         trace: record a timeline of every action (``pipe.trace``).
         timeout: how long a stage waits for a neighbour before raising (seconds or a timedelta).
+        deferred_batch_norm: update BatchNorm running statistics once per batch, as one
+            whole-batch forward would, instead of once per micro-batch.
+
+    A parameter that several stages use (an embedding tied to the output head,
+    a module placed twice) gets a copy on each later stage; the copies are kept
+    one weight (see ``pipeddp.runtime.tied``), and ``parameters()`` lists each.
     """
 
     def __init__(
@@ -84,6 +91,7 @@ class Pipeline(nn.Module):
         threads: Optional[int] = None,
         trace: bool = False,
         timeout: Union[float, timedelta] = timedelta(minutes=30),
+        deferred_batch_norm: bool = False,
     ) -> None:
         super().__init__()
         devs = resolve_devices(devices)
@@ -96,7 +104,8 @@ class Pipeline(nn.Module):
         register_layers(self, stages)
         self._runner = ThreadRunner(stages, threads=threads, timeout=settings.timeout)
         self._step = Step(stages, len(stages), self._runner, chunks=settings.chunks, split_size=settings.split_size,
-                          schedule=settings.schedule, checkpoint=settings.checkpoint)
+                          schedule=settings.schedule, checkpoint=settings.checkpoint,
+                          ties=find_ties(model, self.balance), deferred_batch_norm=deferred_batch_norm)
         self._finalizer = weakref.finalize(self, self._runner.close)
         self.settings = settings
         self.trace = Trace() if trace else None

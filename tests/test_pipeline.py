@@ -262,3 +262,24 @@ def test_bad_input_errors():
             pipe.to("cpu")
         with pytest.raises(ValueError, match="scalar"):
             pipe.train_step(*data(), lambda out, y: (out - y) ** 2)
+
+
+class SlowCounter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        time.sleep(0.1)
+        return x
+
+
+def test_a_forward_only_call_stops_when_a_stage_fails():
+    """Stage 0 only sends in a forward-only call, so nothing made it wait; it must still stop early."""
+    counter = SlowCounter()
+    model = nn.Sequential(counter, Boom())
+    with pipeddp.Pipeline(model, DEVICES[2], chunks=8, balance=[1, 1]) as pipe:
+        with torch.no_grad(), pytest.raises(ValueError, match="boom in stage 1"):
+            pipe(torch.randn(8, 4))
+    assert counter.calls <= 3, counter.calls  # before: all 8 micro-batches ran

@@ -27,7 +27,7 @@ Recompute is safe: it is a plain forward of the bare module, so DDP hooks
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..runtime.stage import Stage
 from ..runtime.trace import Span, Trace
 
-__all__ = ["attach_ddp", "check_ddp_kwargs", "COMM_HOOKS"]
+__all__ = ["attach_ddp", "attach_stages", "check_ddp_kwargs", "with_sync_batchnorm", "COMM_HOOKS"]
 
 
 class _Arm:
@@ -78,8 +78,10 @@ COMM_HOOKS = ("fp16", "bf16", "powersgd")
 CommHook = Union[str, Callable[..., Any]]
 
 
-def check_ddp_kwargs(ddp_kwargs: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+def check_ddp_kwargs(ddp_kwargs: Optional[Dict[str, Any]], comm_hook: Optional[CommHook] = None) -> Dict[str, Any]:
     """Validate the user's DDP options up front (also in a one-replica job, where no DDP is built)."""
+    if isinstance(comm_hook, str) and comm_hook not in COMM_HOOKS:
+        raise ValueError(f"unknown comm_hook {comm_hook!r}; choose one of {COMM_HOOKS} or pass a hook function")
     kwargs = dict(ddp_kwargs or {})
     if kwargs.get("static_graph"):
         raise ValueError(
@@ -137,3 +139,32 @@ def attach_ddp(stage: Stage, group: Any, *, ddp_kwargs: Optional[Dict[str, Any]]
 
     stage.sync_roots = sync_roots
     return ddp
+
+
+def attach_stages(stages: Sequence[Stage], groups: Dict[int, Any], *, ddp_kwargs: Optional[Dict[str, Any]] = None,
+                  comm_hook: Optional[CommHook] = None,
+                  trace: Optional[Trace] = None) -> List[Optional[DistributedDataParallel]]:
+    """``attach_ddp`` for each of a process's stages over its stage group (``groups[stage index]``).
+
+    SyncBatchNorm layers are pointed at the same group first: a stage's copies
+    share batch statistics with each other, never with another stage.
+    """
+    out = []
+    for st in stages:
+        for layer in st.module.modules():
+            if isinstance(layer, nn.SyncBatchNorm):
+                layer.process_group = groups[st.index]
+        out.append(attach_ddp(st, groups[st.index], ddp_kwargs=ddp_kwargs, comm_hook=comm_hook, trace=trace))
+    return out
+
+
+def with_sync_batchnorm(model: nn.Sequential, devices: Sequence[torch.device], replicas: int,
+                        rank: int) -> nn.Sequential:
+    """``model`` with its BatchNorm layers as ``SyncBatchNorm`` (before the stages take the layers).
+
+    torch's SyncBatchNorm runs only on GPUs; with one replica there is nothing to synchronise.
+    """
+    if any(d.type != "cuda" for d in devices):
+        raise ValueError(f"rank {rank}: sync_batchnorm=True needs CUDA devices (torch's SyncBatchNorm runs only "
+                         "on GPUs); on CPU, BatchNorm buffers follow DDP's broadcast_buffers instead")
+    return nn.SyncBatchNorm.convert_sync_batchnorm(model) if replicas > 1 else model

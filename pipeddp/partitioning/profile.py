@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..runtime.microbatch import batch_size, split, split_sizes, tree_map, tree_tensors
+from ..runtime.tied import layers_of
 
 __all__ = ["LayerCost", "profile_layers", "sample_microbatch"]
 
@@ -83,7 +84,7 @@ def profile_layers(
     ``progress(done, total)`` is called after every layer run, so that a
     command line can show how far a profile of many seconds has come.
     """
-    named = list(layers.named_children())
+    named = layers_of(layers)  # every position: a module used twice is profiled twice
     costs: List[LayerCost] = []
     params = [sum(p.numel() for p in m.parameters()) for _, m in named]
     pbytes = [sum(p.numel() * p.element_size() for p in m.parameters()) for _, m in named]

@@ -59,6 +59,7 @@ def run_actions(
     output_grads: Optional[Sequence[Optional[Grads]]] = None,
     trace: Optional[Trace] = None,
     rank: int = 0,
+    stop: Optional[threading.Event] = None,
 ) -> StageResults:
     """Execute ``actions`` on ``stage``.
 
@@ -69,10 +70,19 @@ def run_actions(
 
     An exception keeps its type and traceback and gains a note naming the
     rank, stage and action it interrupted (shown under its traceback).
+    ``stop``, once set (another stage failed), ends the list before its next
+    action: a stage that only sends (a forward-only call) waits on no one and
+    would otherwise run all its micro-batches.
     """
     where: List[Action] = []
+
+    def enter(a: Action) -> None:
+        if stop is not None and stop.is_set():
+            raise PipelineAborted(f"stage {stage.index} stopped before {a} because another stage failed")
+        where.append(a)
+
     try:
-        return _run(stage, actions, spec, prev, next, inputs, output_grads, trace, where.append)
+        return _run(stage, actions, spec, prev, next, inputs, output_grads, trace, enter)
     except BaseException as exc:
         if where and hasattr(exc, "add_note"):
             current = where[-1]
@@ -253,12 +263,14 @@ class ThreadRunner:
         if grad_event is not None and self.stages[-1].streams.cuda:
             self.stages[-1].streams.compute.wait_event(grad_event)
         last = len(self.stages) - 1
+        stop = threading.Event()
         fns = [functools.partial(run_actions, st, rows[k], spec, prev=self._links[k][0], next=self._links[k][1],
-                                 inputs=inputs if k == 0 else None,
-                                 output_grads=output_grads if k == last else None, trace=trace, rank=self.rank)
+                                 inputs=inputs if k == 0 else None, output_grads=output_grads if k == last else None,
+                                 trace=trace, rank=self.rank, stop=stop)
                for k, st in enumerate(self.stages)]
 
         def abort(exc: BaseException) -> None:
+            stop.set()
             for inbox in self._inboxes:
                 inbox.abort(exc)
 

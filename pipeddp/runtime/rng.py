@@ -1,54 +1,49 @@
-"""Reproducible randomness (dropout) in stages that run on threads.
+"""Random numbers that replay under recompute, whatever op draws them, independent of thread timing.
 
-Dropout draws from the device's default generator. On CPU every stage shares
-one generator, and stage threads draw from it in whatever order they happen to
-run, so masks (and results) would change from run to run; worse, replaying the
-RNG for activation recompute means rewinding a generator another thread is
-using at that moment.
+Any op may draw from a device's default generator: dropout modules, but
+also ``F.dropout`` in a custom layer, ``nn.MultiheadAttention``'s attention
+dropout, ``torch.rand_like`` noise. On CPU every stage thread shares one
+generator, so draws would interleave in whatever order the threads run
+(results would change from run to run), and recompute, which must see the
+very numbers of the first forward, would have to rewind a generator that
+another thread is using at that moment.
 
-So each random stage runs every micro-batch from a seed of its own, derived
-from one base seed drawn (in the caller's thread) at the start of the step::
+So every micro-batch of a stage that draws runs from a seed of its own,
+derived from one base seed drawn in the caller's thread at the start of the
+step::
 
     seed(stage s, micro-batch i) = base + 1_000_003 * s + i
 
-and holds the device's generator lock while it does: it saves the generator,
-seeds it, runs, and restores it. Recompute replays the same seed, so the
-recomputed dropout mask is bit-identical to the forward's. Results no longer
-depend on thread timing, and only stages that contain random layers pay for
-the lock (on CUDA each device has its own generator and lock).
+and holds the lock of each generator it draws from while it runs: save the
+generator, seed it, run, restore it. Recompute replays the same seed, so it
+sees the same numbers, bit for bit, for every op.
+
+Which generators a stage draws from (the CPU one, its CUDA device's, none)
+is *found*, not declared: the first forward in each mode (the training flags of its layers)
+runs seeded under every candidate's lock and compares each generator's state
+after the forward with its state after seeding. From then on a stage that
+drew nothing runs without seeding or locks (no cost for a deterministic
+stage, and its thread never waits for another's), and one that drew locks
+only the generators it used. A layer that starts drawing only later (its
+dropout probability raised from 0 during training) needs a new pipeline.
+
+``is_recomputing()`` tells a layer that its forward is a replay (to skip
+side effects such as updating statistics).
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Dict, Iterator, Optional
+from typing import Dict, FrozenSet, Hashable, Iterator, List, Optional
 
 import torch
-from torch import nn
 
-__all__ = ["is_random", "draw_base_seed", "seeded"]
-
-_RANDOM_TYPES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout, nn.RReLU)
+__all__ = ["Replay", "draw_base_seed", "is_recomputing", "recomputing"]
 
 _locks: Dict[str, threading.Lock] = {}
 _locks_guard = threading.Lock()
-
-
-def is_random(module: nn.Module) -> bool:
-    """Whether ``module`` (or a submodule) draws random numbers in its current mode.
-
-    Recognises torch's dropout layers and RReLU; a custom layer that draws
-    random numbers can opt in by setting ``pipeddp_random = True`` on itself.
-    """
-    for m in module.modules():
-        if getattr(m, "pipeddp_random", False):
-            return True
-        if isinstance(m, _RANDOM_TYPES) and m.training:
-            if not isinstance(m, nn.RReLU) and getattr(m, "p", 0.0) == 0.0:
-                continue
-            return True
-    return False
+_state = threading.local()
 
 
 def draw_base_seed() -> int:
@@ -56,34 +51,80 @@ def draw_base_seed() -> int:
     return int(torch.randint(0, 2**62, (1,)).item())
 
 
-def _lock_for(device: torch.device) -> threading.Lock:
-    key = str(device) if device.type != "cpu" else "cpu"
+def is_recomputing() -> bool:
+    """True while a stage recomputes a forward in backward (activation checkpointing), on that thread."""
+    return getattr(_state, "recomputing", False)
+
+
+@contextlib.contextmanager
+def recomputing() -> Iterator[None]:
+    """Mark the body as a recompute, for ``is_recomputing``."""
+    before = is_recomputing()
+    _state.recomputing = True
+    try:
+        yield
+    finally:
+        _state.recomputing = before
+
+
+def _lock(key: str) -> threading.Lock:
     with _locks_guard:
         return _locks.setdefault(key, threading.Lock())
 
 
-@contextlib.contextmanager
-def seeded(device: torch.device, seed: Optional[int]) -> Iterator[None]:
-    """Run the body with ``device``'s generator seeded to ``seed``, then restore it.
+def _get(key: str) -> torch.Tensor:
+    return torch.get_rng_state() if key == "cpu" else torch.cuda.get_rng_state(key)
 
-    ``seed=None`` does nothing (the stage has no random layer).
-    """
-    if seed is None:
-        yield
-        return
-    with _lock_for(device):
-        if device.type == "cuda":
-            state = torch.cuda.get_rng_state(device)
-            with torch.cuda.device(device):
-                torch.cuda.manual_seed(seed)
+
+def _set(key: str, state: torch.Tensor) -> None:
+    if key == "cpu":
+        torch.set_rng_state(state)
+    else:
+        torch.cuda.set_rng_state(state, key)
+
+
+def _seed(key: str, seed: int) -> None:
+    if key == "cpu":
+        torch.default_generator.manual_seed(seed)
+    else:
+        with torch.cuda.device(key):
+            torch.cuda.manual_seed(seed)
+
+
+class Replay:
+    """The random generators one stage on ``device`` draws from, and the seeded context it runs in."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.candidates: List[str] = ["cpu"] + ([str(device)] if device.type == "cuda" else [])
+        self._draws: Dict[Hashable, FrozenSet[str]] = {}
+
+    def may_draw(self, mode: Hashable) -> bool:
+        """Whether a forward in ``mode`` (the layers' training flags) may draw (unknown counts as yes)."""
+        found = self._draws.get(mode)
+        return found is None or bool(found)
+
+    @contextlib.contextmanager
+    def seeded(self, seed: Optional[int], mode: Hashable) -> Iterator[None]:
+        """Run the body from ``seed`` on the generators this stage draws from, then restore them.
+
+        ``seed=None`` (no base seed this step) runs the body as it is.
+        """
+        known = self._draws.get(mode)
+        keys = sorted(self.candidates if known is None else known)  # one lock order everywhere: no deadlock
+        if seed is None or not keys:
+            yield
+            return
+        with contextlib.ExitStack() as stack:
+            for key in keys:
+                stack.enter_context(_lock(key))
+            saved = {key: _get(key) for key in keys}
+            for key in keys:
+                _seed(key, seed)
+            start = {key: _get(key) for key in keys} if known is None else None
             try:
                 yield
             finally:
-                torch.cuda.set_rng_state(state, device)
-        else:
-            state = torch.get_rng_state()
-            torch.default_generator.manual_seed(seed)
-            try:
-                yield
-            finally:
-                torch.set_rng_state(state)
+                if start is not None:
+                    self._draws[mode] = frozenset(k for k in keys if not torch.equal(_get(k), start[k]))
+                for key in keys:
+                    _set(key, saved[key])

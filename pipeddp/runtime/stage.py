@@ -21,16 +21,19 @@ gradient, uneven micro-batches included, and nothing is rescaled afterwards.
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from .microbatch import tree_map, tree_tensors
-from .rng import is_random, seeded
+from .batchnorm import batch_norms, frozen_statistics
+from .rng import Replay, recomputing
 from .streams import StageStreams
+from .tied import layers_of, stage_of_layers
 
 __all__ = ["Stage", "StepSpec", "Grads", "build_stages", "register_layers"]
 
@@ -100,15 +103,25 @@ class Stage:
         self.last = last
         self.streams = StageStreams(device)
         self.clone_input = _starts_in_place(module)
+        self.replay = Replay(device)
+        self.batch_norms = batch_norms(module)
         #: Set by the data-parallel engine: wraps backward roots so DDP reduces once (see ddp.py).
         self.sync_roots: Optional[Callable[[List[torch.Tensor]], List[torch.Tensor]]] = None
 
     # -- helpers -----------------------------------------------------------------------------------
 
-    def _seed(self, spec: StepSpec, mb: int) -> Optional[int]:
-        if spec.seed is None or not (self.module.training and is_random(self.module)):
-            return None
-        return spec.seed + 1_000_003 * self.index + mb
+    def _mode(self) -> Tuple[bool, ...]:
+        """The training flags of the stage's layers (``train()``/``eval()`` on the owner reach the layers,
+        not the stage's own container)."""
+        return tuple(layer.training for layer in self.module)
+
+    def may_draw(self) -> bool:
+        """Whether this stage's forward may draw random numbers in its current mode (see ``rng``)."""
+        return self.replay.may_draw(self._mode())
+
+    def _seeded(self, spec: StepSpec, mb: int) -> ContextManager[None]:
+        seed = None if spec.seed is None else spec.seed + 1_000_003 * self.index + mb
+        return self.replay.seeded(seed, self._mode())
 
     def _run(self, value: Any) -> Any:
         if self.clone_input:
@@ -131,7 +144,7 @@ class Stage:
         """Run micro-batch ``mb``; return (output detached for sending, weighted loss or None)."""
         target = spec.targets[mb] if spec.targets is not None else None
         weight = spec.weights[mb] if spec.weights is not None else 1.0
-        with self.streams.computing(), seeded(self.device, self._seed(spec, mb)):
+        with self.streams.computing(), self._seeded(spec, mb):
             if not spec.grad:
                 with torch.no_grad():
                     out = self._run(value)
@@ -143,8 +156,8 @@ class Stage:
             inputs = tree_map(self._leaf, value)
             saved = _Saved(inputs, None, target, weight)
             if spec.recompute(mb):
-                with torch.no_grad():
-                    out = self._run(inputs)
+                with torch.no_grad():  # on copies: an in-place op must not change what the replay will see
+                    out = self._run(tree_map(lambda t: t.clone(), inputs))
                     loss = self._loss(out, saved, spec) if (self.last and spec.loss_fn is not None) else None
             else:
                 with torch.enable_grad():
@@ -156,11 +169,17 @@ class Stage:
         return detached, (loss.detach() if loss is not None else None)
 
     def _leaf(self, t: torch.Tensor) -> torch.Tensor:
-        """Turn a received tensor into a leaf whose ``.grad`` is the gradient to send back."""
+        """Turn a received tensor into a leaf whose ``.grad`` is the gradient to send back.
+
+        The user's inputs that want no gradient get a copy per micro-batch: the
+        micro-batches are views of one batch and share its version counter, so
+        an in-place op on one (``mask.add_(1)``) would otherwise invalidate the
+        tensors another micro-batch saved for its backward.
+        """
+        if self.index == 0 and not t.requires_grad:
+            return t.clone()
         if not t.is_floating_point() and not t.is_complex():
             return t
-        if self.index == 0 and not t.requires_grad:
-            return t  # the user's input: no gradient wanted
         return t.detach().requires_grad_(True)
 
     def backward(self, mb: int, grads: Optional[Grads], spec: StepSpec, *, sync: bool = False) -> Grads:
@@ -179,10 +198,11 @@ class Stage:
                 f"stage {self.index} has no saved forward for micro-batch {mb}: backward ran twice, "
                 "or without its forward (call backward once per forward)"
             ) from None
-        with self.streams.computing(), seeded(self.device, self._seed(spec, mb)):
+        with self.streams.computing():
             roots = saved.roots
-            if roots is None:
-                with torch.enable_grad():
+            if roots is None:  # recompute: the same random numbers, no second statistics update
+                with self._seeded(spec, mb), recomputing(), frozen_statistics(self.batch_norms), \
+                        torch.enable_grad():
                     out = self._run(saved.inputs)
                     roots = self._loss(out, saved, spec) if (self.last and spec.loss_fn is not None) else out
             tensors = tree_tensors(roots)
@@ -212,13 +232,40 @@ def build_stages(model: nn.Sequential, balance: Sequence[int], devices: Sequence
     indices = list(range(len(balance))) if indices is None else list(indices)
     if len(indices) != len(devices):
         raise ValueError(f"{len(indices)} stages to place but {len(devices)} devices")
-    named = list(model.named_children())
+    named = own_layers(model, balance)
     starts = [sum(balance[:s]) for s in range(len(balance))]
     stages = []
     for s, device in zip(indices, devices):
         part = nn.Sequential(OrderedDict(named[starts[s]:starts[s] + balance[s]])).to(device)
         stages.append(Stage(s, part, device, last=s == len(balance) - 1))
     return stages
+
+
+def own_layers(model: nn.Sequential, balance: Sequence[int]) -> List[Tuple[str, nn.Module]]:
+    """Every position's layer, with a module object that several stages use copied for each later stage.
+
+    A module used at several positions of one stage stays one object. Used by
+    several stages, each later stage gets a copy (its parameters are then tied
+    to the first stage's, see ``tied``). A module with buffers (BatchNorm's
+    running statistics) cannot be split that way: the copies would update
+    their statistics apart, so that is refused, naming the positions.
+    """
+    where = stage_of_layers(balance)
+    first: Dict[int, Tuple[int, int]] = {}  # id(layer) -> (first position, its stage)
+    out = []
+    for pos, ((name, layer), stage) in enumerate(zip(layers_of(model), where)):
+        seen = first.setdefault(id(layer), (pos, stage))
+        if seen[1] != stage:
+            if any(True for _ in layer.buffers()):
+                raise ValueError(
+                    f"the module at positions {seen[0]} and {pos} of the model is one object "
+                    f"({type(layer).__name__}, with buffers) used by stages {seen[1]} and {stage}; its buffers "
+                    "would be updated apart on each stage. Give each position a module of its own, or choose a "
+                    f"balance that puts positions {seen[0]}..{pos} in one stage"
+                )
+            layer = copy.deepcopy(layer)
+        out.append((name, layer))
+    return out
 
 
 def register_layers(owner: nn.Module, stages: Sequence[Stage]) -> None:
@@ -228,5 +275,5 @@ def register_layers(owner: nn.Module, stages: Sequence[Stage]) -> None:
     ``owner.parameters()`` come in the model's order, whatever the cut.
     """
     for st in stages:
-        for name, layer in st.module.named_children():
+        for name, layer in layers_of(st.module):
             owner.add_module(name, layer)

@@ -27,11 +27,13 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tupl
 import torch
 
 from . import _bridge
+from .batchnorm import DeferredStatistics
 from .executor import StageResults
 from .microbatch import merge, split, split_sizes, tree_map
-from .rng import draw_base_seed, is_random
+from .rng import draw_base_seed
 from .schedule import Action, Schedule, ScheduleFn, backward_only, forward_only, get_schedule
 from .stage import Grads, Stage, StepSpec
+from .tied import LocalTies, Tie
 from .trace import Trace
 
 __all__ = ["Runner", "Step", "recompute_policy"]
@@ -70,7 +72,8 @@ class Step:
     """
 
     def __init__(self, stages: Sequence[Stage], n_stages: int, runner: Runner, *, chunks: Optional[int],
-                 split_size: Optional[int], schedule: Union[str, ScheduleFn], checkpoint: str) -> None:
+                 split_size: Optional[int], schedule: Union[str, ScheduleFn], checkpoint: str,
+                 ties: Sequence[Tie] = (), deferred_batch_norm: bool = False) -> None:
         self.stages = list(stages)
         self.n_stages = n_stages
         self.runner = runner
@@ -80,6 +83,15 @@ class Step:
         self.checkpoint = checkpoint
         self.sync = False
         self.trace: Optional[Trace] = None
+        #: Weights several local stages use: copies refreshed before the forwards, gradients summed after.
+        self.ties = LocalTies(ties, self.stages)
+        #: BatchNorm updates held back over the micro-batches and applied once per batch.
+        self.deferred = [DeferredStatistics(st.module) for st in self.stages] if deferred_batch_norm else []
+        #: Called before a step's forwards, after them, and after its backwards (a distributed
+        #: engine adds its own, e.g. the exchange of tied weights between processes).
+        self.before_forward: List[Callable[[], None]] = [self.ties.refresh] + [d.reset for d in self.deferred]
+        self.after_forward: List[Callable[[], None]] = [d.commit for d in self.deferred]
+        self.after_backward: List[Callable[[], None]] = [self.ties.fold]
         self._rows: Dict[Tuple[str, int], List[List[Action]]] = {}
 
     @property
@@ -108,9 +120,14 @@ class Step:
 
     def _seed(self) -> Optional[int]:
         """One base seed per step, drawn in the caller's thread (so ``torch.manual_seed`` rules it)."""
-        if any(st.module.training and is_random(st.module) for st in self.stages):
+        if any(st.may_draw() for st in self.stages):
             return draw_base_seed()
         return None
+
+    @staticmethod
+    def _call(hooks: List[Callable[[], None]]) -> None:
+        for hook in hooks:
+            hook()
 
     @staticmethod
     def _to(stage: Optional[Stage], value: Any) -> Any:
@@ -136,8 +153,11 @@ class Step:
         spec = StepSpec(grad=True, recompute=recompute_policy(self.checkpoint, m), seed=self._seed(),
                         loss_fn=loss_fn if self.last is not None else None,
                         targets=self._split_to(self.last, y, sizes), weights=[k / n for k in sizes], sync=self.sync)
+        self._call(self.before_forward)
         results = self.runner.run(self._local_rows("train", m), spec, inputs=self._split_to(self.first, x, sizes),
                                   trace=self.trace)
+        self._call(self.after_forward)
+        self._call(self.after_backward)
         if self.last is None:
             return None
         losses = results[-1].losses
@@ -158,7 +178,9 @@ class Step:
         spec = StepSpec(grad=need_grad, recompute=recompute_policy(self.checkpoint, m), seed=self._seed())
         x = self._to(self.first, x)  # the graph hangs on the moved input, whose grad lives on stage 0's device
         xs = None if x is None else split(x, sizes)
+        self._call(self.before_forward)
         results = self.runner.run(self._local_rows("forward", m), spec, inputs=xs, trace=self.trace)
+        self._call(self.after_forward)
         if self.last is None:
             return None
         outputs = [results[-1].outputs[i] for i in range(m)]
@@ -169,6 +191,7 @@ class Step:
         def run_backward(grads: List[Optional[Grads]], event: Any) -> List[Grads]:
             res = self.runner.run(self._local_rows("backward", m), spec, output_grads=grads, grad_event=event,
                                   trace=self.trace)
+            self._call(self.after_backward)
             return [res[0].input_grads[i] for i in range(m)]
 
         return _bridge.attach(run_backward, sizes, outputs, x)

@@ -1,0 +1,62 @@
+"""Tied weights whose uses sit in different processes (``mode="stage"``).
+
+``runtime.tied`` keeps the copies of a tied parameter one weight inside a
+process. Across processes the same two steps are collectives over a small
+group per replica: the ranks of that replica holding a use of the tie::
+
+    replica r:  rank of stage 0 (embedding)  <-- group -->  rank of stage S-1 (head)
+    after the step:   all_reduce(SUM) of the gradients   (each already averaged over replicas by DDP)
+    before a forward: broadcast of the value from the first stage's rank
+
+Groups are created on every rank in the same order (ties, then replicas), as
+``torch.distributed.new_group`` requires; in replica mode every use is in one
+process and no group is made.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, List, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..runtime.tied import LocalTies, Tie
+from .topology import Topology
+
+__all__ = ["TieExchange"]
+
+
+class TieExchange:
+    """The ties of this process that other processes share, and their collectives."""
+
+    def __init__(self, ties: Sequence[Tie], local: LocalTies, topology: Topology, *, backend: str,
+                 timeout: timedelta, comm_device: torch.device) -> None:
+        self.comm_device = comm_device
+        mine = {tie: params[0] for tie, params in local.entries}
+        self.items: List[Tuple[nn.Parameter, Any, int]] = []
+        for tie in ties:
+            for r in range(topology.replicas):
+                ranks = sorted({topology.rank_of(r, s) for s in tie.stages})
+                if len(ranks) < 2:
+                    continue
+                group = dist.new_group(ranks, timeout=timeout, backend=backend)
+                if topology.rank in ranks:
+                    self.items.append((mine[tie], group, topology.rank_of(r, tie.owner)))
+
+    def fold(self) -> None:
+        """Every use of a tie gets the sum of the uses' gradients."""
+        for param, group, _ in self.items:
+            grad = param.grad if param.grad is not None else torch.zeros_like(param)
+            buf = grad.detach().to(self.comm_device, copy=True)
+            dist.all_reduce(buf, group=group)
+            param.grad = buf.to(param.device)
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Every use of a tie takes the value of its first stage's copy."""
+        for param, group, src in self.items:
+            buf = param.detach().to(self.comm_device, copy=True)
+            dist.broadcast(buf, src=src, group=group)
+            param.copy_(buf)

@@ -1,0 +1,147 @@
+"""Weights shared by several stages: an embedding tied to the output head, a module used twice.
+
+In the plain model one ``Parameter`` serves several places. Cut into stages,
+those places may land on different devices (or in different processes),
+where one tensor cannot live. So every stage that uses it holds a copy, and
+the copies are kept one weight::
+
+    plain model:  0.weight (embedding) ---- same Parameter ---- 7.weight (head)
+    2 stages:     stage 0: 0.weight (the original)         stage 1: 7.weight (a copy)
+
+    after the step's backward:   both .grad = g(stage 0) + g(stage 1)      (``fold``)
+    before the next forward:     copy <- original                          (``refresh``)
+
+With both ``.grad`` equal to the plain model's gradient, an optimizer over
+``parameters()`` (which lists the original and each copy) gives all of them
+the plain model's update, and the refresh removes any rounding difference
+between devices. ``state_dict()`` has the plain model's keys, each name with
+its value. With several replicas, DDP first averages each copy's gradient over
+its stage group, and the sum of averages is the average of sums. Between
+processes the same is done by collectives (``pipeddp.distributed.ties``).
+
+``find_ties`` works on the plain model and its balance, so every process of a
+job finds the same ties in the same order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Protocol, Sequence, Tuple
+
+import torch
+from torch import nn
+
+__all__ = ["Tie", "find_ties", "LocalTies", "layers_of", "stage_of_layers"]
+
+
+def layers_of(model: nn.Sequential) -> List[Tuple[str, nn.Module]]:
+    """``(name, layer)`` for every position of ``model``, a module used twice included.
+
+    ``named_children()`` lists a module object once, however many positions
+    it fills; ``len(model)`` and ``model(x)`` count every position.
+    """
+    return list(model._modules.items())  # type: ignore[arg-type]
+
+
+def stage_of_layers(balance: Sequence[int]) -> List[int]:
+    """The stage of each layer position."""
+    return [s for s, count in enumerate(balance) for _ in range(count)]
+
+
+@dataclass(frozen=True)
+class Tie:
+    """One parameter used by several stages: its names in the plain model and the stage of each."""
+
+    names: Tuple[str, ...]
+    stages: Tuple[int, ...]
+
+    @property
+    def owner(self) -> int:
+        """The first stage that uses it: its copy is the one the others are refreshed from."""
+        return min(self.stages)
+
+
+def find_ties(model: nn.Sequential, balance: Sequence[int]) -> List[Tie]:
+    """The parameters of ``model`` that the cut ``balance`` puts in more than one stage."""
+    where = stage_of_layers(balance)
+    seen: Dict[int, List[Tuple[str, int]]] = {}
+    for (name, layer), stage in zip(layers_of(model), where):
+        for pname, p in layer.named_parameters(prefix=name, remove_duplicate=False):
+            seen.setdefault(id(p), []).append((pname, stage))
+    ties = []
+    for uses in seen.values():
+        if len({s for _, s in uses}) > 1:
+            ties.append(Tie(tuple(n for n, _ in uses), tuple(s for _, s in uses)))
+    return ties
+
+
+class StageLike(Protocol):
+    """What ``LocalTies`` needs of a stage (``runtime.stage.Stage`` has it)."""
+
+    index: int
+    module: nn.Module
+    device: torch.device
+
+
+def _resolve(root: nn.Module, dotted: str) -> Tuple[nn.Module, str]:
+    parts = dotted.split(".")
+    module = root
+    for part in parts[:-1]:
+        module = getattr(module, part)
+    return module, parts[-1]
+
+
+class LocalTies:
+    """The copies of tied parameters among the stages of this process, and the two steps that keep them one.
+
+    ``stages`` are this process's stages (modules whose children carry the
+    plain model's layer names). Where a tie's uses fall in several of them,
+    each stage after the first gets a copy of its own on its device.
+    """
+
+    def __init__(self, ties: Sequence[Tie], stages: Sequence[StageLike]) -> None:
+        by_index = {st.index: st for st in stages}
+        #: per tie with a use here: the tie and this process's parameters for it, first stage first
+        self.entries: List[Tuple[Tie, List[nn.Parameter]]] = []
+        for tie in ties:
+            group: Dict[int, nn.Parameter] = {}
+            for name, stage in zip(tie.names, tie.stages):
+                st = by_index.get(stage)
+                if st is None:
+                    continue
+                module, attr = _resolve(st.module, name)
+                current = getattr(module, attr)
+                if stage not in group:
+                    original = next(iter(group.values()), None)
+                    if original is not None and (current is original or current.device != st.device):
+                        current = nn.Parameter(original.detach().to(st.device, copy=True),
+                                               requires_grad=original.requires_grad)
+                    group[stage] = current
+                setattr(module, attr, group[stage])
+            if group:
+                self.entries.append((tie, [group[s] for s in sorted(group)]))
+
+    @property
+    def groups(self) -> List[List[nn.Parameter]]:
+        return [params for _, params in self.entries]
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Copy each tie's first parameter into the others (before a step's forwards)."""
+        for first, *copies in self.groups:
+            for c in copies:
+                c.copy_(first)
+
+    @torch.no_grad()
+    def fold(self) -> None:
+        """Give every copy of a tie the sum of their gradients (after a step's backwards)."""
+        for group in self.groups:
+            grads = [p.grad for p in group if p.grad is not None]
+            if len(group) < 2 or not grads:
+                continue
+            total = grads[0].clone()
+            for g in grads[1:]:
+                total.add_(g.to(total.device))
+            for p in group:
+                p.grad = total.to(p.device, copy=True)
+

@@ -1,0 +1,122 @@
+"""Weights shared by several stages, modules used twice, and residuals across stages, against the plain model."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import pipeddp
+from conftest import data, max_diff
+from tied_jobs import LOSS, global_batches, hybrid_tied_job, stage_unet_job, tied_model, unet
+
+
+def reference_state(model, batches, momentum=0.9):
+    model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+    for x, y in batches:
+        opt.zero_grad()
+        LOSS(model(x), y).backward()
+        opt.step()
+    return model.state_dict()
+
+
+def test_tied_weights_on_two_stages_train_like_the_plain_model():
+    model = tied_model()
+    expect = reference_state(model, global_batches())
+    with pipeddp.Pipeline(copy.deepcopy(model), ["cpu", "cpu"], chunks=3, balance=[2, 3]) as pipe:
+        first, last = pipe.stages[0].module[0].weight, pipe.stages[1].module[2].weight
+        assert first is not last  # each stage holds a copy on its own device ...
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+        for x, y in global_batches():
+            opt.zero_grad()
+            pipe.train_step(x, y, LOSS)
+            assert torch.equal(first.grad, last.grad)  # ... with the summed gradient
+            opt.step()
+        assert torch.equal(first, last)  # ... and stays one weight
+        got = pipe.state_dict()
+    assert list(got) == list(expect) == ["0.weight", "2.weight", "2.bias", "4.weight"]
+    assert max_diff(expect.values(), got.values()) < 1e-12
+
+
+def test_tied_weights_through_call_and_backward():
+    model = tied_model()
+    x, y = data(9, width=6, seed=8)
+    ref = copy.deepcopy(model)
+    LOSS(ref(x), y).backward()
+    with pipeddp.Pipeline(copy.deepcopy(model), ["cpu", "cpu"], chunks=3, balance=[2, 3],
+                          checkpoint="always") as pipe:
+        LOSS(pipe(x), y).backward()
+        assert (pipe.stages[0].module[0].weight.grad - ref[0].weight.grad).abs().max().item() < 1e-12
+        assert torch.equal(pipe.stages[0].module[0].weight.grad, pipe.stages[1].module[2].weight.grad)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("mode,nprocs", [("replica", 2), ("stage", 4)])
+def test_tied_weights_across_replicas_and_processes(mode, nprocs, tmp_path):
+    """2 replicas x 2 stages; in stage mode the embedding and the head live in different processes."""
+    path = str(tmp_path / "tied.pt")
+    results = pipeddp.spawn(hybrid_tied_job, nprocs, args=(mode, path), timeout=150)
+    expect = reference_state(tied_model(), global_batches())  # one device, the global batch
+    for res in results:
+        assert list(res["state"]) == list(expect)
+        assert max_diff(expect.values(), res["state"].values()) < 1e-12, res["rank"]
+    copies = [v for res in results for k, v in res["local"].items() if k in ("0.weight", "4.weight")]
+    assert len(copies) == 4 and all(torch.equal(copies[0], c) for c in copies[1:])
+    plain = tied_model(seed=3)
+    plain.load_state_dict(torch.load(path)["model"])  # the checkpoint is the plain model's
+    assert plain[0].weight is plain[4].weight and max_diff(expect.values(), plain.state_dict().values()) < 1e-12
+
+
+def test_a_module_used_twice_works_on_two_stages():
+    torch.manual_seed(0)
+    act = nn.ReLU()
+    model = nn.Sequential(nn.Linear(4, 4), act, nn.Linear(4, 4), act).double()
+    x = torch.randn(6, 4, dtype=torch.float64)
+    assert sum(pipeddp.partition(model, 2, method="params").balance) == 4  # every position counted
+    with pipeddp.Pipeline(copy.deepcopy(model), ["cpu", "cpu"], chunks=2, balance=[2, 2]) as pipe, torch.no_grad():
+        assert (pipe(x) - model(x)).abs().max().item() < 1e-12
+    # a module with parameters used by two stages: a copy per stage, kept one weight
+    lin = nn.Linear(4, 4)
+    model = nn.Sequential(lin, nn.Tanh(), lin).double()
+    batches = [data(6, width=4, seed=s) for s in range(3)]
+    expect = reference_state(model, batches)
+    with pipeddp.Pipeline(copy.deepcopy(model), ["cpu", "cpu"], chunks=2, balance=[2, 1]) as pipe:
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+        for xb, yb in batches:
+            opt.zero_grad()
+            pipe.train_step(xb, yb, LOSS)
+            opt.step()
+        got = pipe.state_dict()
+    assert list(got) == list(expect) and max_diff(expect.values(), got.values()) < 1e-12
+
+
+def test_a_module_with_buffers_cannot_be_shared_by_two_stages():
+    bn = nn.BatchNorm1d(4)
+    model = nn.Sequential(nn.Linear(4, 4), bn, nn.Linear(4, 4), bn)
+    with pytest.raises(ValueError, match=r"positions 1 and 3 .*BatchNorm1d.*stages 0 and 1.*balance"):
+        pipeddp.Pipeline(model, ["cpu", "cpu"], balance=[2, 2])
+    with pipeddp.Pipeline(model, ["cpu", "cpu"], balance=[1, 3]) as pipe:  # both uses in one stage: fine
+        assert pipe.balance == [1, 3]
+
+
+def test_a_skip_connection_jumps_over_a_whole_stage():
+    model = unet()
+    x, y = data(7, width=6, seed=6)
+    ref = copy.deepcopy(model)
+    LOSS(ref(x), y).backward()
+    with pipeddp.Pipeline(copy.deepcopy(model), ["cpu"] * 3, chunks=3, balance=[1, 2, 1]) as pipe:
+        pipe.train_step(x, y, LOSS)
+        assert max_diff([p.grad for p in ref.parameters()], [p.grad for p in pipe.parameters()]) < 1e-12
+
+
+@pytest.mark.timeout(120)
+def test_a_skip_connection_between_processes():
+    model = unet(tag=False)
+    x, y = data(6, width=6, seed=5)
+    ref = copy.deepcopy(model)
+    LOSS(ref(x), y).backward()
+    expect = dict(ref.named_parameters())
+    for res in pipeddp.spawn(stage_unet_job, 3, timeout=100):
+        for name, g in res["grads"].items():
+            assert (g - expect[name].grad).abs().max().item() < 1e-12, (res["rank"], name)

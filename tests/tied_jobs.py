@@ -1,0 +1,93 @@
+"""Models and spawned-process jobs for the tied-weight and residual tests (importable by the children)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List
+
+import torch
+from torch import nn
+
+import pipeddp
+from conftest import data
+
+LOSS = nn.functional.mse_loss
+
+
+def tied_model(seed: int = 0) -> nn.Sequential:
+    """An input projection and an output head sharing one weight (a language model's embedding and head)."""
+    torch.manual_seed(seed)
+    first = nn.Linear(6, 6, bias=False)
+    last = nn.Linear(6, 6, bias=False)
+    last.weight = first.weight
+    return nn.Sequential(first, nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), last).double()
+
+
+def global_batches(steps: int = 3, n: int = 12) -> List[Any]:
+    return [data(n, width=6, seed=40 + i) for i in range(steps)]
+
+
+class Down(nn.Module):
+    """Starts a skip connection: passes (h, skip) on, with a tag that is not a tensor when ``tag``."""
+
+    def __init__(self, tag: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.tag = tag
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        return (h, x, "skip") if self.tag else (h, x)
+
+
+class Middle(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, pair):
+        h, skip, *rest = pair
+        return (torch.tanh(self.lin(h)), skip, *rest)
+
+
+class Up(nn.Module):
+    def forward(self, pair):
+        h, skip, *rest = pair
+        assert not rest or rest == ["skip"], rest
+        return h + skip
+
+
+def unet(tag: bool = True, seed: int = 0) -> nn.Sequential:
+    """Down | Middle Middle | Up on three stages: the skip jumps over the whole middle stage.
+
+    Between processes only tensors cross, so the job in stage mode drops the tag.
+    """
+    torch.manual_seed(seed)
+    return nn.Sequential(Down(tag), Middle(), Middle(), Up()).double()
+
+
+def hybrid_tied_job(mode: str, path: str) -> Dict[str, Any]:
+    """2 replicas x 2 stages, the tied weights on different stages; returns states and this rank's copies."""
+    engine = pipeddp.HybridParallel(tied_model(), stages=2, mode=mode, chunks=3, balance=[2, 3])
+    opt = torch.optim.SGD(engine.parameters(), lr=0.1, momentum=0.9)
+    replicas, r = engine.topology.replicas, engine.topology.replica
+    for x, y in global_batches():
+        local = x.shape[0] // replicas
+        x, y = x[r * local:(r + 1) * local], y[r * local:(r + 1) * local]
+        opt.zero_grad()
+        engine.train_step(x if engine.is_first else None, y if engine.is_last else None, LOSS)
+        opt.step()
+    engine.check_replicas()
+    engine.save(path)
+    out = {"state": engine.state_dict(), "local": engine.local_state_dict(), "rank": engine.topology.rank}
+    engine.close()
+    return out
+
+
+def stage_unet_job() -> Dict[str, Any]:
+    engine = pipeddp.HybridParallel(unet(tag=False), stages=3, mode="stage", chunks=2, balance=[1, 2, 1])
+    x, y = data(6, width=6, seed=5)
+    engine.train_step(x if engine.is_first else None, y if engine.is_last else None, LOSS)
+    grads = {name: p.grad.clone() for name, p in engine.named_parameters()}
+    engine.close()
+    return {"grads": grads, "rank": int(os.environ["RANK"])}
