@@ -334,7 +334,8 @@ def _chain(graph: fx.Graph) -> List[fx.Node]:
             raise _NotAChain(f"{_describe(n)} does not use {_output_of(prev)}")
         others = [i for i in ins if i is not prev]
         if others:
-            raise _NotAChain(f"{_describe(n)} uses {', '.join(_output_of(o) for o in others)} besides {_output_of(prev)}")
+            extra = ", ".join(_output_of(o) for o in others)
+            raise _NotAChain(f"{_describe(n)} uses {extra} besides {_output_of(prev)}")
         if n.op == "call_module" and (tuple(n.args) != (prev,) or n.kwargs):
             raise _NotAChain(f"{_describe(n)} is called with more than the previous step's output")
         steps.append(n)
@@ -392,7 +393,8 @@ def _steps(module: nn.Module) -> List[_Step]:
             graphs.append(graph)
     except Exception as exc:  # noqa: BLE001 - whatever stops torch.fx, reported with its message
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise _NotAChain(f"torch.fx cannot trace {type(module).__name__}.forward ({type(exc).__name__}: {first})") from exc
+        raise _NotAChain(f"torch.fx cannot trace {type(module).__name__}.forward "
+                         f"({type(exc).__name__}: {first})") from exc
     finally:
         module.training = saved
     train, evaluate = graphs
@@ -430,8 +432,10 @@ def _has_hooks(module: nn.Module) -> bool:
 
 def _open(module: nn.Module) -> Optional[List[_Step]]:
     """The steps of a child that is itself a chain, or None to keep it as one layer."""
-    if not any(True for _ in module.children()) or _has_hooks(module):
+    if _has_hooks(module):
         return None
+    if not any(True for _ in module.children()) and not isinstance(module, nn.Sequential):
+        return None  # a leaf (an empty nn.Sequential is an identity and contributes nothing)
     try:
         return _steps(module)
     except _NotAChain:
@@ -450,11 +454,11 @@ def _expand(steps: List[_Step], prefix: str, out: List[Tuple[str, nn.Module]]) -
 
 def _unique_names(paths: List[str]) -> List[str]:
     """Paths as layer names: ``layer1.0`` -> ``layer1_0``, made unique and usable as attribute names."""
-    used, names = set(), []
+    used, names, container = set(), [], nn.Sequential()
     for path in paths:
         base = path.replace(".", "_") or "layer"
         name, k = base, 1
-        while name in used or hasattr(nn.Sequential, name):
+        while name in used or hasattr(container, name):  # "float", "train", "training" are taken
             name, k = f"{base}_{k}", k + 1
         used.add(name)
         names.append(name)
@@ -465,8 +469,10 @@ def _clone(value: Any) -> Any:
     """A copy of the tensors in ``value`` (a forward that starts in place must not change the sample)."""
     if isinstance(value, torch.Tensor):
         return value.clone()
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
+        return type(value)(*(_clone(v) for v in value))
     if isinstance(value, (tuple, list)):
-        return type(value)(_clone(v) for v in value) if not hasattr(value, "_fields") else type(value)(*(_clone(v) for v in value))
+        return type(value)(_clone(v) for v in value)
     if isinstance(value, dict):
         return {k: _clone(v) for k, v in value.items()}
     return value
@@ -564,7 +570,8 @@ def flatten_sequential(model: nn.Module, sample: Any, *, rtol: float = 1e-5, ato
     flat = nn.Sequential(OrderedDict(zip(names, (layer for _, layer in found))))
 
     modes = [(m, m.training) for m in model.modules()]
-    new = [layer for layer in flat if isinstance(layer, Functional) and all(layer is not m for m, _ in modes)]
+    own = {id(m) for m, _ in modes}
+    new = [layer for layer in flat if id(layer) not in own]  # the glue made here
     try:
         model.eval()
         flat.eval()
