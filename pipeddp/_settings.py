@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Dict, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -36,6 +36,8 @@ class Settings:
     schedule: Union[str, ScheduleFn]
     checkpoint: str
     timeout: float
+    #: options for ``torch.compile`` of each stage's module, or None for eager stages
+    compile: Optional[Dict[str, Any]] = None
 
     @property
     def timeout_delta(self) -> timedelta:
@@ -56,11 +58,12 @@ def check_settings(
     schedule: Union[str, ScheduleFn],
     checkpoint: str,
     timeout: Timeout,
+    compile: Union[bool, Dict[str, Any]] = False,
 ) -> Settings:
     """Check everything that does not need a device or a process group; raise naming the fix.
 
     ``chunks`` defaults to two micro-batches per stage. ``timeout`` is seconds
-    or a ``timedelta``.
+    or a ``timedelta``. ``compile``: True or a dict of ``torch.compile`` options.
     """
     check_model(model)
     check_stage_count(stages, len(model))
@@ -78,7 +81,10 @@ def check_settings(
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
         raise ValueError(f"timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
-    return Settings(chunks, split_size, schedule, checkpoint, float(seconds))
+    if not isinstance(compile, (bool, dict)):
+        raise ValueError(f"compile must be True, False or a dict of torch.compile options, got {compile!r}")
+    options = dict(compile) if isinstance(compile, dict) else ({} if compile else None)
+    return Settings(chunks, split_size, schedule, checkpoint, float(seconds), options)
 
 
 def choose_partition(model: nn.Sequential, stages: int, balance: Union[None, str, Sequence[int]], sample: Any,

@@ -58,8 +58,8 @@ class HybridParallel(nn.Module):
         model: the ``nn.Sequential`` (built identically on every rank; DDP
             copies rank 0's weights to the other replicas at start).
         stages: pipeline stages per replica.
-        chunks, split_size, balance, sample, schedule, checkpoint, timeout, deferred_batch_norm:
-            as in ``Pipeline`` (tied weights too, across processes in stage mode).
+        chunks, split_size, balance, sample, schedule, checkpoint, timeout, deferred_batch_norm, compile:
+            as in ``Pipeline`` (tied weights and autocast too, across processes in stage mode).
             A measured balance is computed on rank 0 and sent to every rank.
         mode: ``"replica"`` (one process per replica, driving ``stages`` devices
             with threads) or ``"stage"`` (one process per stage).
@@ -103,11 +103,13 @@ class HybridParallel(nn.Module):
         threads: Optional[int] = None,
         skip_nonfinite: bool = False,
         deferred_batch_norm: bool = False,
+        compile: Union[bool, Dict[str, Any]] = False,
     ) -> None:
         super().__init__()
         self.topology = topo = current_topology(stages, mode, layout)
         self.settings = settings = check_settings(model, stages, chunks=chunks, split_size=split_size,
-                                                  schedule=schedule, checkpoint=checkpoint, timeout=timeout)
+                                                  schedule=schedule, checkpoint=checkpoint, timeout=timeout,
+                                                  compile=compile)
         check_ddp_kwargs(ddp_kwargs, comm_hook)
         self.skip_nonfinite = skip_nonfinite
         self.skipped_steps = 0
@@ -123,7 +125,8 @@ class HybridParallel(nn.Module):
         self._groups = make_groups(topo, self.backend, settings.timeout_delta)
         if sync_batchnorm:  # after profiling: a SyncBatchNorm would wait for the other ranks there
             model = with_sync_batchnorm(model, devs, topo.replicas, topo.rank)
-        local = build_stages(model, self.balance, devs, range(stages) if mode == "replica" else [topo.stage])
+        local = build_stages(model, self.balance, devs, range(stages) if mode == "replica" else [topo.stage],
+                             compile=settings.compile)
         register_layers(self, local)
         runner: Runner
         if mode == "replica":
@@ -149,8 +152,7 @@ class HybridParallel(nn.Module):
 
     @property
     def trace(self) -> Optional[Trace]:
-        """The timeline being recorded (None when off). Assigning one also reaches the stage threads;
-        gradient all-reduce spans are recorded only when the engine was built with ``trace=True``."""
+        """The timeline (None when off); all-reduce spans need ``trace=True`` at construction."""
         return self._step.trace
 
     @trace.setter
@@ -174,34 +176,35 @@ class HybridParallel(nn.Module):
 
     # -- running -----------------------------------------------------------------------------------
 
-    def train_step(self, x: Any, y: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
+    def train_step(self, x: Any, y: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
+                   scaler: Optional[torch.amp.GradScaler] = None) -> torch.Tensor:
         """One training step on this rank's local batch; returns the global mean loss (same on every rank).
 
         In stage mode the rank of stage 0 needs ``x`` and the rank of the last
         stage needs ``y``; the others may pass None. Gradients land in ``.grad``
-        of ``engine.parameters()``, already averaged over replicas.
-
-        With ``skip_nonfinite=True``, a step whose loss or gradients are not
-        finite on any rank is skipped on every rank alike: gradients are dropped
-        (set to None, so ``optimizer.step()`` changes nothing), a warning names the
-        ranks, and ``engine.skipped_steps`` counts it.
+        of ``engine.parameters()``, already averaged over replicas. A non-finite
+        step is skipped on every rank alike, with ``skip_nonfinite=True`` (counted
+        in ``engine.skipped_steps``) or by each rank's ``scaler`` (a GradScaler:
+        then ``scaler.step(optimizer); scaler.update()``); see ``Agreement.finish_step``.
         """
         n = self.agreement.local_batch(x, y, need_y=True)
-        loss = self._step.train(x, y, loss_fn, n)
+        if scaler is not None:
+            scaler.scale(torch.ones((), device=self.devices[0]))  # every rank's scaler is set up, not only the last's
+        loss = self._step.train(x, y, loss_fn, n, loss_scale=scaler.scale if scaler is not None else None)
         loss, skipped = self.agreement.finish_step(0.0 if loss is None else loss.item(), self.parameters(),
-                                                   skip_nonfinite=self.skip_nonfinite, skipped=self.skipped_steps)
+                                                   skip_nonfinite=self.skip_nonfinite, skipped=self.skipped_steps,
+                                                   overflow_to_scaler=scaler is not None)
         self.skipped_steps += skipped
         return loss
 
     def forward(self, x: Any) -> Any:  # type: ignore[override]
         """Run ``x`` through this replica's pipeline, as ``Pipeline.forward`` does.
 
-        With autograd on (replica mode), the output answers ``backward``, which
-        runs every stage's backward and averages the gradients over replicas.
-        Under ``torch.no_grad()`` (or ``eval_step``) it evaluates in both modes:
-        the output on the last stage's rank, None on the other stage-mode ranks;
-        only the replica's own processes communicate, so replicas may run a
-        different number of evaluation batches.
+        With autograd on (replica mode), the output answers ``backward`` (gradients
+        averaged over replicas). Under ``torch.no_grad()`` (or ``eval_step``) it
+        evaluates in both modes: the output on the last stage's rank, None on the
+        others; only the replica's processes communicate (replicas may run different
+        numbers of batches).
         """
         need_grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
         if self.topology.mode == "replica":
@@ -241,9 +244,8 @@ class HybridParallel(nn.Module):
         return self.agreement.mean_metrics(count, sums)
 
     def check_replicas(self) -> None:
-        """Return None when every stage's copies agree bit for bit; else raise ``RuntimeError`` naming the
-        stage, the parameter and the ranks. Compares a CRC32 of each parameter; a collective (call it on every rank).
-        """
+        """None when every stage's copies agree bit for bit (a CRC32 per parameter), else ``RuntimeError``
+        naming the stage, parameter and ranks. A collective: call it on every rank."""
         self.agreement.check_replicas(self._step.stages, self._groups.stage)
 
     # -- state -------------------------------------------------------------------------------------

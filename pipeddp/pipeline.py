@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import weakref
 from datetime import timedelta
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -71,6 +71,13 @@ class Pipeline(nn.Module):
         timeout: how long a stage waits for a neighbour before raising (seconds or a timedelta).
         deferred_batch_norm: update BatchNorm running statistics once per batch, as one
             whole-batch forward would, instead of once per micro-batch.
+        compile: ``True`` or a dict of ``torch.compile`` options: each stage's module is
+            compiled once (lazily, on its first call in each mode). The partitioner
+            profiles the eager layers.
+
+    Mixed precision: ``torch.autocast`` around ``pipe(x)`` or ``train_step`` reaches
+    every stage (forward, loss and recompute); ``train_step(..., scaler=GradScaler)``
+    scales the loss for backward.
 
     A parameter that several stages use (an embedding tied to the output head,
     a module placed twice) gets a copy on each later stage; the copies are kept
@@ -92,15 +99,16 @@ class Pipeline(nn.Module):
         trace: bool = False,
         timeout: Union[float, timedelta] = timedelta(minutes=30),
         deferred_batch_norm: bool = False,
+        compile: Union[bool, Dict[str, Any]] = False,
     ) -> None:
         super().__init__()
         devs = resolve_devices(devices)
         settings = check_settings(model, len(devs), chunks=chunks, split_size=split_size, schedule=schedule,
-                                  checkpoint=checkpoint, timeout=timeout)
+                                  checkpoint=checkpoint, timeout=timeout, compile=compile)
         self.devices = devs
         self.partition: Partition = choose_partition(model, len(devs), balance, sample, settings, devs[0])
         self.balance: List[int] = list(self.partition.balance)
-        stages = build_stages(model, self.balance, devs)
+        stages = build_stages(model, self.balance, devs, compile=settings.compile)
         register_layers(self, stages)
         self._runner = ThreadRunner(stages, threads=threads, timeout=settings.timeout)
         self._step = Step(stages, len(stages), self._runner, chunks=settings.chunks, split_size=settings.split_size,
@@ -196,7 +204,8 @@ class Pipeline(nn.Module):
         )
         return self._step.forward(x, batch_size(x, name="input"), need_grad=need_grad)
 
-    def train_step(self, x: Any, y: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
+    def train_step(self, x: Any, y: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
+                   scaler: Optional[torch.amp.GradScaler] = None) -> torch.Tensor:
         """Forward and backward of one batch under the schedule; returns the detached mean loss.
 
         ``loss_fn(output, target)`` must return the *mean* loss of its
@@ -204,12 +213,14 @@ class Pipeline(nn.Module):
         batch, so the accumulated ``.grad`` equals that of
         ``loss_fn(model(x), y).backward()`` on one device, uneven micro-batches
         included. Gradients accumulate into ``.grad`` (zero them as usual).
+        With ``scaler`` (``torch.amp.GradScaler``) backward starts from the
+        scaled loss; then ``scaler.step(optimizer); scaler.update()`` as usual.
         """
         n = batch_size(x, name="x")
         ny = batch_size(y, name="y")
         if n != ny:
             raise ValueError(f"x has {n} samples but y has {ny}; inputs and targets must have the same batch size")
-        loss = self._step.train(x, y, loss_fn, n)
+        loss = self._step.train(x, y, loss_fn, n, loss_scale=scaler.scale if scaler is not None else None)
         assert loss is not None  # this process runs the last stage
         return loss
 

@@ -134,19 +134,25 @@ class Agreement:
     # -- the loss and non-finite steps -----------------------------------------------------------------
 
     def finish_step(self, local_loss: float, params: Iterable[nn.Parameter], *, skip_nonfinite: bool,
-                    skipped: int) -> Tuple[torch.Tensor, bool]:
-        """Average the loss over replicas (one collective); with ``skip_nonfinite``, vote on the step.
+                    skipped: int, overflow_to_scaler: bool = False) -> Tuple[torch.Tensor, bool]:
+        """Average the loss over replicas (one collective); vote on non-finite gradients.
 
-        Returns the global mean loss and whether the step was skipped: then every
-        rank drops its gradients (set to None, so ``optimizer.step()`` changes
-        nothing) and a warning names the ranks with a non-finite loss or gradients.
+        With ``overflow_to_scaler`` (a GradScaler judges the step): if any rank's
+        gradients are not finite, every rank marks one of its own gradients inf,
+        so that every rank's scaler skips the step and backs off its scale alike
+        (each scaler sees only its own process's gradients). Otherwise, with
+        ``skip_nonfinite``: a step with a non-finite loss or gradients anywhere is
+        skipped, every rank drops its gradients (set to None, so
+        ``optimizer.step()`` changes nothing) and a warning names the ranks.
+        Returns the global mean loss and whether the step was skipped.
         """
         params = list(params)
+        grads = [p.grad for p in params if p.grad is not None]
         bad_loss = bad_grads = 0.0
         if skip_nonfinite:
-            grads = [p.grad for p in params if p.grad is not None]
             bad_loss = 0.0 if math.isfinite(local_loss) else 1.0
-            bad_grads = 0.0 if all(bool(torch.isfinite(g).all()) for g in grads) else 1.0
+        if (skip_nonfinite or overflow_to_scaler) and grads:
+            bad_grads = 0.0 if bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()) else 1.0
         mine = torch.tensor([local_loss, bad_loss, bad_grads], dtype=torch.float64, device=self.comm_device)
         if self.distributed:
             everyone = [torch.zeros_like(mine) for _ in range(self.topology.world_size)]
@@ -156,6 +162,10 @@ class Agreement:
         loss = sum(t[0].item() for t in everyone) / self.topology.replicas
         losses = [r for r, t in enumerate(everyone) if t[1].item() > 0]
         grads_bad = [r for r, t in enumerate(everyone) if t[2].item() > 0]
+        if overflow_to_scaler and grads_bad:
+            if grads:
+                grads[0].view(-1)[0] = float("inf")
+            return torch.tensor(loss, dtype=torch.float64), False
         if not (losses or grads_bad):
             return torch.tensor(loss, dtype=torch.float64), False
         for p in params:

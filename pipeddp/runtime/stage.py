@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from .microbatch import tree_map, tree_tensors
+from .amp import Autocast
 from .batchnorm import batch_norms, frozen_statistics
 from .rng import Replay, recomputing
 from .streams import StageStreams
@@ -49,6 +50,7 @@ class StepSpec:
     stages (None: no random stage). ``loss_fn``/``targets``/``weights``: the last
     stage turns outputs into weighted losses. ``sync``: this step's last backward
     on each stage must trigger the data-parallel gradient all-reduce.
+    ``autocast``/``loss_scale``: mixed precision (see ``amp``).
     """
 
     grad: bool
@@ -58,6 +60,10 @@ class StepSpec:
     targets: Optional[Sequence[Any]] = None
     weights: Optional[Sequence[float]] = None
     sync: bool = False
+    #: the caller's autocast state, re-entered around every forward and recompute
+    autocast: Autocast = field(default_factory=Autocast)
+    #: scales the loss before backward (a GradScaler's ``scale``); the returned loss stays unscaled
+    loss_scale: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
     #: per stage, what forward kept for backward, by micro-batch. It lives in the
     #: step (not the stage) so several outstanding ``pipe(x)`` calls never mix.
     saved: List[Dict[int, "_Saved"]] = field(default_factory=list)
@@ -96,9 +102,13 @@ def _starts_in_place(module: nn.Module) -> bool:
 class Stage:
     """A slice of the model (``module``, an ``nn.Sequential``) placed on ``device``."""
 
-    def __init__(self, index: int, module: nn.Sequential, device: torch.device, *, last: bool) -> None:
+    def __init__(self, index: int, module: nn.Sequential, device: torch.device, *, last: bool,
+                 compile: Optional[Dict[str, Any]] = None) -> None:
         self.index = index
         self.module = module
+        #: what runs the layers: the module itself, or ``torch.compile(module, **compile)`` (compiled lazily,
+        #: on the first call in each mode; it shares the module's parameters)
+        self.call: Callable[[Any], Any] = module if compile is None else torch.compile(module, **compile)
         self.device = device
         self.last = last
         self.streams = StageStreams(device)
@@ -126,7 +136,11 @@ class Stage:
     def _run(self, value: Any) -> Any:
         if self.clone_input:
             value = tree_map(lambda t: t.clone(), value)
-        return self.module(value)
+        return self.call(value)
+
+    def _root(self, loss: torch.Tensor, spec: StepSpec) -> torch.Tensor:
+        """What backward starts from: the weighted loss, scaled for mixed precision when asked."""
+        return spec.loss_scale(loss) if spec.loss_scale is not None else loss
 
     def _loss(self, out: Any, saved: _Saved, spec: StepSpec) -> torch.Tensor:
         assert spec.loss_fn is not None
@@ -144,7 +158,7 @@ class Stage:
         """Run micro-batch ``mb``; return (output detached for sending, weighted loss or None)."""
         target = spec.targets[mb] if spec.targets is not None else None
         weight = spec.weights[mb] if spec.weights is not None else 1.0
-        with self.streams.computing(), self._seeded(spec, mb):
+        with self.streams.computing(), self._seeded(spec, mb), spec.autocast():
             if not spec.grad:
                 with torch.no_grad():
                     out = self._run(value)
@@ -163,7 +177,7 @@ class Stage:
                 with torch.enable_grad():
                     out = self._run(inputs)
                     loss = self._loss(out, saved, spec) if (self.last and spec.loss_fn is not None) else None
-                saved.roots = loss if loss is not None else out
+                saved.roots = self._root(loss, spec) if loss is not None else out
             spec.store(self.index)[mb] = saved
         detached = tree_map(lambda t: t.detach(), out)
         return detached, (loss.detach() if loss is not None else None)
@@ -202,9 +216,10 @@ class Stage:
             roots = saved.roots
             if roots is None:  # recompute: the same random numbers, no second statistics update
                 with self._seeded(spec, mb), recomputing(), frozen_statistics(self.batch_norms), \
-                        torch.enable_grad():
+                        spec.autocast(), torch.enable_grad():
                     out = self._run(saved.inputs)
-                    roots = self._loss(out, saved, spec) if (self.last and spec.loss_fn is not None) else out
+                    roots = self._root(self._loss(out, saved, spec), spec) \
+                        if (self.last and spec.loss_fn is not None) else out
             tensors = tree_tensors(roots)
             if grads is None:
                 pairs = [(t, None) for t in tensors if t.requires_grad]
@@ -223,11 +238,13 @@ class Stage:
 
 
 def build_stages(model: nn.Sequential, balance: Sequence[int], devices: Sequence[torch.device],
-                 indices: Optional[Sequence[int]] = None) -> List[Stage]:
+                 indices: Optional[Sequence[int]] = None, *,
+                 compile: Optional[Dict[str, Any]] = None) -> List[Stage]:
     """Cut ``model`` by ``balance`` and place stage ``indices[k]`` on ``devices[k]`` (default: every stage).
 
     A process that owns one stage of a longer pipeline builds only that one;
-    the layers of the others are left where they are.
+    the layers of the others are left where they are. ``compile``: options
+    for ``torch.compile`` of each stage's module (None: eager).
     """
     indices = list(range(len(balance))) if indices is None else list(indices)
     if len(indices) != len(devices):
@@ -237,7 +254,7 @@ def build_stages(model: nn.Sequential, balance: Sequence[int], devices: Sequence
     stages = []
     for s, device in zip(indices, devices):
         part = nn.Sequential(OrderedDict(named[starts[s]:starts[s] + balance[s]])).to(device)
-        stages.append(Stage(s, part, device, last=s == len(balance) - 1))
+        stages.append(Stage(s, part, device, last=s == len(balance) - 1, compile=compile))
     return stages
 
 

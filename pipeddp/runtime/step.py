@@ -27,6 +27,7 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tupl
 import torch
 
 from . import _bridge
+from .amp import Autocast
 from .batchnorm import DeferredStatistics
 from .executor import StageResults
 from .microbatch import merge, split, split_sizes, tree_map
@@ -141,18 +142,22 @@ class Step:
         moved = self._to(stage, value)
         return None if moved is None else split(moved, sizes)
 
-    def train(self, x: Any, y: Any, loss_fn: LossFn, n: int) -> Optional[torch.Tensor]:
+    def train(self, x: Any, y: Any, loss_fn: LossFn, n: int, *,
+              loss_scale: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> Optional[torch.Tensor]:
         """Forward and backward of a batch of ``n`` under the schedule; gradients accumulate into ``.grad``.
 
         Each micro-batch's mean loss is weighted by its share of the batch, so
         the gradients are those of the whole batch's mean loss. Returns that
         loss (detached) where this process runs the last stage, else None.
+        The caller's autocast state reaches every stage; ``loss_scale`` (a
+        GradScaler's ``scale``) scales what backward starts from, not the loss returned.
         """
         sizes = self.sizes(n)
         m = len(sizes)
         spec = StepSpec(grad=True, recompute=recompute_policy(self.checkpoint, m), seed=self._seed(),
                         loss_fn=loss_fn if self.last is not None else None,
-                        targets=self._split_to(self.last, y, sizes), weights=[k / n for k in sizes], sync=self.sync)
+                        targets=self._split_to(self.last, y, sizes), weights=[k / n for k in sizes], sync=self.sync,
+                        autocast=Autocast.capture(), loss_scale=loss_scale)
         self._call(self.before_forward)
         results = self.runner.run(self._local_rows("train", m), spec, inputs=self._split_to(self.first, x, sizes),
                                   trace=self.trace)
@@ -175,7 +180,8 @@ class Step:
         if need_grad and (self.first is None or self.last is None):
             raise RuntimeError("an output that carries autograd back through the pipeline needs every stage in "
                                "this process; train with train_step(x, y, loss_fn), or evaluate under torch.no_grad()")
-        spec = StepSpec(grad=need_grad, recompute=recompute_policy(self.checkpoint, m), seed=self._seed())
+        spec = StepSpec(grad=need_grad, recompute=recompute_policy(self.checkpoint, m), seed=self._seed(),
+                        autocast=Autocast.capture())
         x = self._to(self.first, x)  # the graph hangs on the moved input, whose grad lives on stage 0's device
         xs = None if x is None else split(x, sizes)
         self._call(self.before_forward)

@@ -1,0 +1,54 @@
+"""Mixed precision in stage threads: the caller's autocast, re-entered where the stages compute.
+
+``torch.autocast`` is thread-local. A user who writes::
+
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = pipe.train_step(x, y, loss_fn)
+
+expects every layer to compute in bfloat16, as the plain model would; but the
+stages run on threads of their own, where autocast is off. So a step
+captures the caller's state (per device type: enabled, dtype, weight cache)
+in its ``StepSpec`` and every stage re-enters it around each forward, the
+loss and every recompute::
+
+    caller thread                 stage threads
+    autocast(cpu, bf16) --capture--> Autocast((cpu, bf16, cache)) --enter--> F0 F1 ... (and recompute in B)
+
+Backward runs outside autocast, as PyTorch recommends (it follows the dtypes
+of the forward). Between processes each rank captures its own caller's state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import ContextManager, Tuple
+
+import torch
+
+__all__ = ["Autocast"]
+
+_DEVICE_TYPES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class Autocast:
+    """The autocast regions enabled in the thread that captured it: ``(device type, dtype, weight cache)``."""
+
+    regions: Tuple[Tuple[str, torch.dtype, bool], ...] = ()
+
+    @classmethod
+    def capture(cls) -> "Autocast":
+        """The calling thread's autocast state."""
+        cache = torch.is_autocast_cache_enabled()
+        return cls(tuple((dt, torch.get_autocast_dtype(dt), cache) for dt in _DEVICE_TYPES
+                         if torch.is_autocast_enabled(dt)))
+
+    def __call__(self) -> ContextManager[None]:
+        """Enter the captured regions (nothing when none was enabled)."""
+        if not self.regions:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        for device_type, dtype, cache in self.regions:
+            stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=cache))
+        return stack

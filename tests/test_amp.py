@@ -1,0 +1,158 @@
+"""Mixed precision and torch.compile in stage threads and stage processes, against the plain model."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import pipeddp
+from amp_jobs import (LOSS, SeesDtype, batch, overflow_model, probe_model, stage_autocast_job,
+                      stage_scaler_job)
+
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def seen(model):
+    return {d for layer in model if isinstance(layer, SeesDtype) for d in layer.seen}
+
+
+def plain_under_autocast(dtype, x, y):
+    model = probe_model()
+    with torch.autocast("cpu", dtype=dtype):
+        out = model(x)
+        loss = LOSS(out, y)
+    loss.backward()
+    return model, out.detach(), loss.detach()
+
+
+def close(a, b):
+    return torch.allclose(a.float(), b.float(), rtol=3e-2, atol=3e-2)  # the tolerance of a 16-bit dtype
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_autocast_reaches_every_stage_of_a_pipeline(dtype):
+    x, y = batch()
+    ref, ref_out, ref_loss = plain_under_autocast(dtype, x, y)
+    model = probe_model()
+    with pipeddp.Pipeline(model, ["cpu"] * 3, chunks=2, balance=[1, 2, 2], checkpoint="except_last") as pipe:
+        with torch.autocast("cpu", dtype=dtype):
+            out = pipe(x)
+            loss = pipe.train_step(x, y, LOSS)
+        assert seen(model) == {dtype}  # every stage, forward and recompute: not float32
+        assert out.dtype == dtype and close(out, ref_out)
+        assert close(loss, ref_loss)
+        for p, q in zip(pipe.parameters(), ref.parameters()):
+            assert p.grad.dtype == torch.float32 and close(p.grad, q.grad)
+        model[0].seen.clear()
+        out = pipe(x)  # outside autocast again: float32
+        assert out.dtype == torch.float32 and model[0].seen == [torch.float32] * 2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_autocast_in_replica_mode(dtype):
+    x, y = batch()
+    ref, _, ref_loss = plain_under_autocast(dtype, x, y)
+    model = probe_model()
+    with pipeddp.HybridParallel(model, stages=2, chunks=2, balance=[2, 3], devices=["cpu"] * 2) as engine:
+        with torch.autocast("cpu", dtype=dtype):
+            loss = engine.train_step(x, y, LOSS)
+        assert seen(model) == {dtype}
+        assert close(loss, ref_loss)
+        for p, q in zip(engine.parameters(), ref.parameters()):
+            assert close(p.grad, q.grad)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_autocast_in_stage_mode(dtype):
+    x, y = batch()
+    ref, ref_out, ref_loss = plain_under_autocast(dtype, x, y)
+    expect = dict(ref.named_parameters())
+    for res in pipeddp.spawn(stage_autocast_job, 2, args=(str(dtype).split(".")[1],), timeout=100):
+        assert res["seen"] == [str(dtype)], res  # the layers of this rank's stage
+        assert abs(res["loss"] - ref_loss.item()) < 3e-2
+        for name, g in res["grads"].items():
+            assert close(g, expect[name].grad), name
+        if res["rank"] == 1:
+            assert res["out"].dtype == dtype and close(res["out"], ref_out)
+
+
+def test_grad_scaler_skips_an_overflow_and_proceeds():
+    model = overflow_model()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    with pipeddp.Pipeline(model, ["cpu", "cpu"], chunks=2, balance=[2, 1]) as pipe:
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        for step in range(3):
+            model[2].armed = step == 1
+            x, y = batch(seed=10 + step, width=8)
+            before = [p.detach().clone() for p in pipe.parameters()]
+            opt.zero_grad()
+            loss = pipe.train_step(x, y, LOSS, scaler=scaler)
+            assert torch.isfinite(loss) and loss.item() < 10  # the returned loss is not scaled
+            scaler.step(opt)
+            scaler.update()
+            changed = [not torch.equal(a, b) for a, b in zip(before, pipe.parameters())]
+            assert (not any(changed)) if step == 1 else all(changed), step
+            assert scaler.get_scale() == (2.0**9 if step >= 1 else 2.0**10)
+
+
+def test_scaled_gradients_unscale_to_the_plain_gradients():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    x, y = batch(width=8)
+    ref = copy.deepcopy(model)
+    LOSS(ref(x), y).backward()
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    with pipeddp.Pipeline(copy.deepcopy(model), ["cpu", "cpu"], chunks=3) as pipe:
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        pipe.train_step(x, y, LOSS, scaler=scaler)
+        scaler.unscale_(opt)
+        for p, q in zip(pipe.parameters(), ref.parameters()):
+            assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.timeout(120)
+def test_an_overflow_on_one_stage_process_is_skipped_by_every_stage():
+    results = pipeddp.spawn(stage_scaler_job, 2, args=(4,), timeout=100)
+    for res in results:
+        assert [h["changed"] for h in res["history"]] == [True, False, True, True], res
+    scales = [[h["scale"] for h in res["history"]] for res in results]
+    assert scales[0] == scales[1] == [2.0**10, 2.0**9, 2.0**9, 2.0**9]
+
+
+def compiled_run(compile, checkpoint, steps=3):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16))
+    batches = [batch(seed=s) for s in range(steps)]
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x, y in batches:
+        opt.zero_grad()
+        LOSS(ref(x), y).backward()
+        opt.step()
+    with pipeddp.Pipeline(model, ["cpu", "cpu"], chunks=3, checkpoint=checkpoint, compile=compile) as pipe:
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        for x, y in batches:
+            opt.zero_grad()
+            pipe.train_step(x, y, LOSS)
+            opt.step()
+        assert all(st.call is not st.module for st in pipe.stages)  # compiled, once per stage
+        return ref, pipe.state_dict()
+
+
+@pytest.mark.timeout(600)
+def test_compiled_stages_train_like_the_plain_model():
+    """compile=True (inductor), with recompute for all but the last micro-batch (uneven: 8 over 3)."""
+    ref, got = compiled_run(True, "except_last")
+    for k, v in ref.state_dict().items():
+        assert torch.allclose(got[k], v, rtol=1e-5, atol=1e-6), k
+
+
+@pytest.mark.timeout(300)
+def test_compile_options_reach_torch_compile():
+    ref, got = compiled_run({"backend": "aot_eager"}, "always")
+    for k, v in ref.state_dict().items():
+        assert torch.allclose(got[k], v, rtol=1e-5, atol=1e-6), k
+    with pytest.raises(ValueError, match="compile must be True, False or a dict"):
+        pipeddp.Pipeline(nn.Sequential(nn.Linear(2, 2)), ["cpu"], compile="max-autotune")
