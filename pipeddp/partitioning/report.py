@@ -100,8 +100,10 @@ def check_model(model: Any) -> nn.Sequential:
     """The one check (and message) that a model can be cut: a non-empty ``nn.Sequential``."""
     if not isinstance(model, nn.Sequential):
         raise TypeError(
-            f"pipeddp cuts an nn.Sequential into stages, got {type(model).__name__}. Wrap the parts of your "
-            "model in order, e.g. nn.Sequential(model.features, nn.Flatten(), model.classifier)"
+            f"pipeddp cuts an nn.Sequential into stages, got {type(model).__name__}. Flatten it with "
+            "pipeddp.tools.models.flatten_sequential(model, sample) (it opens nested containers, keeps residual "
+            "blocks whole and checks the result against model(sample)), or wrap the parts of your model in "
+            "order, e.g. nn.Sequential(model.features, nn.Flatten(), model.classifier)"
         )
     if len(model) == 0:
         raise ValueError("the model is an empty nn.Sequential")

@@ -31,7 +31,8 @@ def check_stage_count(stages: int, layers: int) -> None:
     if stages > layers:
         raise ValueError(
             f"cannot cut {layers} layers into {stages} stages: every stage needs at least one layer; use at most "
-            f"{layers} stages (devices), or split the model into more nn.Sequential children"
+            f"{layers} stages (devices), or split the model into finer layers, e.g. with "
+            "pipeddp.tools.models.flatten_sequential(model, sample)"
         )
 
 
