@@ -1,10 +1,26 @@
-"""Shared fixtures: small float64 models and the plain single-device reference."""
+"""Shared fixtures: small float64 models and the plain single-device reference.
+
+The suite means CPU: on a machine with GPUs, pipeddp would otherwise pick CUDA
+devices by itself (``HybridParallel`` without ``devices=``, the examples, jobs
+started with ``spawn`` or torchrun) and a one-GPU machine could not place
+2 x 2 stages. So the GPUs are hidden from this process and every process it
+starts, before anything initialises CUDA. The CUDA tests (``test_cuda.py``)
+run their checks in subprocesses that see the machine's GPUs again
+(``GPU_ENV``), and skip, with the reason, where there are none.
+"""
 
 from __future__ import annotations
 
 import copy
+import os
 import threading
-from typing import Callable, List, Tuple
+from typing import Callable, Dict, List, Tuple
+
+#: The environment under which a subprocess sees this machine's GPUs (as before the suite hid them).
+GPU_ENV: Dict[str, str] = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+if "CUDA_VISIBLE_DEVICES" in os.environ:
+    GPU_ENV["CUDA_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"]
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import pytest
 import torch

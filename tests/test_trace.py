@@ -8,6 +8,7 @@ from torch import nn
 
 import pipeddp
 from conftest import data, make_mlp
+import pipeddp.tools.simulate
 from pipeddp.runtime.schedule import get_schedule
 from pipeddp.tools.timeline import draw, have_matplotlib, measured_bubble
 
@@ -81,3 +82,13 @@ def test_trace_assigned_later_reaches_the_stage_threads():
         engine.train_step(*data(6), nn.functional.mse_loss)
         assert sorted((s.stage, s.kind, s.mb) for s in engine.trace.spans if s.kind in "FB") == sorted(
             (s, k, i) for s in range(2) for k in "FB" for i in range(3))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_measured_activation_memory_is_what_the_planner_predicts(schedule):
+    """The trace's peak micro-batches held per stage equals the simulator's (GPipe m, 1F1B p - s)."""
+    trace = traced_step(schedule)  # 3 stages, 5 micro-batches
+    predicted = pipeddp.simulate([pipeddp.tools.simulate.StageCost(1.0, 2.0)] * 3, schedule, chunks=5)
+    assert [trace.peak_in_flight[s] for s in range(3)] == predicted.peak_activations
+    assert predicted.peak_activations == ([5, 5, 5] if schedule == "gpipe" else [3, 2, 1])
+    assert trace.peak_memory == {}  # CPU stages: no CUDA allocation to report

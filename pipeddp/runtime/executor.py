@@ -139,6 +139,8 @@ def _run(
                 prev.send("B", a.mb, gin)
             else:
                 results.input_grads[a.mb] = gin
+        if trace is not None:
+            trace.note_memory(stage.index, len(spec.store(stage.index)), stage.device)
     return results
 
 

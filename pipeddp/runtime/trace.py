@@ -9,7 +9,9 @@ On CPU a span is two readings of a monotonic clock. On CUDA the work is
 asynchronous, so a span records two CUDA events on the stage's compute stream
 and is resolved to wall-clock seconds (relative to an event recorded with the
 step) only when the timeline is read. Events are kept per step; ``clear``
-forgets them.
+forgets them. Memory is recorded beside the spans: the peak number of
+micro-batches a stage holds activations for, and on CUDA the device's peak
+allocation.
 """
 
 from __future__ import annotations
@@ -52,12 +54,25 @@ class Trace:
         self._spans: List[Span] = []
         self._pending: List[Tuple[int, str, int, str, Any, Any, Any, float]] = []
         self._anchors: Dict[Any, Tuple[Any, float]] = {}
+        #: per stage, the most micro-batches whose activations it held at once (what its memory scales with)
+        self.peak_in_flight: Dict[int, int] = {}
+        #: per CUDA stage, ``torch.cuda.max_memory_allocated`` of its device after its actions (bytes)
+        self.peak_memory: Dict[int, int] = {}
 
     def clear(self) -> None:
         with self._lock:
             self._spans.clear()
             self._pending.clear()
             self._anchors.clear()
+            self.peak_in_flight.clear()
+            self.peak_memory.clear()
+
+    def note_memory(self, stage: int, in_flight: int, device: torch.device) -> None:
+        """Record what ``stage`` holds after an action: micro-batches in flight, and CUDA memory where it runs."""
+        with self._lock:
+            self.peak_in_flight[stage] = max(self.peak_in_flight.get(stage, 0), in_flight)
+            if device.type == "cuda":
+                self.peak_memory[stage] = max(self.peak_memory.get(stage, 0), torch.cuda.max_memory_allocated(device))
 
     @contextlib.contextmanager
     def span(self, stage: int, kind: str, mb: int, stream: Optional[Any] = None, lane: str = "compute") -> Iterator[None]:

@@ -70,8 +70,9 @@ def _timeline(args: argparse.Namespace, console: Console) -> int:
     import torch
     from torch import nn
 
-    from .models import build
     from ..pipeline import Pipeline
+    from .models import build
+    from .simulate import StageCost, simulate
     from .timeline import draw, have_matplotlib, measured_bubble
 
     torch.set_num_threads(1)
@@ -94,6 +95,9 @@ def _timeline(args: argparse.Namespace, console: Console) -> int:
     bubble, span = measured_bubble(spans)
     console.print(f"{args.model}: {p} stages {pipe.balance}, {m} micro-batches, {args.schedule}: step {span * 1e3:.1f} ms, "
                   f"measured bubble {bubble:.1%} (bound {bound:.1%})")
+    held = [pipe.trace.peak_in_flight.get(s, 0) for s in range(p)]
+    predicted = simulate([StageCost(1.0, 1.0)] * p, args.schedule, chunks=m).peak_activations
+    console.print(f"micro-batches of activations held at peak, per stage: measured {held}, predicted {predicted}")
     console.print(f"wrote {args.out}.json (open in ui.perfetto.dev or chrome://tracing)")
     if have_matplotlib():
         draw(spans, args.out + ".png", title=f"{args.model}, {p} stages, {m} micro-batches, {args.schedule}",

@@ -48,8 +48,9 @@ def _hybrid_job(model: nn.Module, batches: List[tuple], stages: int, chunks: int
     """Runs in every spawned process: train on this replica's slice of each global batch."""
     from ..hybrid import HybridParallel
 
+    # the demo compares CPU runs (a GPU machine runs it the same): every stage on the CPU, over gloo
     engine = HybridParallel(model, stages=stages, chunks=chunks, schedule=schedule, mode=mode, balance="params",
-                            threads=1)
+                            threads=1, devices=["cpu"] * (stages if mode == "replica" else 1))
     opt = torch.optim.SGD(engine.parameters(), lr=0.05)
     replicas, r = engine.topology.replicas, engine.topology.replica
     times, loss = [], 0.0

@@ -1,0 +1,165 @@
+"""CUDA checks of pipeddp against the plain model on the CPU, run as a script by ``test_cuda.py``.
+
+    python tests/cuda_checks.py one-gpu       # several stages on one GPU: streams, events, record_stream
+    python tests/cuda_checks.py cut           # a GPU-to-CPU cut and a CPU-to-GPU cut
+    python tests/cuda_checks.py autocast      # torch.autocast("cuda", bfloat16) reaches every stage
+    python tests/cuda_checks.py two-gpus      # real cross-device stages (needs 2 GPUs)
+    python tests/cuda_checks.py nccl          # stage mode, one process per GPU, over nccl (needs 2 GPUs)
+
+Each prints ``ok <check>`` and exits 0, or raises. Run under ``TORCH_CUDA_SANITIZER=1`` the same checks
+must find no unsynchronised access between streams. ``--fake-cpu`` maps every CUDA device to the CPU (and
+nccl to gloo): the checks' own logic, runnable anywhere.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+from typing import Any, Dict, List, Sequence
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import pipeddp  # noqa: E402
+
+LOSS = nn.functional.mse_loss
+FAKE = "--fake-cpu" in sys.argv
+
+
+def dev(name: str) -> str:
+    return "cpu" if FAKE else name
+
+
+def mlp(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    layers: List[nn.Module] = []
+    for i in range(4):
+        layers += [nn.Linear(12, 12), nn.Tanh() if i % 2 else nn.ReLU()]
+    return nn.Sequential(*layers[:-1]).double()
+
+
+def batches(steps: int = 3, n: int = 10) -> List[Any]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(n, 12, generator=g, dtype=torch.float64), torch.randn(n, 12, generator=g,
+                                                                              dtype=torch.float64))
+            for _ in range(steps)]
+
+
+def reference(model: nn.Module, data: Sequence[Any]) -> Dict[str, torch.Tensor]:
+    model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in data:
+        opt.zero_grad()
+        LOSS(model(x), y).backward()
+        opt.step()
+    return model.state_dict()
+
+
+def assert_close(expect: Dict[str, torch.Tensor], got: Dict[str, torch.Tensor], what: str) -> None:
+    assert list(expect) == list(got), what
+    worst = max((got[k].detach().cpu() - v).abs().max().item() for k, v in expect.items())
+    assert worst < 1e-10, f"{what}: max difference {worst}"
+
+
+def train_pipeline(devices: Sequence[str], **kw: Any) -> None:
+    data = batches()
+    expect = reference(mlp(), data)
+    for schedule in ("gpipe", "1f1b"):
+        for checkpoint in ("never", "always"):
+            with pipeddp.Pipeline(mlp(), [dev(d) for d in devices], chunks=3, schedule=schedule,
+                                  checkpoint=checkpoint, balance="uniform", **kw) as pipe:
+                opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+                for x, y in data:
+                    opt.zero_grad()
+                    pipe.train_step(x, y, LOSS)
+                    opt.step()
+                assert_close(expect, pipe.state_dict(), f"{devices} {schedule} {checkpoint}")
+    # the autograd bridge: pipe(x), then loss.backward() outside
+    x, y = data[0]
+    ref = mlp()
+    LOSS(ref(x), y).backward()
+    with pipeddp.Pipeline(mlp(), [dev(d) for d in devices], chunks=4, balance="uniform") as pipe:
+        out = pipe(x)
+        LOSS(out, y.to(out.device)).backward()
+        worst = max((p.grad.cpu() - q.grad).abs().max().item() for p, q in zip(pipe.parameters(), ref.parameters()))
+        assert worst < 1e-10, f"bridge {devices}: {worst}"
+    if not FAKE:
+        torch.cuda.synchronize()
+
+
+def check_one_gpu() -> None:
+    train_pipeline(["cuda:0", "cuda:0"])
+    train_pipeline(["cuda:0", "cuda:0", "cuda:0"])
+
+
+def check_cut() -> None:
+    train_pipeline(["cuda:0", "cpu"])
+    train_pipeline(["cpu", "cuda:0"])
+
+
+def check_autocast() -> None:
+    class Sees(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+            self.seen: List[torch.dtype] = []
+
+        def forward(self, x):
+            out = self.lin(x)
+            self.seen.append(out.dtype)
+            return out
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Sees(), nn.Tanh(), Sees(), nn.Tanh(), Sees())
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    device_type = "cpu" if FAKE else "cuda"
+    ref = copy.deepcopy(model).to(dev("cuda:0"))
+    with torch.autocast(device_type, dtype=torch.bfloat16):
+        ref_loss = LOSS(ref(x.to(dev("cuda:0"))), y.to(dev("cuda:0")))
+    with pipeddp.Pipeline(model, [dev("cuda:0")] * 3, chunks=2, balance=[1, 2, 2], checkpoint="always") as pipe:
+        with torch.autocast(device_type, dtype=torch.bfloat16):
+            loss = pipe.train_step(x, y, LOSS)
+    seen = {d for layer in model if isinstance(layer, Sees) for d in layer.seen}
+    assert seen == {torch.bfloat16}, seen
+    assert abs(loss.item() - ref_loss.item()) < 3e-2, (loss.item(), ref_loss.item())
+
+
+def check_two_gpus() -> None:
+    train_pipeline(["cuda:0", "cuda:1"])
+    train_pipeline(["cuda:1", "cuda:0", "cpu"])
+
+
+def nccl_job(fake: bool) -> Dict[str, torch.Tensor]:
+    """Runs in each of 2 spawned processes: 1 replica x 2 stages, one GPU each."""
+    engine = pipeddp.HybridParallel(mlp(), stages=2, mode="stage", chunks=3, balance="uniform",
+                                    **({"devices": ["cpu"], "backend": "gloo"} if fake else {}))
+    assert fake or engine.backend == "nccl"
+    opt = torch.optim.SGD(engine.parameters(), lr=0.1)
+    for x, y in batches():
+        opt.zero_grad()
+        engine.train_step(x if engine.is_first else None, y if engine.is_last else None, LOSS)
+        opt.step()
+    state = engine.state_dict()
+    engine.close()
+    return state
+
+
+def check_nccl() -> None:
+    from cuda_checks import nccl_job as job  # importable by the spawned children
+
+    expect = reference(mlp(), batches())
+    for state in pipeddp.spawn(job, 2, args=(FAKE,), timeout=300):
+        assert_close(expect, state, "nccl stage mode")
+
+
+CHECKS = {"one-gpu": check_one_gpu, "cut": check_cut, "autocast": check_autocast, "two-gpus": check_two_gpus,
+          "nccl": check_nccl}
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    names = [a for a in sys.argv[1:] if not a.startswith("--")]
+    for name in names:
+        CHECKS[name]()
+        print(f"ok {name}", flush=True)
