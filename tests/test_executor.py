@@ -201,9 +201,6 @@ def test_a_set_stop_event_ends_the_list_before_the_next_action():
 
 
 @notes
-@pytest.mark.xfail(strict=True, reason=(
-    "run_actions' enter() raises PipelineAborted before it records the action it refused, so the note names the "
-    "action that had already finished ('while running F1') instead of none (or the one it stopped before, F2)"))
 def test_a_stop_is_not_reported_as_interrupting_the_finished_action():
     stage = Stage(0, nn.Sequential(nn.Linear(12, 12).double()), CPU, last=False)
     xs, _ = micro_batches([2, 2, 2], seed=6)

@@ -184,12 +184,6 @@ def test_in_place_first_layer_does_not_modify_the_received_tensor(grad, recomput
         assert max_diff(grads_of(plain), grads_of(stage.module)) < 1e-12
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "Stage clones its input only when the FIRST layer is in-place (_starts_in_place); a first layer that passes "
-    "its input through (nn.Flatten on a flat tensor, nn.Identity) followed by nn.ReLU(inplace=True) makes the ReLU "
-    "write into the stage's input leaf, and autograd raises 'a leaf Variable that requires grad is being used in "
-    "an in-place operation' although the plain model runs (Pipeline.train_step on [Linear, Flatten, "
-    "ReLU(inplace=True), Linear] with balance [1, 3] fails the same way)"))
 def test_in_place_layer_behind_a_pass_through_first_layer():
     torch.manual_seed(0)
     lin = nn.Linear(12, 3).double()

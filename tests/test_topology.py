@@ -35,3 +35,10 @@ def test_bad_grids():
         Topology(0, 1, 0, 1, 1, "hybrid")
     with pytest.raises(ValueError, match="layout"):
         Topology(0, 1, 0, 1, 1, "stage", "ring")
+
+
+def test_stage_mode_names_the_process_counts_that_would_work():
+    with pytest.raises(ValueError, match=r"start 2 or 4 processes"):
+        Topology(0, 3, 0, 3, 2, "stage")
+    with pytest.raises(ValueError, match=r"start 2 processes, or use mode='replica'"):
+        Topology(0, 1, 0, 1, 2, "stage")

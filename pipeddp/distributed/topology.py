@@ -53,6 +53,12 @@ def env_world() -> tuple:
     return rank, world, local_rank, local_world
 
 
+def _nearest_multiples(world: int, stages: int) -> str:
+    """``"2 or 4"`` around a world size of 3 for 2 stages; ``"2"`` when the world is smaller than one pipeline."""
+    below, above = stages * (world // stages), stages * (world // stages + 1)
+    return f"{below} or {above}" if below else f"{above}"
+
+
 @dataclass(frozen=True)
 class Topology:
     """The grid of ``replicas`` x ``stages`` and this process's place in it."""
@@ -76,8 +82,7 @@ class Topology:
             raise ValueError(
                 f"rank {self.rank}: mode='stage' runs one process per stage, so the world size must be a multiple "
                 f"of stages, but world size {self.world_size} is not divisible by stages={self.stages}; start "
-                f"{self.stages * max(1, self.world_size // self.stages)} or "
-                f"{self.stages * (self.world_size // self.stages + 1)} processes, or use mode='replica'"
+                f"{_nearest_multiples(self.world_size, self.stages)} processes, or use mode='replica'"
             )
 
     @property

@@ -78,6 +78,7 @@ def run_actions(
 
     def enter(a: Action) -> None:
         if stop is not None and stop.is_set():
+            where.clear()  # the message says where it stopped; no action was interrupted
             raise PipelineAborted(f"stage {stage.index} stopped before {a} because another stage failed")
         where.append(a)
 

@@ -83,20 +83,17 @@ class _Saved:
     extra: Dict[str, Any] = field(default_factory=dict)
 
 
-def _starts_in_place(module: nn.Module) -> bool:
-    """Whether the first thing ``module`` does may be an in-place op on its input.
+def _may_write_its_input(module: nn.Module) -> bool:
+    """Whether ``module`` may write into the stage's input in place: it holds a layer with ``inplace=True``.
 
-    ``nn.ReLU(inplace=True)`` as a stage's first layer would write into the
-    stage's input leaf (an autograd error) or into the saved input that
-    recompute needs. The stage clones its input in that case.
+    The plain model hands such a layer the output of the layer before it; a
+    stage hands its first layers the received input, a leaf that requires grad
+    (autograd refuses an in-place op on it) and that recompute needs unchanged.
+    The in-place layer need not come first: ``Flatten`` of an already flat tensor
+    or ``Identity`` pass the very tensor on. So a stage with any in-place layer
+    gives its layers a copy of each micro-batch's input (one copy per micro-batch).
     """
-    while True:
-        if getattr(module, "inplace", False):
-            return True
-        children = list(module.children())
-        if not children or not isinstance(module, nn.Sequential):
-            return False
-        module = children[0]
+    return any(getattr(m, "inplace", False) for m in module.modules())
 
 
 class Stage:
@@ -112,7 +109,7 @@ class Stage:
         self.device = device
         self.last = last
         self.streams = StageStreams(device)
-        self.clone_input = _starts_in_place(module)
+        self.clone_input = _may_write_its_input(module)
         self.replay = Replay(device)
         self.batch_norms = batch_norms(module)
         #: Set by the data-parallel engine: wraps backward roots so DDP reduces once (see ddp.py).
