@@ -210,3 +210,17 @@ def batchnorm_job(mode: str) -> Dict[str, Any]:
     engine.close()
     return buffers
 
+
+
+def forward_backward_job() -> List[torch.Tensor]:
+    """Replica mode, 2 replicas: loss_fn(engine(x), y).backward() averages the gradients like train_step."""
+    init()
+    engine = pipeddp.HybridParallel(make_mlp(), stages=2, mode="replica", chunks=3, balance="uniform",
+                                    devices=["cpu", "cpu"], comm_hook=counting_hook)
+    HOOK_CALLS.clear()
+    x, y = local_slice(global_batches(2, 1)[0], engine.topology.replica, 10)
+    LOSS(engine(x), y).backward()
+    grads = [p.grad.clone() for p in engine.parameters()]
+    calls = sorted(HOOK_CALLS.values())
+    engine.close()
+    return grads + [torch.tensor(calls)]

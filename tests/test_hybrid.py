@@ -227,3 +227,17 @@ def test_batchnorm_buffers_follow_broadcast_buffers(mode, nprocs):
     assert set(by_key) == {"1.running_mean", "1.running_var", "4.running_mean", "4.running_var"}
     for k, copies in by_key.items():
         assert len(copies) == 2 and torch.equal(copies[0], copies[1]), k
+
+
+@pytest.mark.timeout(120)
+def test_forward_then_backward_averages_gradients_over_replicas():
+    from hybrid_jobs import forward_backward_job
+
+    model = make_mlp()
+    x, y = global_batches(2, 1)[0]
+    LOSS(model(x), y).backward()
+    expect = [p.grad for p in model.parameters()]
+    for res in pipeddp.spawn(forward_backward_job, 2, timeout=100):
+        *grads, calls = res
+        assert max_diff(expect, grads) < 1e-12
+        assert calls.tolist() == [1, 1]  # one all-reduce per stage, in the last backward
