@@ -1,17 +1,21 @@
-"""Helpers shared by the benchmark scripts.
+"""The harness every benchmark's figures rest on: timing, gradient checks, machine stamp, report.
 
-The host's speed drifts (by ~25 % over minutes on the CI machines), so a
-benchmark never compares medians taken minutes apart. Configurations are
-interleaved step by step (A B C, B C A, C A B, ...) and compared by the median
-of per-round ratios, which cancels any drift slower than one round.
+The host's speed drifts (by ~25 % over minutes on these machines), so a benchmark never compares medians
+taken minutes apart. Configurations are interleaved step by step (A B C, B C A, C A B, ...) and compared
+by the median of per-round ratios, which cancels any drift slower than one round. ``interleaved`` does
+this in one process; ``barrier_rounds`` does it in a multi-process job, where every step is timed between
+two barriers (``barrier_timed``) so that it counts from the common start until the slowest rank is done.
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
+import itertools
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -22,58 +26,30 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
+import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
-
-__all__ = [
-    "interleaved", "median_ratio", "median_ms", "parallel_probe", "machine_info", "pipeddp_commit", "write_json",
-    "print_table", "fmt", "grad_snapshot", "grad_rel_diff", "LossFn", "Workload", "bubble_bound",
-    "host_cpu_seconds",
-]
+from torch import nn
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-@dataclass
-class Workload:
-    """One benchmark model: how to build it and its batch, its loss, and the defaults of a full run.
-
-    ``batch`` takes no argument (a fixed batch) or, where the script varies it,
-    the batch size; ``batch_size`` is then the default.
-    """
-
-    describe: str
-    build: Callable[[], torch.nn.Sequential]
-    batch: Callable[..., Tuple[torch.Tensor, torch.Tensor]]
-    loss_fn: LossFn
-    rounds: int
-    warmup: int = 1
-    max_retries: int = 0
-    batch_size: Optional[int] = None
-
-
-def bubble_bound(m: int, p: int) -> float:
-    """Best possible speedup of p equal stages over m micro-batches: the fill/drain bubble costs p-1 slots."""
-    return m * p / (m + p - 1)
+Grads = Dict[str, torch.Tensor]
+ROOT = Path(__file__).resolve().parent.parent
+INTERLEAVED = "one process; every configuration once per round, rotating order; ratios: medians of per-round ratios"
+BARRIER = ("one spawned gloo job; every configuration once per round, rotating order, timed on rank 0 between "
+           "barriers; ratios: medians of per-round ratios")
 
 
 def interleaved(fns: Mapping[str, Callable[[], Any]], rounds: int, warmup: int = 1) -> Dict[str, List[float]]:
     """Time every configuration once per round; return seconds per call, by name.
 
-    The order rotates by one each round (round r starts at configuration
-    r mod k) so that no configuration always runs right after the same
-    neighbour (caches, allocator state, CPU boost). The first ``warmup`` rounds
-    are run but dropped: they pay for lazy initialisation and allocator growth.
-    Round i of every list comes from the same stretch of time, which is what
-    ``median_ratio`` relies on.
+    The order rotates by one each round (round r starts at configuration r mod k) so that no configuration
+    always runs right after the same neighbour (caches, allocator state, CPU boost). The first ``warmup``
+    rounds are run but dropped: they pay for lazy initialisation and allocator growth. Round i of every
+    list comes from the same stretch of time, which is what ``median_ratio`` relies on.
     """
-    if rounds < 1:
-        raise ValueError(f"rounds must be >= 1, got {rounds}")
-    if warmup < 0:
-        raise ValueError(f"warmup must be >= 0, got {warmup}")
     names = list(fns)
-    if not names:
-        raise ValueError("no configuration to time")
+    if rounds < 1 or warmup < 0 or not names:
+        raise ValueError(f"need rounds >= 1, warmup >= 0 and a configuration, got {rounds}, {warmup}, {names}")
     times: Dict[str, List[float]] = {n: [] for n in names}
     for r in range(warmup + rounds):
         k = r % len(names)
@@ -87,30 +63,29 @@ def interleaved(fns: Mapping[str, Callable[[], Any]], rounds: int, warmup: int =
 
 
 def median_ratio(a: Sequence[float], b: Sequence[float]) -> float:
-    """Median of ``a[i] / b[i]`` over rounds (a speedup of b over a when a is the baseline).
+    """Median of ``a[i] / b[i]`` over rounds (the speedup of b over a when a is the baseline).
 
-    Per-round ratios compare two runs made seconds apart, so a drift of the
-    host's speed cancels; the median drops rounds hit by a hiccup.
+    Per-round ratios compare two runs made seconds apart, so a drift of the host's speed cancels; the
+    median drops rounds hit by a hiccup.
     """
     if len(a) != len(b):
-        raise ValueError(f"the two series have different lengths ({len(a)} and {len(b)}); they must come from the same rounds")
+        raise ValueError(f"series of {len(a)} and {len(b)} rounds: they must come from the same rounds")
     if not a:
         raise ValueError("empty series")
     return statistics.median(x / y for x, y in zip(a, b))
 
 
 def median_ms(seconds: Sequence[float]) -> float:
-    """Median of a list of durations in seconds, in milliseconds (for tables and JSON)."""
+    """Median of durations in seconds, in milliseconds (for tables and JSON)."""
     return statistics.median(seconds) * 1e3
 
 
 def parallel_probe(workers: int = 2, size: int = 256, reps: int = 50) -> Tuple[Callable[[], None], Callable[[], None]]:
     """A fixed 1-thread matmul kernel: ``(solo, together)`` runs it once, or once on each of ``workers`` threads.
 
-    Why: a VM's cores are not always all there (neighbours, SMT siblings,
-    steal). Timed inside ``interleaved``, ``workers * t_solo / t_together`` is
-    the parallel speedup the host really offered in that round, the ceiling of
-    any multi-core speedup measured next to it. The kernel fits in L2, so this
+    Why: a VM's cores are not always all there (neighbours, SMT siblings, steal). Timed next to the steps,
+    ``workers * t_solo / t_together`` (``probe_speedup``) is the parallel speedup the host really offered
+    in that round, the ceiling of any multi-core speedup measured beside it. The kernel fits in L2, so this
     measures cores, not memory bandwidth.
     """
     a, b = torch.randn(size, size), torch.randn(size, size)
@@ -134,23 +109,9 @@ def parallel_probe(workers: int = 2, size: int = 256, reps: int = 50) -> Tuple[C
     return solo, together
 
 
-def machine_info() -> Dict[str, Any]:
-    """What a reader needs to judge a number later: software versions, cores, platform, date."""
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        usable = os.cpu_count()
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "usable_cpus": usable,
-        "torch_threads": torch.get_num_threads(),
-        "argv": sys.argv,
-    }
+def probe_speedup(solo: Sequence[float], together: Sequence[float], workers: int = 2) -> float:
+    """The parallel speedup the host delivered: median over rounds of ``workers * solo / together``."""
+    return median_ratio([workers * t for t in solo], together)
 
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -159,9 +120,8 @@ _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 def host_cpu_seconds() -> Tuple[float, float]:
     """(busy, steal) CPU seconds of the whole machine since boot, from /proc/stat ((0, 0) where there is none).
 
-    The host is shared: busy time beyond a benchmark's own processes' CPU time
-    during a step is other processes competing for the cores, and steal is the
-    hypervisor taking them away. Both mark a step as disturbed.
+    The host is shared: busy time beyond a benchmark's own processes' CPU time during a step is other
+    processes competing for the cores, and steal is the hypervisor taking them away.
     """
     try:
         with open("/proc/stat") as f:
@@ -172,63 +132,203 @@ def host_cpu_seconds() -> Tuple[float, float]:
     return (user + nice + system + irq + softirq) / _TICK, steal / _TICK
 
 
+def parser(doc: str, quick: str, out: Optional[str], out_help: str = "",
+           spawns: bool = False) -> argparse.ArgumentParser:
+    """The flags every script has: --quick (a smoke run, small and short), --seed, --out (the JSON), and
+    --timeout where the script spawns a job: every multi-process job is bounded."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help=f"smoke run: {quick}")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=out, help=f"JSON path (default {out or out_help})")
+    if spawns:
+        p.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole spawned job")
+    return p
+
+
+def init_job(timeout: float) -> int:
+    """Join the spawned job's gloo group (every collective bounded by ``timeout`` seconds), 1 intra-op thread."""
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
+    torch.set_num_threads(1)
+    return dist.get_rank()
+
+
+def log0(msg: str) -> None:
+    """Print from rank 0 only (or from the one process outside a job): one line per event, not per rank."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+def gather(obj: Any) -> Optional[List[Any]]:
+    """Every rank's ``obj`` on rank 0 (None on the other ranks; ``[obj]`` outside a job)."""
+    if not dist.is_initialized():
+        return [obj]
+    out: Optional[List[Any]] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
+def check_same(*tensors: Any) -> None:
+    """Raise unless every rank holds the same values (models and data built from the same seed): a checksum."""
+    with torch.no_grad():
+        mine = tuple(float(sum(p.double().sum() for p in t.parameters())) if isinstance(t, nn.Module)
+                     else float(t.double().sum()) for t in tensors)
+    sums = gather(mine)
+    if sums is not None and len(set(sums)) != 1:  # rank 0 fails, and spawn stops the job
+        raise RuntimeError(f"ranks built different models or data: {sums}")
+
+
+@dataclass
+class StepTime:
+    """One barrier-timed step on one rank (seconds): ``wall`` from the common start to every rank done,
+    ``own`` this rank's step alone, ``cpu`` this process's CPU time, ``busy``/``steal`` the whole machine's
+    busy and stolen CPU time, ``faults`` this process's (minor, major) page faults."""
+
+    wall: float
+    own: float
+    cpu: float
+    busy: float
+    steal: float
+    faults: Tuple[int, int]
+
+
+def _faults() -> Tuple[int, int]:
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return use.ru_minflt, use.ru_majflt
+
+
+def barrier_timed(step: Optional[Callable[[], Any]]) -> Tuple[StepTime, Any]:
+    """All ranks barrier, ``step()`` runs (None: this rank sits the step out), all ranks barrier again.
+
+    The wall time is read from the first barrier to the second, so a 2-process step counts until the slower
+    rank is done; a 1-process step runs on one rank while the others wait in the barrier (a blocking wait:
+    the ``cpu`` reading of a waiting rank shows whether it spins). Outside a job there is nothing to wait for.
+    """
+    barrier = dist.barrier if dist.is_initialized() else (lambda: None)
+    barrier()
+    busy0, steal0 = host_cpu_seconds()
+    cpu0, flt0 = time.process_time(), _faults()
+    t0 = time.perf_counter()
+    result = step() if step is not None else None
+    own = time.perf_counter() - t0
+    barrier()
+    wall = time.perf_counter() - t0
+    busy1, steal1 = host_cpu_seconds()
+    flt1 = _faults()
+    return StepTime(wall, own, time.process_time() - cpu0, busy1 - busy0, steal1 - steal0,
+                    (flt1[0] - flt0[0], flt1[1] - flt0[1])), result
+
+
+def barrier_rounds(
+    steps: Mapping[str, Optional[Callable[[], Any]]], rounds: int, warmup: int = 0, *, extra: int = 0,
+    before: Optional[Callable[[str], None]] = None,
+    wrap: Optional[Callable[[str, Callable[[], None]], None]] = None,
+    after_round: Optional[Callable[[Dict[str, StepTime]], bool]] = None,
+) -> Tuple[Dict[str, List[StepTime]], Dict[str, List[Any]]]:
+    """``interleaved`` for a multi-process job: every rank calls it with the same names in the same order.
+
+    Each step is timed by ``barrier_timed``; ``before(name)`` runs before each (e.g. a calibration sample);
+    in timed rounds ``wrap(name, run)`` calls ``run()`` once (to instrument it). After each timed round
+    ``after_round`` sees this rank's readings and says whether to stop (alike on every rank), so up to
+    ``extra`` rounds may replace disturbed ones. Returns per name the timed rounds' readings and results.
+    """
+    names = list(steps)
+    times: Dict[str, List[StepTime]] = {n: [] for n in names}
+    results: Dict[str, List[Any]] = {n: [] for n in names}
+    start = time.perf_counter()
+    total = warmup + rounds + (extra if after_round is not None else 0)
+    for r in range(total):
+        timed_round, got = r >= warmup, {}
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            if before is not None:
+                before(name)
+            out: List[Tuple[StepTime, Any]] = []
+
+            def run(name: str = name) -> None:
+                out.append(barrier_timed(steps[name]))
+
+            if wrap is not None and timed_round:
+                wrap(name, run)
+            else:
+                run()
+            got[name] = out[0][0]
+            if timed_round:
+                times[name].append(out[0][0])
+                results[name].append(out[0][1])
+        if timed_round and after_round is not None:
+            if after_round(got):
+                break
+        else:
+            log0(f"    round {r + 1}/{total}{'' if timed_round else ' (warm-up)'}: "
+                 f"{time.perf_counter() - start:.0f} s")
+    return times, results
+
+
+def machine_info() -> Dict[str, Any]:
+    """What a reader needs to judge a number later: software versions, cores, platform, date."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        usable = os.cpu_count()
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+            "usable_cpus": usable, "torch_threads": torch.get_num_threads(), "argv": sys.argv}
+
+
 def pipeddp_commit() -> str:
     """The checkout's commit, with "-dirty" if pipeddp/ has local changes: the code a figure measured."""
-    root = Path(__file__).resolve().parent.parent
     try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "pipeddp"],
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "pipeddp"],
                                capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return (head or "unknown") + ("-dirty" if dirty else "")
 
 
-def grad_snapshot(model: torch.nn.Module) -> List[Optional[torch.Tensor]]:
-    """Copies of the gradients: the next step's zero_grad would free them."""
-    return [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+def grad_snapshot(module: nn.Module) -> Grads:
+    """Copies of the gradients by parameter name (the next step's zero_grad would free them).
 
-
-def grad_rel_diff(ref: Sequence[Optional[torch.Tensor]], model: torch.nn.Module) -> float:
-    """max |g - g_ref| / max |g_ref| over all parameters (a pipeline keeps the model's parameter order).
-
-    A benchmark that times a wrong result measures nothing: the scripts that time
-    training steps check their configurations' gradients against a reference
-    (the plain model, or accumulation over the same micro-batches) with this.
+    pipeddp's Pipeline and HybridParallel, DDP's ``.module`` and a named slice of the model all keep the
+    plain model's parameter names, so snapshots of different configurations compare name by name.
     """
-    params = list(model.parameters())
-    if len(params) != len(ref):
+    return {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+def grad_rel_diff(ref: Grads, got: Union[nn.Module, Grads]) -> float:
+    """max |g - g_ref| / max |g_ref| over all parameters; inf if the sets of parameters with a gradient differ.
+
+    A benchmark that times a wrong result measures nothing: every script that times training steps checks
+    its configurations' gradients against a reference (the plain model, or accumulation) with this.
+    """
+    grads = grad_snapshot(got) if isinstance(got, nn.Module) else got
+    if set(ref) != set(grads):
         return float("inf")
     diff = scale = 0.0
-    for r, p in zip(ref, params):
-        if (r is None) != (p.grad is None):
-            return float("inf")
-        if r is not None:
-            diff = max(diff, (p.grad - r).abs().max().item())
-            scale = max(scale, r.abs().max().item())
+    for k, r in ref.items():
+        diff = max(diff, (grads[k] - r).abs().max().item())
+        scale = max(scale, r.abs().max().item())
     return diff / (scale or 1.0)
 
 
-def write_json(path: Union[str, os.PathLike], payload: Any) -> Path:
-    """Write ``payload`` (with ``"machine": machine_info()`` and ``"pipeddp_commit"`` added) as indented JSON.
+def write_json(path: Union[str, os.PathLike], payload: Any, commit: Optional[str] = None) -> Path:
+    """Write ``payload`` with ``"machine": machine_info()`` and ``"pipeddp_commit"`` added, as indented JSON.
 
-    Parent directories are created, so a fresh checkout can write to
-    ``results/...`` directly. Returns the path written.
+    ``commit`` is the stamp taken when the run started (default: now). Parent directories are created, so
+    a fresh checkout can write to ``results/...`` directly. Returns the path written.
     """
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    doc: Dict[str, Any] = {"machine": machine_info(), "pipeddp_commit": pipeddp_commit()}
-    if isinstance(payload, Mapping):
-        doc.update(payload)
-    else:
-        doc["data"] = payload
+    doc: Dict[str, Any] = {"machine": machine_info(), "pipeddp_commit": commit or pipeddp_commit()}
+    doc.update(payload if isinstance(payload, Mapping) else {"data": payload})
     out.write_text(json.dumps(doc, indent=2, default=_jsonable) + "\n")
     return out
 
 
 def _jsonable(value: Any) -> Any:
-    """Fallback for json.dump: tensors, torch sizes/devices and paths become plain values."""
+    """Fallback for json.dump: tensors, torch sizes, tuples and sets become lists, the rest strings."""
     if isinstance(value, torch.Tensor):
         return value.tolist()
     if isinstance(value, (torch.Size, tuple, set)):
@@ -236,35 +336,49 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
-def fmt(value: Any, digits: int = 2) -> str:
-    """A table cell: floats with ``digits`` decimals, None as a dash, the rest as str."""
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.{digits}f}"
-    return str(value)
+def mb_text(sizes: Sequence[int]) -> str:
+    """Micro-batch sizes in short: ``15 x 8``, ``7 x 16 + 8``, ``1 x 120`` (always a count, then a size)."""
+    groups = [(len(list(g)), k) for k, g in itertools.groupby(sizes)]
+    if len(groups) == 1:
+        return f"{groups[0][0]} x {groups[0][1]}"
+    return " + ".join(f"{n} x {k}" if n > 1 else str(k) for n, k in groups)
 
 
-def print_table(
-    title: str,
-    columns: Sequence[str],
-    rows: Sequence[Sequence[Any]],
-    *,
-    console: Optional[Console] = None,
-    caption: Optional[str] = None,
-    digits: int = 2,
-) -> Table:
-    """Print ``rows`` as a rich table (numbers right-aligned) and return it.
+class Run:
+    """One run of a benchmark script, the one report writer: its clock, its tables and its JSON.
 
-    Cells go through ``fmt``; pass pre-formatted strings for anything else.
-    The console is at least 160 columns wide so that wide tables stay one line
-    per row when the output is a file or a pipe (rich assumes 80 there).
+    The commit is read when the run starts: a long run's spawned processes import the code as it was then,
+    and the checkout may change before the run ends. Tables are printed 160 columns wide: in a file or a
+    pipe rich would assume 80 and squeeze them (too wide a cell wraps).
     """
-    console = console or Console(width=max(160, Console().width))
-    table = Table(title=title, caption=caption)
-    for i, col in enumerate(columns):
-        table.add_column(col, justify="left" if i == 0 else "right")
-    for row in rows:
-        table.add_row(*(fmt(c, digits) for c in row))
-    console.print(table)
-    return table
+
+    def __init__(self, benchmark: str, args: argparse.Namespace, timing: str = INTERLEAVED) -> None:
+        self.benchmark, self.out = benchmark, args.out
+        self.settings: Dict[str, Any] = {**vars(args), "timing": timing}  # every flag, as resolved
+        self.commit = pipeddp_commit()
+        self.started = time.perf_counter()
+        self.console = Console(width=160)
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def table(self, title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]],
+              caption: Optional[str] = None) -> Table:
+        """Print a table (first column left, the rest right-aligned); cells: None as "-", floats with 2 decimals."""
+        table = Table(title=title, caption=caption)
+        for i, col in enumerate(columns):
+            table.add_column(col, justify="left" if i == 0 else "right")
+        for row in rows:
+            table.add_row(*("-" if c is None else f"{c:.2f}" if isinstance(c, float) else str(c) for c in row))
+        self.console.print(table)
+        return table
+
+    def finish(self, settings: Optional[Mapping[str, Any]] = None, **payload: Any) -> Path:
+        """Write the JSON (benchmark, the flags and ``settings``, elapsed_s, payload, machine, commit); say where."""
+        elapsed = self.elapsed
+        doc = {"benchmark": self.benchmark, "settings": {**self.settings, **(settings or {})}, "elapsed_s": elapsed,
+               **payload}
+        path = write_json(self.out, doc, commit=self.commit)
+        self.console.print(f"wrote {path} ({elapsed / 60:.1f} min)")
+        return path

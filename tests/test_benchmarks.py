@@ -1,5 +1,6 @@
-"""The timing helpers every benchmark's figures rest on (benchmarks/common.py)."""
+"""The harness every benchmark's figures rest on (benchmarks/common.py, baselines.py), and two scripts in miniature."""
 
+import ast
 import json
 import subprocess
 import sys
@@ -9,7 +10,10 @@ import pytest
 import torch
 from torch import nn
 
+from benchmarks import baselines
 from benchmarks.common import grad_rel_diff, grad_snapshot, interleaved, median_ratio, write_json
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_interleaved_rotates_the_order_and_drops_warmup_rounds():
@@ -40,7 +44,7 @@ def test_grad_rel_diff_is_zero_for_equal_grads_and_scales_with_the_difference():
     model(torch.randn(5, 4)).sum().backward()
     ref = grad_snapshot(model)
     assert grad_rel_diff(ref, model) == 0.0
-    scale = max(g.abs().max().item() for g in ref if g is not None)
+    scale = max(g.abs().max().item() for g in ref.values())
     with torch.no_grad():
         model[0].weight.grad[0, 0] += 0.5 * scale
     assert grad_rel_diff(ref, model) == pytest.approx(0.5)
@@ -56,12 +60,41 @@ def test_write_json_records_the_machine_and_the_code(tmp_path):
     assert doc["pipeddp_commit"]  # a commit id, or "unknown" outside a git checkout
 
 
+def test_baselines_compute_the_gradients_of_the_plain_model():
+    # the MLP has no BatchNorm: accumulation over uneven micro-batches and a pipeline both give the whole batch's
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    x, y = torch.randn(10, 8), torch.randn(10, 4)
+    loss = nn.functional.mse_loss
+    steps = [baselines.whole(model, x, y, loss), baselines.accumulate(model, x, y, loss, 4),
+             baselines.pipeline(model, x, y, loss, chunks=3, balance=[2, 3])]
+    try:
+        checked = baselines.check_grads(steps, "whole", "whole")
+    finally:
+        for step in steps:
+            step.close()
+    assert steps[1].info["microbatch_sizes"] == [3, 3, 2, 2]
+    assert set(checked) == {"whole", "accum", "pipeline"}
+    assert all(c["grad_rel_diff_vs_whole"] < 1e-6 for c in checked.values()), checked
+
+
+def test_benchmarks_use_public_pipeddp_names_only_and_never_torch_chunk():
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pipeddp"):
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                assert not private, f"{path.name} imports {private} from {node.module}"
+            if isinstance(node, ast.Attribute) and node.attr == "chunk":
+                pytest.fail(f"{path.name}:{node.lineno} uses .chunk (pipeddp.runtime.microbatch.split never drops "
+                            "a micro-batch)")
+
+
 def _run_script(name, *args, tmp_path):
     """Run ``benchmarks/<name>.py`` as a user would, with its JSON in ``tmp_path``; return the JSON."""
     out = tmp_path / f"{name}.json"
-    root = Path(__file__).resolve().parent.parent
-    proc = subprocess.run([sys.executable, str(root / "benchmarks" / f"{name}.py"), *args, "--out", str(out)],
-                          cwd=root, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), *args, "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
 

@@ -1,0 +1,277 @@
+"""Every configuration the benchmarks time, each built by one function that returns a ``Step``.
+
+A step zeroes the gradients (set_to_none, as a training loop does), runs one forward and backward of the
+batch and returns the detached loss; no optimizer step. Every baseline owns a deep copy of the model, so
+that after a step its gradients (``Step.module``, under the plain model's parameter names) can be checked
+against a reference before anything is timed: a benchmark that times a wrong result measures nothing.
+The baselines: ``whole`` (plain model), ``accumulate`` (plain model over a pipeline's micro-batches),
+``ddp``, ``torch_pipelining`` (torch.distributed.pipelining), ``pipeline`` and ``hybrid`` (pipeddp).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import pipeddp
+from pipeddp.runtime.microbatch import split, split_sizes
+from pipeddp.runtime.trace import Span, Trace
+
+from benchmarks.common import Grads, LossFn, barrier_timed, gather, grad_rel_diff, grad_snapshot
+
+Breakdown = Dict[int, Dict[str, float]]  # stage -> {"F_ms", "B_ms", ...}
+
+
+@dataclass
+class Step:
+    """One configuration on this rank.
+
+    ``run`` is None where this rank sits the configuration out (a 1-process configuration on the other
+    ranks of a job). ``traced(run)`` calls ``run()`` once and returns where the time went per stage of this
+    rank (forward and backward ms); ``procs`` is how many processes the configuration uses.
+    """
+
+    name: str
+    run: Optional[Callable[[], Any]]
+    module: Optional[nn.Module] = None
+    close: Callable[[], None] = lambda: None
+    procs: int = 1
+    traced: Optional[Callable[[Callable[[], Any]], Breakdown]] = None
+    info: Dict[str, Any] = field(default_factory=dict)
+
+    def __call__(self) -> Any:
+        return None if self.run is None else self.run()
+
+    def grads(self) -> Grads:
+        return grad_snapshot(self.module) if self.run is not None and self.module is not None else {}
+
+
+def gathered_grads(step: Step) -> Tuple[float, Optional[Grads]]:
+    """Run ``step`` once on every rank of the job (barrier-timed; alone outside a job); return its seconds and,
+    on rank 0, the gradients of every rank merged by parameter name (None on the other ranks)."""
+    wall = barrier_timed(step.run)[0].wall
+    parts = gather(step.grads())
+    return wall, None if parts is None else {k: v for p in parts for k, v in p.items()}
+
+
+def check_grads(steps: Sequence[Step], reference: Union[str, Callable[[Step], Grads]], label: str,
+                exempt: Sequence[str] = ()) -> Dict[str, Dict[str, float]]:
+    """Run every step once (on every rank: this is also its warm-up) and compare its gradients, gathered on
+    rank 0, with the reference: a benchmark that times a wrong result measures nothing.
+
+    ``reference`` names one of ``steps`` (it runs first and its gradients are the reference) or computes
+    the reference for a step. A difference above 1e-4 is printed, except for steps in ``exempt`` (those
+    that are not expected to match, e.g. the whole batch against micro-batches under BatchNorm).
+    """
+    ref: Optional[Grads] = None
+    out: Dict[str, Dict[str, float]] = {}
+    for step in sorted(steps, key=lambda s: s.name != reference):
+        wall, grads = gathered_grads(step)
+        if grads is None:
+            continue
+        if step.name == reference:
+            ref = grads
+        diff = grad_rel_diff(ref if isinstance(reference, str) else reference(step), grads)
+        out[step.name] = {"first_step_s": wall, f"grad_rel_diff_vs_{label}": diff}
+        if diff > 1e-4 and step.name not in exempt:
+            print(f"  warning: {step.name} gradients differ from {label}'s by {diff:.2e} (relative)", flush=True)
+    return out
+
+
+def idle(name: str, procs: int = 1) -> Step:
+    """The stand-in for a configuration this rank does not run (it only joins the barriers)."""
+    return Step(name, None, procs=procs)
+
+
+def layers(model: nn.Sequential, a: int, b: int) -> nn.Sequential:
+    """Own copies of layers a..b-1 under their original names (so parameter names match the model's)."""
+    named = list(model.named_children())[a:b]
+    return nn.Sequential(OrderedDict((n, copy.deepcopy(layer)) for n, layer in named))
+
+
+def _direct(name: str, mod: nn.Module, params: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn,
+            threads: Optional[int] = None, procs: int = 1) -> Step:
+    """A module stepped directly; ``info["phases"]`` holds the last step's zero_grad / forward (with the
+    loss) / backward seconds, which only a directly timed step can separate."""
+    phases: Dict[str, float] = {}
+
+    def run() -> torch.Tensor:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads or before)
+        try:
+            t0 = time.perf_counter()
+            mod.zero_grad(set_to_none=True)
+            t1 = time.perf_counter()
+            loss = loss_fn(mod(x), y)
+            t2 = time.perf_counter()
+            loss.backward()
+            phases.update(lead=t1 - t0, fwd=t2 - t1, bwd=time.perf_counter() - t2)
+            return loss.detach()
+        finally:
+            torch.set_num_threads(before)
+
+    return Step(name, run, params, procs=procs, info={"phases": phases, "threads": threads})
+
+
+def whole(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn, *, name: str = "whole",
+          threads: Optional[int] = None) -> Step:
+    """The plain model on the whole batch (``threads``: intra-op threads during the step, default unchanged)."""
+    mod = copy.deepcopy(model)
+    return _direct(name, mod, mod, x, y, loss_fn, threads)
+
+
+def accumulate(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn, chunks: int, *,
+               name: str = "accum") -> Step:
+    """The plain model accumulating over ``split_sizes(N, chunks)`` micro-batches, each loss weighted n_i/N.
+
+    The weights are the pipeline's: the sum of the weighted micro-batch means is the batch mean, so the
+    gradients equal a pipeline's over the same micro-batches (BatchNorm included: it sees the same pieces).
+    """
+    mod = copy.deepcopy(model)
+    n = x.shape[0]
+    sizes = split_sizes(n, chunks=chunks)
+    pieces = list(zip(split(x, sizes), split(y, sizes), [k / n for k in sizes]))
+
+    def run() -> torch.Tensor:
+        mod.zero_grad(set_to_none=True)
+        total = torch.zeros(())
+        for xi, yi, w in pieces:
+            loss = loss_fn(mod(xi), yi) * w
+            loss.backward()
+            total += loss.detach()
+        return total
+
+    return Step(name, run, mod, info={"microbatch_sizes": sizes})
+
+
+def ddp(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn, *, name: str = "ddp") -> Step:
+    """Plain DDP over the job's ranks (gloo on CPU), each rank a ``split_sizes`` share of the batch."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    wrapped = DistributedDataParallel(copy.deepcopy(model))
+    sizes = split_sizes(x.shape[0], chunks=world)
+    step = _direct(name, wrapped, wrapped.module, split(x, sizes)[rank], split(y, sizes)[rank], loss_fn, procs=world)
+    step.info["batch_per_process"] = sizes[rank]
+    return step
+
+
+def torch_pipelining(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn, *,
+                     balance: Sequence[int], schedule: str, chunks: int, group: Any = None,
+                     name: str = "torch") -> Step:
+    """``torch.distributed.pipelining``: rank r runs stage r (its ``balance`` slice) as a ``PipelineStage``.
+
+    No ``input_args``: torch infers the shapes at the first step (which the check step pays). With
+    ``scale_grads=True`` (the default) the gradients are those of the mean of micro-batch mean losses.
+    ``traced`` times the stage's ``forward_one_chunk`` / ``backward_one_chunk`` (with their bookkeeping).
+    """
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    rank, stages = dist.get_rank(), len(balance)
+    a = sum(balance[:rank])
+    sub = layers(model, a, a + balance[rank])
+    sub.train()
+    stage = PipelineStage(sub, rank, stages, torch.device("cpu"), group=group)
+    sched = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](stage, n_microbatches=chunks, loss_fn=loss_fn)
+    losses: List[torch.Tensor] = []
+
+    def run() -> Any:
+        sub.zero_grad(set_to_none=True)
+        losses.clear()
+        if rank == 0:
+            return sched.step(x)
+        return sched.step(target=y, losses=losses) if rank == stages - 1 else sched.step()
+
+    def traced(step: Callable[[], Any]) -> Breakdown:
+        acc = {"F": 0.0, "B": 0.0}
+
+        def timed(kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    acc[kind] += time.perf_counter() - t0
+            return wrapper
+
+        stage.forward_one_chunk = timed("F", stage.forward_one_chunk)  # type: ignore[method-assign]
+        stage.backward_one_chunk = timed("B", stage.backward_one_chunk)  # type: ignore[method-assign]
+        try:
+            step()
+        finally:
+            del stage.forward_one_chunk, stage.backward_one_chunk
+        return {rank: {"F_ms": acc["F"] * 1e3, "B_ms": acc["B"] * 1e3}}
+
+    return Step(name, run, sub, procs=stages, traced=traced, info={"balance": list(balance), "schedule": schedule})
+
+
+def stage_breakdown(spans: Sequence[Span]) -> Breakdown:
+    """Per stage of a pipeddp trace: ms inside forward and backward actions, and waiting to receive."""
+    out: Breakdown = {}
+    for s in sorted({sp.stage for sp in spans}):
+        mine = [sp for sp in spans if sp.stage == s]
+        out[s] = {"F_ms": sum(sp.duration for sp in mine if sp.lane == "compute" and sp.kind == "F") * 1e3,
+                  "B_ms": sum(sp.duration for sp in mine if sp.lane == "compute" and sp.kind == "B") * 1e3,
+                  "recv_wait_ms": sum(sp.duration for sp in mine if sp.lane == "comm") * 1e3}
+    return out
+
+
+def _traced(engine: Any, rank: int) -> Callable[[Callable[[], Any]], Breakdown]:
+    """Record a pipeddp engine's trace for one call of ``run`` (a clock reading around every action)."""
+
+    def traced(run: Callable[[], Any]) -> Breakdown:
+        engine.trace = Trace(rank)
+        try:
+            run()
+            spans = engine.trace.spans
+        finally:
+            engine.trace = None
+        return stage_breakdown(spans)
+
+    return traced
+
+
+def pipeline(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn, *, stages: int = 2,
+             name: str = "pipeline", **kwargs: Any) -> Step:
+    """``pipeddp.Pipeline`` on ``stages`` CPU stage threads of 1 intra-op thread (kwargs: chunks, balance, ...)."""
+    pipe = pipeddp.Pipeline(copy.deepcopy(model), ["cpu"] * stages, threads=1, **kwargs)
+
+    def run() -> torch.Tensor:
+        pipe.zero_grad(set_to_none=True)
+        return pipe.train_step(x, y, loss_fn)
+
+    traced = None if kwargs.get("trace") else _traced(pipe, 0)
+    return Step(name, run, pipe, pipe.close, traced=traced,
+                info={"balance": list(pipe.balance), "schedule": kwargs.get("schedule", "1f1b")})
+
+
+def hybrid(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn, *, stages: int = 2,
+           mode: str = "replica", name: str = "hybrid", **kwargs: Any) -> Step:
+    """``pipeddp.HybridParallel`` over the job's ranks (gloo). Replica mode: each rank a replica on
+    ``stages`` CPU stage threads, fed its replica's share of the batch; stage mode: one stage per rank, x
+    fed to stage 0 and y to the last stage."""
+    rank, replica_mode = dist.get_rank(), mode == "replica"
+    engine = pipeddp.HybridParallel(copy.deepcopy(model), stages=stages, mode=mode, backend="gloo",
+                                    devices=["cpu"] * (stages if replica_mode else 1),
+                                    **({"threads": 1} if replica_mode else {}), **kwargs)
+    topo = engine.topology
+    sizes = split_sizes(x.shape[0], chunks=topo.replicas)
+    replica = topo.replica_of(rank)
+    xl, yl = split(x, sizes)[replica], split(y, sizes)[replica]
+    xin, yin = (xl if engine.is_first else None), (yl if engine.is_last else None)
+
+    def run() -> torch.Tensor:
+        engine.zero_grad(set_to_none=True)
+        return engine.train_step(xin, yin, loss_fn)
+
+    traced = None if kwargs.get("trace") else _traced(engine, rank)
+    return Step(name, run, engine, engine.close, procs=dist.get_world_size(), traced=traced,
+                info={"balance": list(engine.balance), "schedule": kwargs.get("schedule", "1f1b"), "mode": mode,
+                      "batch_per_process": sizes[replica]})

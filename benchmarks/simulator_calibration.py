@@ -1,0 +1,306 @@
+"""What benchmarks/simulator_accuracy.py predicts from: calibration of compute, contention and links.
+
+Nothing here runs a configuration being predicted. Compute: per-layer forward and backward seconds from
+``profile_layers`` at a configuration's micro-batch size, and the loss. Contention: how much slower half
+the model runs, the way a stage runs it, while the other core runs the other half (caches, memory bandwidth
+and the host's neighbours are shared). Links: a gloo send/recv ping-pong (stage mode), a thread hand-off
+through pipeddp's ``Inbox`` (the threaded pipeline), a bucket reduced the way DDP does it (replicas) and
+the per-step collectives of ``HybridParallel.train_step``. ``predict`` feeds these to ``pipeddp.simulate``.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from benchmarks.common import interleaved, median_ratio, parallel_probe
+from benchmarks.workloads import WORKLOADS
+from pipeddp.partitioning.profile import LayerCost, profile_layers
+from pipeddp.runtime.channels import Inbox
+from pipeddp.tools.simulate import Link, StageCost, simulate
+
+WORK = WORKLOADS["mlp"]  # mlp(16, 1024): 32 layers
+BATCH = WORK.batch["simulator_accuracy"]
+DDP_BUCKET = 25 * 2**20  # DDP's default bucket_cap_mb=25
+
+
+SHAPES = {"1x1": (1, 1, 1), "1x2": (1, 2, 1), "2x1": (2, 1, 2), "1x2-stage": (1, 2, 2)}  # replicas, stages, procs
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One configuration: ``layout`` (replicas x stages; "-stage": one process per stage), m, schedule."""
+
+    layout: str
+    m: int
+    schedule: str = "1f1b"
+    replicas = property(lambda self: SHAPES[self.layout][0])
+    stages = property(lambda self: SHAPES[self.layout][1])
+    procs = property(lambda self: SHAPES[self.layout][2])
+
+    @property
+    def name(self) -> str:
+        sched = "" if self.layout in ("1x1", "2x1") else f" {self.schedule}"
+        return f"{self.layout}{sched} m={self.m}"
+
+    @property
+    def micro_batch(self) -> int:
+        return BATCH // self.replicas // self.m
+
+
+SPECS: List[Spec] = [Spec("1x1", 1), Spec("1x1", 4), Spec("1x1", 16), Spec("1x2", 2, "gpipe"), Spec("1x2", 4),
+                     Spec("1x2", 8), Spec("1x2", 16, "gpipe"), Spec("2x1", 1), Spec("2x1", 4), Spec("1x2-stage", 2),
+                     Spec("1x2-stage", 4, "gpipe"), Spec("1x2-stage", 8, "gpipe"), Spec("1x2-stage", 16)]
+
+
+def _fit(sizes: Sequence[float], times: Sequence[float]) -> Tuple[float, float]:
+    """Least squares ``t = a + c * bytes``; returns (a, c), both clipped at >= 0."""
+    n = len(sizes)
+    mx, my = sum(sizes) / n, sum(times) / n
+    sxx = sum((s - mx) ** 2 for s in sizes)
+    c = sum((s - mx) * (t - my) for s, t in zip(sizes, times)) / sxx if sxx else 0.0
+    c = max(c, 1e-15)
+    return max(my - c * mx, 0.0), c
+
+
+def _median_time(op: Callable[[], Any], reps: int) -> float:
+    """Median seconds of ``op`` over ``reps`` runs after one untimed run, every run started by a barrier."""
+    got = []
+    for i in range(reps + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        op()
+        if i:
+            got.append(time.perf_counter() - t0)
+    return statistics.median(got)
+
+
+def calibrate_p2p(rank: int, reps: int) -> Dict[str, Any]:
+    """gloo send/recv ping-pong: one-way seconds per size, fitted to latency + bytes / bandwidth."""
+    sizes = [256, 16 * 2**10, 64 * 2**10, 256 * 2**10, 2**20, 4 * 2**20]
+
+    def ping_pong(buf: torch.Tensor) -> None:
+        if rank == 0:
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+        else:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+
+    one_way = [_median_time(lambda buf=torch.zeros(nbytes // 4): ping_pong(buf), reps) / 2 for nbytes in sizes]
+    a, c = _fit(sizes, one_way)
+    return {"sizes": sizes, "one_way_s": one_way, "latency_s": a, "bandwidth_Bps": 1 / c}
+
+
+def calibrate_allreduce(reps: int) -> Dict[str, Any]:
+    """A bucket reduced the way DDP does it (copy in, divide, gloo all-reduce, copy out) between the 2 ranks,
+    at several sizes; fitted to the ring of 2: t = 2 latency + bytes / bandwidth."""
+    sizes = [4 * 2**10, 2**20, 4 * 2**20, 16 * 2**20, DDP_BUCKET]
+
+    def reduce(grads: torch.Tensor, bucket: torch.Tensor) -> None:
+        bucket.copy_(grads)
+        bucket.div_(dist.get_world_size())
+        dist.all_reduce(bucket)
+        grads.copy_(bucket)
+
+    secs = []
+    for nbytes in sizes:
+        grads = torch.ones(nbytes // 4)
+        bucket = torch.empty_like(grads)
+        secs.append(_median_time(lambda: reduce(grads, bucket), reps))
+    a, c = _fit(sizes, secs)
+    return {"sizes": sizes, "seconds": secs, "latency_s": a / 2, "bandwidth_Bps": 1 / c}
+
+
+def calibrate_engine_collectives(reps: int) -> float:
+    """What ``HybridParallel.train_step`` adds per step: all_gather_object of sizes + all_gather of the loss."""
+    world = dist.get_world_size()
+
+    def collectives() -> None:
+        dist.all_gather_object([None] * world, (128, 128, ""))
+        mine = torch.tensor([0.5, 0.0], dtype=torch.float64)
+        dist.all_gather([torch.zeros_like(mine) for _ in range(world)], mine)
+
+    return _median_time(collectives, reps)
+
+
+def calibrate_threads(reps: int) -> float:
+    """One-way hand-off between two threads through pipeddp's ``Inbox`` (the threaded pipeline's channel)."""
+    a, b = Inbox(0), Inbox(1)
+
+    def echo() -> None:
+        for i in range(reps + 1):
+            b.put(("B", i), a.take(("F", i), 10.0, 0))
+
+    t = threading.Thread(target=echo)
+    t.start()
+    got = []
+    for i in range(reps + 1):
+        t0 = time.perf_counter()
+        a.put(("F", i), None)
+        b.take(("B", i), 10.0, 1)
+        if i:
+            got.append((time.perf_counter() - t0) / 2)
+    t.join()
+    return statistics.median(got)
+
+
+def time_loss(b: int, width: int, reps: int) -> Tuple[float, float]:
+    """Forward and backward seconds of the loss on one micro-batch of ``b`` samples."""
+    out = torch.randn(b, width, requires_grad=True)
+    y = torch.randn(b, width)
+    fs, bs = [], []
+    for i in range(reps + 1):
+        t0 = time.perf_counter()
+        loss = WORK.loss_fn(out, y) * 0.5
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        out.grad = None
+        if i:
+            fs.append(t1 - t0)
+            bs.append(t2 - t1)
+    return statistics.median(fs), statistics.median(bs)
+
+
+def stream(part: nn.Sequential, x: torch.Tensor, grad_input: bool, reps: int) -> float:
+    """Seconds per micro-batch of ``part`` run as a stage runs it: forward through its layers, then backward."""
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        xi = x.detach().clone().requires_grad_(grad_input)
+        out = part(xi)
+        out.backward(torch.ones_like(out))
+    return (time.perf_counter() - t0) / reps
+
+
+def compute_sample(rank: int, model: nn.Sequential, halves: Sequence[nn.Sequential], x: torch.Tensor, b: int,
+                   repeat: int, loss_reps: int) -> Optional[Dict[str, Any]]:
+    """One calibration sample of compute at micro-batch ``b`` (returned on rank 0): ``solo``, the layer profile
+    on rank 0 alone; ``loss``, its forward and backward seconds; ``stream_solo`` / ``stream_together``, rank 0
+    running the first half of the model as a stage does, alone, then while rank 1 runs the other half (the
+    contention); ``together``, the layer profile on both ranks at once (for comparison: it keeps each layer's
+    weights hot between its forward and backward, so it misses the cores competing for cache and memory)."""
+    reps = max(2, 64 // b)
+    mine = halves[rank]
+    dist.barrier()
+    solo = profile_layers(model, x[:b], repeat=repeat) if rank == 0 else None
+    loss = time_loss(b, x.shape[1], loss_reps) if rank == 0 else None
+    stream_solo = None
+    if rank == 0:
+        stream(mine, x[:b], False, 1)
+        stream_solo = stream(mine, x[:b], False, reps)
+    dist.barrier()
+    stream(mine, x[:b], rank > 0, 1)
+    stream_together = stream(mine, x[:b], rank > 0, reps)
+    dist.barrier()
+    together = profile_layers(model, x[:b], repeat=repeat)
+    dist.barrier()
+    if rank != 0:
+        return None
+    return {"solo": solo, "together": together, "loss": loss, "stream_solo": stream_solo,
+            "stream_together": stream_together}
+
+
+def probe_sample(rank: int, reps: int = 3) -> Optional[float]:
+    """``parallel_probe``'s together / solo ratio (an L2-resident matmul on both cores vs one), rank 0."""
+    if rank != 0:
+        return None
+    solo, together = parallel_probe()
+    times = interleaved({"solo": solo, "together": together}, rounds=reps, warmup=0)
+    return median_ratio(times["together"], times["solo"])
+
+
+@dataclass
+class Calib:
+    """Calibration samples collected so far (rank 0); compute samples by micro-batch size."""
+
+    samples: Dict[int, List[Dict[str, Any]]] = field(default_factory=dict)
+    probe: List[float] = field(default_factory=list)
+    p2p: Dict[str, Any] = field(default_factory=dict)
+    allreduce: Dict[str, Any] = field(default_factory=dict)
+    thread_latency: float = 0.0
+    engine_collectives: float = 0.0
+
+    def add(self, b: int, sample: Dict[str, Any]) -> None:
+        self.samples.setdefault(b, []).append(sample)
+
+    def only(self, b: int, sample: Dict[str, Any]) -> "Calib":
+        """The same links, with ``sample`` as the only compute sample at ``b``."""
+        return Calib({b: [sample]}, self.probe, self.p2p, self.allreduce, self.thread_latency,
+                     self.engine_collectives)
+
+    def layers(self, b: int, key: str = "solo") -> List[Dict[str, float]]:
+        """Per layer: median forward / backward seconds over the samples, and sizes."""
+        samples: List[List[LayerCost]] = [c[key] for c in self.samples[b]]
+        out = []
+        for i, first in enumerate(samples[0]):
+            out.append({"name": first.name, "forward": statistics.median(s[i].forward for s in samples),
+                        "backward": statistics.median(s[i].backward for s in samples),
+                        "activation_bytes": first.activation_bytes, "param_bytes": first.param_bytes})
+        return out
+
+    def loss(self, b: int) -> Tuple[float, float]:
+        return (statistics.median(c["loss"][0] for c in self.samples[b]),
+                statistics.median(c["loss"][1] for c in self.samples[b]))
+
+    def ratios(self, b: int) -> List[float]:
+        """Per sample: half the model streamed while the other core streams the other half / alone."""
+        return [c["stream_together"] / c["stream_solo"] for c in self.samples[b]]
+
+    def profile_ratios(self, b: int) -> List[float]:
+        """Per sample: (sum of profiled layer times, both cores profiling) / (sum, alone)."""
+        return [sum(l.time for l in c["together"]) / sum(l.time for l in c["solo"]) for c in self.samples[b]]
+
+    def contention(self, b: int) -> float:
+        return statistics.median(self.ratios(b))
+
+
+def _link(fit: Dict[str, Any]) -> Link:
+    return Link(fit["bandwidth_Bps"], fit["latency_s"])
+
+
+def layer_costs(calib: Calib, b: int) -> List[float]:
+    """Forward + backward per layer at micro-batch ``b``, the loss counted on the last layer (what the cut balances)."""
+    layers = calib.layers(b)
+    costs = [v["forward"] + v["backward"] for v in layers]
+    costs[-1] += sum(calib.loss(b))
+    return costs
+
+
+def stage_costs(calib: Calib, b: int, balance: Sequence[int]) -> List[StageCost]:
+    """The simulator's per-stage costs of ``balance`` at micro-batch ``b`` (the loss on the last stage)."""
+    layers, (lf, lb) = calib.layers(b), calib.loss(b)
+    out, start = [], 0
+    for s, count in enumerate(balance):
+        chunk, last = layers[start:start + count], s == len(balance) - 1
+        out.append(StageCost(forward=sum(v["forward"] for v in chunk) + (lf if last else 0.0),
+                             backward=sum(v["backward"] for v in chunk) + (lb if last else 0.0),
+                             activation_bytes=int(chunk[-1]["activation_bytes"]),
+                             param_bytes=int(sum(v["param_bytes"] for v in chunk))))
+        start += count
+    return out
+
+
+def predict(spec: Spec, calib: Calib, balance: Sequence[int], *, plain: bool = False) -> Dict[str, Any]:
+    """Simulate ``spec`` from ``calib``. ``plain``: the simulator's own model alone (no contention, no DDP
+    buckets, the all-reduce beside the compute for free, free thread hand-offs, no engine collectives)."""
+    costs, sigma = stage_costs(calib, spec.micro_batch, balance), calib.contention(spec.micro_batch)
+    links = {"1x2": None if plain else Link(math.inf, calib.thread_latency), "1x2-stage": _link(calib.p2p)}
+    extra: Dict[str, Any] = {} if plain else {"contention": [1.0, sigma]}
+    if not plain and spec.replicas > 1:
+        extra.update(bucket_bytes=DDP_BUCKET, collectives_share_cores=True)
+    if not plain and spec.procs > 1:
+        extra["step_overhead"] = calib.engine_collectives
+    pred = simulate(costs, spec.schedule, chunks=spec.m, replicas=spec.replicas, links=links.get(spec.layout),
+                    allreduce_link=_link(calib.allreduce) if spec.layout == "2x1" else None, **extra)
+    return {"step_s": pred.step_time, "bubble": pred.bubble, "exposed_allreduce_s": pred.exposed_allreduce,
+            "allreduce_s": max(pred.allreduce_time), "contention": None if plain else sigma,
+            "stage_ms": [round((c.forward + c.backward) * 1e3, 3) for c in costs]}

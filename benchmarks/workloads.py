@@ -1,0 +1,99 @@
+"""The models every benchmark times, in one registry built on ``pipeddp.tools.models``.
+
+One place, so that "the MLP" and "resnet50" mean the same model, input, target and loss in every table of
+README.md. What differs from script to script (the batch, how many rounds a full run affords) is recorded
+per script here too, next to the cost that decides it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from pipeddp.tools.models import mlp, resnet
+
+from benchmarks.common import LossFn
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model, how to make a batch for it, and its loss.
+
+    ``batch`` and ``rounds`` are each script's defaults (keyed by the script's name): a full run's batch
+    size and timed rounds, chosen so that a full run fits its time in README.md.
+    """
+
+    name: str
+    model_text: str
+    build: Callable[[], nn.Sequential]
+    inputs: Callable[[int, Optional[int]], torch.Tensor]
+    targets: Callable[[int], torch.Tensor]
+    loss_fn: LossFn
+    loss_text: str
+    batch: Dict[str, int] = field(default_factory=dict)
+    rounds: Dict[str, int] = field(default_factory=dict)
+    warmup: int = 0
+
+    def data(self, n: int, side: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(x, y)`` of ``n`` samples from the global RNG (ranks seeded alike draw the same); ``side``: image side."""
+        x = self.inputs(n, side)
+        return x, self.targets(n)
+
+    def seeded(self, n: int, seed: int, side: Optional[int] = None) -> Tuple[nn.Sequential, torch.Tensor, torch.Tensor]:
+        """Model (train mode), x and y of ``n`` samples, drawn in this order after ``torch.manual_seed(seed)``:
+        every rank of a job, and every run of a script, builds the same."""
+        torch.manual_seed(seed)
+        model = self.build()
+        model.train()
+        return (model, *self.data(n, side))
+
+    def describe(self, n: int, side: Optional[int] = None) -> str:
+        shape = "" if side is None or "MLP" in self.model_text else f", 3x{side}x{side}"
+        return f"{self.model_text}{shape}, batch {n}, {self.loss_text}"
+
+    def default_rounds(self, script: str, quick: bool, quick_rounds: int = 1) -> int:
+        return quick_rounds if quick else self.rounds[script]
+
+
+def mlp_workload(layers: int = 16, width: int = 1024, **defaults: object) -> Workload:
+    """``layers`` x (Linear(width, width) + ReLU), MSE against random targets."""
+    return Workload(f"mlp{'' if (layers, width) == (16, 1024) else f'-{layers}x{width}'}",
+                    f"MLP {layers} x (Linear({width},{width})+ReLU)", lambda: mlp(layers, width, width, width),
+                    lambda n, side=None: torch.randn(n, width), lambda n: torch.randn(n, width),
+                    nn.functional.mse_loss, "MSE vs random targets", **defaults)  # type: ignore[arg-type]
+
+
+def resnet_workload(name: str, layers: int, **defaults: object) -> Workload:
+    """A torchvision ResNet flattened to ``layers`` children, 3x64x64 images (or ``side``), 1000 random labels."""
+    return Workload(name, f"{name} (flattened, {layers} layers)", lambda: resnet(name),
+                    lambda n, side=None: torch.randn(n, 3, side or 64, side or 64),
+                    lambda n: torch.randint(0, 1000, (n,)), nn.functional.cross_entropy,
+                    "cross-entropy vs random labels (1000 classes)", **defaults)  # type: ignore[arg-type]
+
+
+WORKLOADS: Dict[str, Workload] = {
+    # ~0.3-0.9 s per step at 1 thread: cheap, so many rounds for a tight median.
+    "mlp": mlp_workload(
+        batch={"pipeline_cpu": 256, "hybrid_cpu": 256, "split_sizes": 240, "partition_quality": 64,
+               "iteration_table": 128, "simulator_accuracy": 256},
+        rounds={"pipeline_cpu": 10, "hybrid_cpu": 8, "split_sizes": 12, "partition_quality": 25,
+                "iteration_table": 8, "simulator_accuracy": 12},
+        warmup=1),
+    # ~2-6 s per step at batch 64, ~11 s at 120: few rounds; the check step before timing warms it up.
+    "resnet50": resnet_workload(
+        "resnet50", 23,
+        batch={"pipeline_cpu": 64, "hybrid_cpu": 64, "split_sizes": 120, "partition_quality": 32,
+               "iteration_table": 128},
+        rounds={"pipeline_cpu": 4, "hybrid_cpu": 4, "split_sizes": 5, "partition_quality": 8, "iteration_table": 8}),
+    "resnet18": resnet_workload(
+        "resnet18", 15, batch={"partition_quality": 32, "iteration_table": 128},
+        rounds={"partition_quality": 11, "iteration_table": 8}),
+}
+
+
+def names(script: str) -> List[str]:
+    """The workloads a script has defaults for, in registry order (its ``--models`` choices)."""
+    return [k for k, w in WORKLOADS.items() if script in w.batch]
