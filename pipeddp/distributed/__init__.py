@@ -7,6 +7,7 @@
     p2p            ``P2PChannel``: activations and gradients between stage processes (send/recv)
     stage_runner   ``ProcessRunner``: the process that owns one stage runs its action list
     ddp            DDP per stage, armed for the stage's last backward of the step
+    ties           tied weights whose uses sit in different processes: all-reduce, broadcast
     agreement      what the ranks must agree on: batch sizes, the loss, non-finite steps, identical replicas
     data           DataLoaders sharded by replica
     launch         ``spawn``: a local multi-process job with torchrun's environment

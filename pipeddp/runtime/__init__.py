@@ -9,8 +9,11 @@
     executor     ``run_actions`` walks a stage's action list; ``ThreadRunner`` runs every stage on a thread
     step         one step, built once: split, seed, spec, schedule -> a runner (threads or a process)
     streams      CUDA compute / copy streams of a stage (no-ops on CPU)
-    rng          per-micro-batch seeds so that dropout replays under recompute
-    trace        spans of every action, for timelines
+    rng          per-micro-batch seeds so that every random op replays under recompute
+    batchnorm    no statistics update from a recompute; deferred (once per batch) statistics
+    tied         weights several stages use: a copy per stage, kept one weight
+    amp          the caller's autocast, re-entered on the stage threads
+    trace        spans of every action, for timelines; peak activations and memory per stage
     devices      checking the device names users give
 
 The distributed layer (``pipeddp.distributed``) adds a second runner, the
