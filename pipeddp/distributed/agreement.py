@@ -164,7 +164,7 @@ class Agreement:
         grads_bad = [r for r, t in enumerate(everyone) if t[2].item() > 0]
         if overflow_to_scaler and grads_bad:
             if grads:
-                grads[0].view(-1)[0] = float("inf")
+                grads[0].fill_(float("inf"))  # any layout; the scaler only needs to find one inf
             return torch.tensor(loss, dtype=torch.float64), False
         if not (losses or grads_bad):
             return torch.tensor(loss, dtype=torch.float64), False
