@@ -23,4 +23,4 @@ from .tools.simulate import simulate
 
 __all__ = ["Pipeline", "HybridParallel", "Partition", "partition", "spawn", "resume", "data", "simulate",
            "gpipe", "one_f_one_b", "format_schedule", "is_recomputing"]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
