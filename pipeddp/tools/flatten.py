@@ -1,0 +1,400 @@
+"""``flatten_sequential``: a model whose forward is a chain of its children, as a fine ``nn.Sequential``.
+
+The partitioner cuts between the children of an ``nn.Sequential``, so the
+finer the chain, the better the balance. ``torch.fx`` traces the model with
+its direct children as leaves; if the graph is a single chain (every step uses
+the previous step's output and otherwise constants), each child becomes a
+layer, nested containers are opened up the same way, a child whose forward is
+not a chain (a residual block) stays whole, and function calls between them
+become ``Functional`` layers. The result shares the model's modules and is
+checked against ``model(sample)``::
+
+    resnet18: conv1 bn1 relu maxpool layer1_0 ... layer4_1 avgpool Functional(torch.flatten(x, 1)) fc
+"""
+
+from __future__ import annotations
+
+import builtins
+import itertools
+import operator
+from collections import OrderedDict
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import fx, nn
+
+from .functional import INPUT, TRAINING, Functional, call_text, describe_value
+
+__all__ = ["flatten_sequential"]
+
+
+class _NotAChain(Exception):
+    """A forward that is not a chain of its children; the message says where it breaks."""
+
+
+class _ChildrenAsLeaves(fx.Tracer):
+    """Traces ``root.forward`` only: every module it calls is a leaf (one ``call_module`` node)."""
+
+    def __init__(self, root: nn.Module) -> None:
+        super().__init__()
+        self._traced_root = root
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return m is not self._traced_root
+
+
+def _describe(node: Any) -> str:
+    """A node of a traced forward written as code: ``self.layer3(layer2)``, ``x.size(0)``."""
+    if not isinstance(node, fx.Node):
+        return describe_value(node)
+    if node.op == "placeholder":
+        return node.name
+    if node.op == "get_attr":
+        return f"self.{node.target}"
+    if node.op == "call_module":
+        parts = [describe_value(a) for a in node.args] + [f"{k}={describe_value(v)}" for k, v in node.kwargs.items()]
+        return f"self.{node.target}({', '.join(parts)})"
+    if node.op == "call_function" and node.target is builtins.getattr and len(node.args) == 2 \
+            and isinstance(node.args[1], str):
+        return f"{describe_value(node.args[0])}.{node.args[1]}"
+    if node.op in ("call_function", "call_method"):
+        return call_text(node.target, tuple(node.args), dict(node.kwargs))
+    return node.name
+
+
+def _meets_data(a: fx.Node) -> Optional[fx.Node]:
+    """The first node that uses ``a``'s result (directly or not) together with a value not computed from it."""
+    todo, seen = list(a.users), {a}
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.users)
+    for n in a.graph.nodes:
+        if n in seen and n is not a and any(i not in seen for i in n.all_input_nodes):
+            return n
+    return None
+
+
+def _drop_dead_lookups(graph: fx.Graph) -> None:
+    """Remove unused ``x[i]`` / ``x.shape`` nodes (tuple unpacking such as ``x, _ = self.rnn(x)`` makes them)."""
+    for node in reversed(list(graph.nodes)):
+        if (not node.users and node.op == "call_function" and node.target in (operator.getitem, builtins.getattr)):
+            graph.erase_node(node)
+
+
+def _output_of(node: fx.Node) -> str:
+    """A step's result in a message: ``layer3 output``, ``the input x``, ``the output of torch.flatten(x, 1)``."""
+    if node.op == "placeholder":
+        return f"the input {node.name}"
+    if node.op == "call_module":
+        return f"{node.target} output"
+    return f"the output of {_describe(node)}"
+
+
+def _is_size(node: fx.Node) -> bool:
+    """``x.size(0)``, ``x.shape``, ``x.dim()``: a number read off a tensor."""
+    return (node.op == "call_method" and node.target in ("size", "dim", "numel", "nelement", "stride")) or \
+        (node.op == "call_function" and node.target is builtins.getattr and
+         len(node.args) > 1 and node.args[1] in ("shape", "ndim", "dtype", "device"))
+
+
+def _check_single_use(prev: fx.Node) -> None:
+    users = list(prev.users)
+    if len(users) <= 1:
+        return
+    for u in users:
+        if _is_size(u):
+            meets = _meets_data(u)
+            used = f"an argument of {_describe(meets)}" if meets is not None else "used further on"
+            raise _NotAChain(f"{_describe(u)} depends on the input and is {used}; a layer of an nn.Sequential sees "
+                             "only the previous layer's output (torch.flatten(x, 1) or nn.Flatten(1) needs no size)")
+    uses = " and ".join(_describe(u) for u in users[:3]) + (f" and {len(users) - 3} more" if len(users) > 3 else "")
+    times = "twice" if len(users) == 2 else f"{len(users)} times"
+    raise _NotAChain(f"{_output_of(prev)} is used {times} (by {uses})")
+
+
+def _chain(graph: fx.Graph) -> List[fx.Node]:
+    """The nodes of a forward that is a chain, in order; else ``_NotAChain`` naming the break."""
+    nodes = list(graph.nodes)
+    inputs = [n for n in nodes if n.op == "placeholder"]
+    if not inputs:
+        raise _NotAChain("forward takes no input")
+    for extra in inputs[1:]:
+        if extra.users:
+            raise _NotAChain(f"forward uses its argument {extra.name!r} besides the input")
+    prev, steps = inputs[0], []
+    for n in nodes:
+        if n.op == "placeholder":
+            continue
+        if n.op == "output":
+            if n.args[0] is not prev:
+                raise _NotAChain(f"forward returns {_describe(n.args[0])}, not {_output_of(prev)}")
+            _check_single_use(prev)
+            return steps
+        if n.op == "get_attr":
+            raise _NotAChain(f"{_describe(n)} is read directly by forward, not through a child module")
+        _check_single_use(prev)
+        ins = n.all_input_nodes
+        if prev not in ins:
+            if not ins:
+                raise _NotAChain(f"{_describe(n)} does not depend on the input")
+            raise _NotAChain(f"{_describe(n)} does not use {_output_of(prev)}")
+        others = [i for i in ins if i is not prev]
+        if others:
+            extra = ", ".join(_output_of(o) for o in others)
+            raise _NotAChain(f"{_describe(n)} uses {extra} besides {_output_of(prev)}")
+        if n.op == "call_module" and (tuple(n.args) != (prev,) or n.kwargs):
+            raise _NotAChain(f"{_describe(n)} is called with more than the previous step's output")
+        steps.append(n)
+        prev = n
+    raise _NotAChain("forward has no output")
+
+
+def _merge(a: Any, b: Any, prev: fx.Node) -> Any:
+    """One argument of a step traced in training (``a``) and in eval mode (``b``), as a ``Functional`` template."""
+    if isinstance(a, fx.Node):
+        if not isinstance(b, fx.Node) or a.name != b.name or a is not prev:
+            raise _NotAChain("")
+        return INPUT
+    if a is True and b is False:
+        return TRAINING
+    if type(a) is not type(b) and not (isinstance(a, (tuple, list)) and isinstance(b, (tuple, list))):
+        raise _NotAChain("")
+    if isinstance(a, (tuple, list)):
+        if len(a) != len(b):
+            raise _NotAChain("")
+        items = [_merge(x, y, prev) for x, y in zip(a, b)]
+        return tuple(items) if isinstance(a, tuple) else items
+    if isinstance(a, dict):
+        if list(a) != list(b):
+            raise _NotAChain("")
+        return {k: _merge(a[k], b[k], prev) for k in a}
+    if isinstance(a, slice):
+        return slice(_merge(a.start, b.start, prev), _merge(a.stop, b.stop, prev), _merge(a.step, b.step, prev))
+    if a is b:
+        return a
+    try:
+        same = bool(a == b)
+    except Exception:  # noqa: BLE001 - a constant that cannot be compared counts as different
+        same = False
+    if not same:
+        raise _NotAChain("")
+    return a
+
+
+# A step of a chain: ("module", path relative to its owner, module) or ("glue", node name, Functional).
+_Step = Tuple[str, str, nn.Module]
+
+
+def _steps(module: nn.Module) -> List[_Step]:
+    """The steps of ``module.forward`` if it is a chain of submodules and glue; else ``_NotAChain``."""
+    if isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward:
+        return [("module", name, child) for name, child in module.named_children()]
+    saved = module.training
+    graphs = []
+    try:
+        for mode in (True, False):  # a forward that reads self.training must do the same in both modes
+            module.training = mode
+            graph = _ChildrenAsLeaves(module).trace(module)
+            _drop_dead_lookups(graph)
+            graphs.append(graph)
+    except Exception as exc:  # noqa: BLE001 - whatever stops torch.fx, reported with its message
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise _NotAChain(f"torch.fx cannot trace {type(module).__name__}.forward "
+                         f"({type(exc).__name__}: {first})") from exc
+    finally:
+        module.training = saved
+    train, evaluate = graphs
+    chain = _chain(train)
+    twins: Dict[fx.Node, fx.Node] = {}
+    for a, b in itertools.zip_longest(train.nodes, evaluate.nodes):
+        if a is None or b is None or (a.op, a.target, a.name) != (b.op, b.target, b.name):
+            def runs(n: Optional[fx.Node]) -> str:
+                return "returns" if n is None or n.op == "output" else f"runs {_describe(n)}"
+            raise _NotAChain(f"{type(module).__name__}.forward reads self.training: at this step training mode "
+                             f"{runs(a)}, eval mode {runs(b)}")
+        twins[a] = b
+    out: List[_Step] = []
+    prev = next(n for n in train.nodes if n.op == "placeholder")
+    for n in chain:
+        if n.op == "call_module":
+            out.append(("module", str(n.target), module.get_submodule(str(n.target))))
+        else:
+            try:  # constants equal in both modes; True in training and False in eval is self.training
+                args = _merge(tuple(n.args), tuple(twins[n].args), prev)
+                kwargs = _merge(dict(n.kwargs), dict(twins[n].kwargs), prev)
+            except _NotAChain:
+                raise _NotAChain(f"{type(module).__name__}.forward reads self.training: {_describe(n)} in training "
+                                 f"mode is {_describe(twins[n])} in eval mode") from None
+            out.append(("glue", n.name, Functional.template(n.target, args, kwargs)))
+        prev = n
+    return out
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    """Hooks run around ``module(x)``; opening the module up would drop them."""
+    return any(getattr(module, attr, None) for attr in (
+        "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"))
+
+
+def _open(module: nn.Module) -> Optional[List[_Step]]:
+    """The steps of a child that is itself a chain, or None to keep it as one layer."""
+    if _has_hooks(module):
+        return None
+    if not any(True for _ in module.children()) and not isinstance(module, nn.Sequential):
+        return None  # a leaf (an empty nn.Sequential is an identity and contributes nothing)
+    try:
+        return _steps(module)
+    except _NotAChain:
+        return None
+
+
+def _expand(steps: List[_Step], prefix: str, out: List[Tuple[str, nn.Module]]) -> None:
+    for kind, name, layer in steps:
+        path = prefix + name
+        inner = _open(layer) if kind == "module" else None
+        if inner is not None:
+            _expand(inner, path + ".", out)
+        else:
+            out.append((path, layer))
+
+
+def _unique_names(paths: List[str]) -> List[str]:
+    """Paths as layer names: ``layer1.0`` -> ``layer1_0``, made unique and usable as attribute names."""
+    used, names, container = set(), [], nn.Sequential()
+    for path in paths:
+        base = path.replace(".", "_") or "layer"
+        name, k = base, 1
+        while name in used or hasattr(container, name):  # "float", "train", "training" are taken
+            name, k = f"{base}_{k}", k + 1
+        used.add(name)
+        names.append(name)
+    return names
+
+
+def _clone(value: Any) -> Any:
+    """A copy of the tensors in ``value`` (a forward that starts in place must not change the sample)."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
+        return type(value)(*(_clone(v) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(_clone(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    return value
+
+
+def _differences(got: Any, want: Any, rtol: float, atol: float, where: str = "output") -> List[Tuple[str, str]]:
+    """``(where, what)`` for each place where ``got`` is not ``want``; a tensor's 'what' is its largest difference."""
+    if isinstance(want, torch.Tensor) or isinstance(got, torch.Tensor):
+        if not (isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor)):
+            return [(where, f"{type(got).__name__} instead of {type(want).__name__}")]
+        if got.shape != want.shape:
+            return [(where, f"shape {tuple(got.shape)} instead of {tuple(want.shape)}")]
+        if got.is_floating_point() or got.is_complex() or want.is_floating_point() or want.is_complex():
+            a, b = got.detach().to(torch.complex128 if got.is_complex() else torch.float64), \
+                want.detach().to(torch.complex128 if want.is_complex() else torch.float64)
+            if torch.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True):
+                return []
+            diff = (a - b).abs()
+            both_nan = torch.isnan(a.abs()) & torch.isnan(b.abs())
+            diff = torch.where(both_nan, torch.zeros_like(diff), diff)
+            return [(where, f"largest difference {diff.max().item():.3g}")]
+        return [] if torch.equal(got, want) else [(where, "different values")]
+    if isinstance(want, (tuple, list)) and isinstance(got, (tuple, list)):
+        if len(got) != len(want):
+            return [(where, f"{len(got)} items instead of {len(want)}")]
+        return [d for i, (g, w) in enumerate(zip(got, want)) for d in _differences(g, w, rtol, atol, f"{where}[{i}]")]
+    if isinstance(want, dict) and isinstance(got, dict):
+        if set(got) != set(want):
+            return [(where, f"keys {sorted(map(str, got))} instead of {sorted(map(str, want))}")]
+        return [d for k in want for d in _differences(got[k], want[k], rtol, atol, f"{where}[{k!r}]")]
+    try:
+        same = bool(got == want)
+    except Exception:  # noqa: BLE001
+        same = False
+    return [] if same else [(where, f"{got!r} instead of {want!r}")]
+
+
+_BY_HAND = ("Wrap the parts of the model in order by hand, e.g. "
+            "nn.Sequential(model.features, nn.Flatten(1), model.classifier)")
+
+
+def flatten_sequential(model: nn.Module, sample: Any, *, rtol: float = 1e-5, atol: float = 1e-6) -> nn.Sequential:
+    """``model`` as a flat ``nn.Sequential`` of its own layers, checked against ``model(sample)``.
+
+    pipeddp cuts an ``nn.Sequential`` between its children, so the stages can
+    only be as even as the children allow: a torchvision model has a handful
+    of children (``features``, ``avgpool``, ``classifier``), each one too big
+    to balance. This opens the model up into the finest chain it is made of:
+
+    * a child that is an ``nn.Sequential`` (or a subclass that keeps its
+      forward, like torchvision's ``Conv2dNormActivation``) contributes its
+      children, and so does a child whose own forward is a chain of its
+      children; this goes down as far as it can;
+    * a child whose forward is not a chain (a residual block: ResNet's
+      ``Bottleneck``, MobileNetV2's ``InvertedResidual``, EfficientNet's
+      ``MBConv``), or one with hooks, stays one layer;
+    * functional glue between children (``torch.flatten(x, 1)``,
+      ``F.adaptive_avg_pool2d(x, 1)``, ``x.view(-1, 512)``) becomes a
+      ``Functional`` layer.
+
+    The layers are the model's own modules (parameters are shared, nothing is
+    copied), named by their path with ``_`` for ``.`` (``layer1.0`` ->
+    ``layer1_0``); glue is named after the function. The chain is read with
+    ``torch.fx`` (each forward traced with the modules it calls as leaves,
+    once in training and once in eval mode). The result is run on ``sample``
+    next to ``model`` (both in eval mode under ``torch.no_grad()``; the
+    training flags are restored, so BatchNorm statistics are untouched)::
+
+        model = torchvision.models.resnet50(weights=None)
+        flat = flatten_sequential(model, torch.randn(2, 3, 64, 64))
+        # 23 layers: conv1 bn1 relu maxpool layer1_0 .. layer4_2 avgpool flatten fc
+        # (model itself has 10 children: its 4 stages of blocks would be 4 indivisible layers)
+        pipe = pipeddp.Pipeline(flat, ["cuda:0", "cuda:1"], sample=torch.randn(16, 3, 64, 64))
+
+    Raises:
+        ValueError: the forward of ``model`` is not a chain (an output used
+            twice, a size read from the input, a parameter used directly,
+            a branch on ``self.training``) or cannot be traced, naming the
+            step where it breaks; or the result differs from ``model(sample)``
+            by more than ``rtol``/``atol`` (the message gives the largest
+            difference). Wrap the parts in order by hand then.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"flatten_sequential needs an nn.Module, got {type(model).__name__}")
+    try:
+        steps = _steps(model)
+    except _NotAChain as exc:
+        raise ValueError(f"cannot flatten {type(model).__name__}: its forward is not a chain of its children: "
+                         f"{exc}. {_BY_HAND}") from None
+    found: List[Tuple[str, nn.Module]] = []
+    _expand(steps, "", found)
+    if not found:
+        raise ValueError(f"cannot flatten {type(model).__name__}: its forward calls no layer (it returns its input)")
+    names = _unique_names([path for path, _ in found])
+    flat = nn.Sequential(OrderedDict(zip(names, (layer for _, layer in found))))
+
+    modes = [(m, m.training) for m in model.modules()]
+    own = {id(m) for m, _ in modes}
+    new = [layer for layer in flat if id(layer) not in own]  # the glue made here
+    try:
+        model.eval()
+        flat.eval()
+        with torch.no_grad():
+            want = model(_clone(sample))
+            got = flat(_clone(sample))
+    finally:
+        for m, mode in modes:
+            m.training = mode
+        for layer in [flat] + new:
+            layer.training = model.training
+    bad = _differences(got, want, rtol, atol)
+    if bad:
+        where = "; ".join(f"{w}: {what}" for w, what in bad[:3]) + ("; ..." if len(bad) > 3 else "")
+        raise ValueError(f"the flattened {type(model).__name__} does not compute model(sample) "
+                         f"(rtol={rtol:g}, atol={atol:g}): {where}. Its forward may do more than call its children "
+                         f"in order (for example behave differently in eval mode). {_BY_HAND}")
+    return flat
