@@ -24,7 +24,8 @@ import pipeddp
 from pipeddp.runtime.microbatch import split, split_sizes
 from pipeddp.runtime.trace import Span, Trace
 
-from benchmarks.common import Grads, LossFn, barrier_timed, gather, grad_rel_diff, grad_snapshot
+from benchmarks.common import (Grads, LossFn, barrier_timed, devices, gather, grad_rel_diff, grad_snapshot, here,
+                               synced)
 
 Breakdown = Dict[int, Dict[str, float]]  # stage -> {"F_ms", "B_ms", ...}
 
@@ -108,11 +109,11 @@ def _direct(name: str, mod: nn.Module, params: nn.Module, x: torch.Tensor, y: to
         try:
             t0 = time.perf_counter()
             mod.zero_grad(set_to_none=True)
-            t1 = time.perf_counter()
+            t1 = synced()
             loss = loss_fn(mod(x), y)
-            t2 = time.perf_counter()
+            t2 = synced()
             loss.backward()
-            phases.update(lead=t1 - t0, fwd=t2 - t1, bwd=time.perf_counter() - t2)
+            phases.update(lead=t1 - t0, fwd=t2 - t1, bwd=synced() - t2)
             return loss.detach()
         finally:
             torch.set_num_threads(before)
@@ -123,8 +124,8 @@ def _direct(name: str, mod: nn.Module, params: nn.Module, x: torch.Tensor, y: to
 def whole(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn, *, name: str = "whole",
           threads: Optional[int] = None) -> Step:
     """The plain model on the whole batch (``threads``: intra-op threads during the step, default unchanged)."""
-    mod = copy.deepcopy(model)
-    return _direct(name, mod, mod, x, y, loss_fn, threads)
+    mod, dev = copy.deepcopy(model).to(here()), here()
+    return _direct(name, mod, mod, x.to(dev), y.to(dev), loss_fn, threads)
 
 
 def accumulate(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn, chunks: int, *,
@@ -134,14 +135,15 @@ def accumulate(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_fn: 
     The weights are the pipeline's: the sum of the weighted micro-batch means is the batch mean, so the
     gradients equal a pipeline's over the same micro-batches (BatchNorm included: it sees the same pieces).
     """
-    mod = copy.deepcopy(model)
+    dev = here()
+    mod = copy.deepcopy(model).to(dev)
     n = x.shape[0]
     sizes = split_sizes(n, chunks=chunks)
-    pieces = list(zip(split(x, sizes), split(y, sizes), [k / n for k in sizes]))
+    pieces = list(zip(split(x.to(dev), sizes), split(y.to(dev), sizes), [k / n for k in sizes]))
 
     def run() -> torch.Tensor:
         mod.zero_grad(set_to_none=True)
-        total = torch.zeros(())
+        total = torch.zeros((), device=dev)
         for xi, yi, w in pieces:
             loss = loss_fn(mod(xi), yi) * w
             loss.backward()
@@ -155,10 +157,11 @@ def ddp(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn,
     """Plain DDP over the job's ranks (gloo on CPU), each rank a ``split_sizes`` share of the batch."""
     from torch.nn.parallel import DistributedDataParallel
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    wrapped = DistributedDataParallel(copy.deepcopy(model))
+    rank, world, dev = dist.get_rank(), dist.get_world_size(), here()
+    wrapped = DistributedDataParallel(copy.deepcopy(model).to(dev), device_ids=None if dev.type == "cpu" else [dev])
     sizes = split_sizes(x.shape[0], chunks=world)
-    step = _direct(name, wrapped, wrapped.module, split(x, sizes)[rank], split(y, sizes)[rank], loss_fn, procs=world)
+    step = _direct(name, wrapped, wrapped.module, split(x.to(dev), sizes)[rank], split(y.to(dev), sizes)[rank], loss_fn,
+                   procs=world)
     step.info["batch_per_process"] = sizes[rank]
     return step
 
@@ -176,9 +179,11 @@ def torch_pipelining(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, los
 
     rank, stages = dist.get_rank(), len(balance)
     a = sum(balance[:rank])
-    sub = layers(model, a, a + balance[rank])
+    dev = here()
+    sub = layers(model, a, a + balance[rank]).to(dev)
     sub.train()
-    stage = PipelineStage(sub, rank, stages, torch.device("cpu"), group=group)
+    stage = PipelineStage(sub, rank, stages, dev, group=group)
+    x, y = x.to(dev), y.to(dev)
     sched = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](stage, n_microbatches=chunks, loss_fn=loss_fn)
     losses: List[torch.Tensor] = []
 
@@ -241,7 +246,7 @@ def _traced(engine: Any, rank: int) -> Callable[[Callable[[], Any]], Breakdown]:
 def pipeline(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn, *, stages: int = 2,
              name: str = "pipeline", **kwargs: Any) -> Step:
     """``pipeddp.Pipeline`` on ``stages`` CPU stage threads of 1 intra-op thread (kwargs: chunks, balance, ...)."""
-    pipe = pipeddp.Pipeline(copy.deepcopy(model), ["cpu"] * stages, threads=1, **kwargs)
+    pipe = pipeddp.Pipeline(copy.deepcopy(model), devices(stages), threads=1, **kwargs)
 
     def run() -> torch.Tensor:
         pipe.zero_grad(set_to_none=True)
@@ -258,8 +263,8 @@ def hybrid(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_fn: Loss
     ``stages`` CPU stage threads, fed its replica's share of the batch; stage mode: one stage per rank, x
     fed to stage 0 and y to the last stage."""
     rank, replica_mode = dist.get_rank(), mode == "replica"
-    engine = pipeddp.HybridParallel(copy.deepcopy(model), stages=stages, mode=mode, backend="gloo",
-                                    devices=["cpu"] * (stages if replica_mode else 1),
+    engine = pipeddp.HybridParallel(copy.deepcopy(model), stages=stages, mode=mode,
+                                    devices=devices(stages, rank * stages) if replica_mode else devices(1, rank),
                                     **({"threads": 1} if replica_mode else {}), **kwargs)
     topo = engine.topology
     sizes = split_sizes(x.shape[0], chunks=topo.replicas)

@@ -39,6 +39,56 @@ BARRIER = ("one spawned gloo job; every configuration once per round, rotating o
            "barriers; ratios: medians of per-round ratios")
 
 
+#: Where the configurations run: "cpu", or "cuda" (``--device cuda``: one GPU per process of a job).
+DEVICE = "cpu"
+#: On CUDA, per configuration timed in this process: the most memory it allocated on any device (bytes).
+PEAK_MEMORY: Dict[str, int] = {}
+
+
+def use_device(kind: str) -> None:
+    global DEVICE
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: this machine has no usable CUDA device")
+    DEVICE = kind
+
+
+def devices(n: int, first: int = 0) -> List[str]:
+    """``n`` stage devices: the CPU, or GPUs from ``first`` on (stages share GPUs where there are few)."""
+    return ["cpu"] * n if DEVICE == "cpu" else [f"cuda:{(first + i) % torch.cuda.device_count()}" for i in range(n)]
+
+
+def here() -> torch.device:
+    """This process's device: the CPU, or its rank's GPU."""
+    return torch.device(devices(1, dist.get_rank() if dist.is_initialized() else 0)[0])
+
+
+def synced() -> float:
+    """The clock, after the GPUs have finished what was queued (on the CPU: the clock)."""
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def timed_call(fn: Callable[[], Any], name: str = "") -> Tuple[float, Any]:
+    """Seconds of one call and its result: a monotonic clock on the CPU; on CUDA, events on every device's
+    current stream (pipeddp's steps end with those streams waiting for the stages), the longest span."""
+    if DEVICE == "cpu":
+        t0 = time.perf_counter()
+        out = fn()
+        return time.perf_counter() - t0, out
+    gpus = range(torch.cuda.device_count())
+    begin, end = ([torch.cuda.Event(enable_timing=True) for _ in gpus] for _ in range(2))
+    for d in gpus:
+        torch.cuda.reset_peak_memory_stats(d)
+        begin[d].record(torch.cuda.current_stream(d))
+    out = fn()
+    for d in gpus:
+        end[d].record(torch.cuda.current_stream(d))
+        end[d].synchronize()
+    PEAK_MEMORY[name] = max([PEAK_MEMORY.get(name, 0)] + [torch.cuda.max_memory_allocated(d) for d in gpus])
+    return max(b.elapsed_time(e) for b, e in zip(begin, end)) / 1e3, out
+
+
 def interleaved(fns: Mapping[str, Callable[[], Any]], rounds: int, warmup: int = 1) -> Dict[str, List[float]]:
     """Time every configuration once per round; return seconds per call, by name.
 
@@ -54,9 +104,7 @@ def interleaved(fns: Mapping[str, Callable[[], Any]], rounds: int, warmup: int =
     for r in range(warmup + rounds):
         k = r % len(names)
         for name in names[k:] + names[:k]:
-            start = time.perf_counter()
-            fns[name]()
-            elapsed = time.perf_counter() - start
+            elapsed = timed_call(fns[name], name)[0]
             if r >= warmup:
                 times[name].append(elapsed)
     return times
@@ -140,14 +188,20 @@ def parser(doc: str, quick: str, out: Optional[str], out_help: str = "",
     p.add_argument("--quick", action="store_true", help=f"smoke run: {quick}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=out, help=f"JSON path (default {out or out_help})")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the configurations run")
     if spawns:
         p.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole spawned job")
     return p
 
 
-def init_job(timeout: float) -> int:
-    """Join the spawned job's gloo group (every collective bounded by ``timeout`` seconds), 1 intra-op thread."""
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
+def init_job(timeout: float, device: str = "cpu") -> int:
+    """Join the spawned job's group (gloo; on CUDA nccl for CUDA tensors, one GPU per rank), every collective
+    bounded by ``timeout`` seconds, 1 intra-op thread."""
+    use_device(device)
+    dist.init_process_group("gloo" if device == "cpu" else "cpu:gloo,cuda:nccl",
+                            timeout=datetime.timedelta(seconds=timeout))
+    if device == "cuda":
+        torch.cuda.set_device(here())
     torch.set_num_threads(1)
     return dist.get_rank()
 
@@ -196,7 +250,7 @@ def _faults() -> Tuple[int, int]:
     return use.ru_minflt, use.ru_majflt
 
 
-def barrier_timed(step: Optional[Callable[[], Any]]) -> Tuple[StepTime, Any]:
+def barrier_timed(step: Optional[Callable[[], Any]], name: str = "") -> Tuple[StepTime, Any]:
     """All ranks barrier, ``step()`` runs (None: this rank sits the step out), all ranks barrier again.
 
     The wall time is read from the first barrier to the second, so a 2-process step counts until the slower
@@ -208,8 +262,7 @@ def barrier_timed(step: Optional[Callable[[], Any]]) -> Tuple[StepTime, Any]:
     busy0, steal0 = host_cpu_seconds()
     cpu0, flt0 = time.process_time(), _faults()
     t0 = time.perf_counter()
-    result = step() if step is not None else None
-    own = time.perf_counter() - t0
+    own, result = timed_call(step, name) if step is not None else (0.0, None)
     barrier()
     wall = time.perf_counter() - t0
     busy1, steal1 = host_cpu_seconds()
@@ -245,7 +298,7 @@ def barrier_rounds(
             out: List[Tuple[StepTime, Any]] = []
 
             def run(name: str = name) -> None:
-                out.append(barrier_timed(steps[name]))
+                out.append(barrier_timed(steps[name], name))
 
             if wrap is not None and timed_round:
                 wrap(name, run)
@@ -353,6 +406,7 @@ class Run:
     """
 
     def __init__(self, benchmark: str, args: argparse.Namespace, timing: str = INTERLEAVED) -> None:
+        use_device(getattr(args, "device", "cpu"))
         self.benchmark, self.out = benchmark, args.out
         self.settings: Dict[str, Any] = {**vars(args), "timing": timing}  # every flag, as resolved
         self.commit = pipeddp_commit()
@@ -378,7 +432,7 @@ class Run:
         """Write the JSON (benchmark, the flags and ``settings``, elapsed_s, payload, machine, commit); say where."""
         elapsed = self.elapsed
         doc = {"benchmark": self.benchmark, "settings": {**self.settings, **(settings or {})}, "elapsed_s": elapsed,
-               **payload}
+               **({"peak_cuda_memory_bytes": PEAK_MEMORY} if PEAK_MEMORY else {}), **payload}
         path = write_json(self.out, doc, commit=self.commit)
         self.console.print(f"wrote {path} ({elapsed / 60:.1f} min)")
         return path

@@ -98,7 +98,7 @@ def torch_steps(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tenso
                 if (cut, sched) in done:
                     attempts.append({"cut": cut, "ok": True, "alias_of": done[(cut, sched)]})
                     break
-                group = dist.new_group([0, 1], backend="gloo", timeout=timedelta(seconds=group_timeout))
+                group = dist.new_group([0, 1], timeout=timedelta(seconds=group_timeout))
                 step, err = guarded(rank, lambda: baselines.torch_pipelining(
                     model, x, y, loss_fn, balance=[cut, len(model) - cut], schedule=sched, chunks=m, group=group,
                     name=name), group)
@@ -247,7 +247,7 @@ def run_m(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, m: 
 
 def job(settings: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     """The body of each of the 2 spawned processes: every model, every m."""
-    rank = init_job(settings["timeout"])
+    rank = init_job(settings["timeout"], settings["device"])
     out: Dict[str, Any] = {}
     for name in settings["models"]:
         work = WORKLOADS[name]

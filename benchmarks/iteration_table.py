@@ -118,7 +118,7 @@ def agreed_cuts(rank: int, model: torch.nn.Sequential, x: torch.Tensor, m: int) 
 
 
 def job(settings: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-    rank = init_job(settings["timeout"])
+    rank = init_job(settings["timeout"], settings["device"])
     work = WORKLOADS[settings["model"]]
     model, x, y = work.seeded(settings["batch"], settings["seed"], settings["side"])
     check_same(model, x, y)
@@ -209,11 +209,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                                          "the hybrid uses micro-batches of the same size")
     p.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"], choices=["gpipe", "1f1b"],
                    help="gpipe gives the table's fwd/bwd split; 1f1b adds step-time-only rows (default both)")
+    p.add_argument("--classic", action="store_true", help="the classic DDP layout: resnet50, 3x224x224, batch 128 "
+                   "per replica (a GPU's workload: a full run takes hours on a small CPU)")
     p.add_argument("--rounds", type=int, default=None, help="timed rounds (default 8; 1 with --quick)")
     p.add_argument("--warmup", type=int, default=None, help="untimed rounds before them (default 1; 0 with --quick); "
                    "the checked step of every configuration always runs first")
     args = p.parse_args(argv)
     args.schedules = ["gpipe"] + [s for s in dict.fromkeys(args.schedules) if s != "gpipe"]  # gpipe: fwd/bwd split
+    if args.classic:
+        args.model, args.batch = "resnet50", (8 if args.quick else 128) * PROCS
+        args.side = args.side or (32 if args.quick else 224)
     args.side = args.side or (32 if args.quick else 64)
     args.rounds = args.rounds if args.rounds is not None else WORKLOADS[args.model].default_rounds(SCRIPT, args.quick)
     args.warmup = args.warmup if args.warmup is not None else (0 if args.quick else 1)

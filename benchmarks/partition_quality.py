@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # started as a script
 from benchmarks.baselines import layers  # noqa: E402
-from benchmarks.common import LossFn, Run, median_ratio, parser  # noqa: E402
+from benchmarks.common import LossFn, Run, here, median_ratio, parser, timed_call  # noqa: E402
 from benchmarks.workloads import WORKLOADS, Workload, names  # noqa: E402
 from pipeddp import partition  # noqa: E402
 from pipeddp.partitioning.solve import block_move  # noqa: E402
@@ -55,13 +55,14 @@ class Segment:
     def __call__(self) -> float:
         self.module.zero_grad(set_to_none=True)  # as each step does: the first backward allocates
         self.leaf.grad = None
-        t0 = time.perf_counter()
+        return timed_call(self._step)[0]
+
+    def _step(self) -> None:
         out = self.module(self.leaf.clone() if self.copy else self.leaf)
         if self.grad is None:
             self.loss_fn(out, self.y).backward()
         else:
             out.backward(self.grad)
-        return time.perf_counter() - t0
 
 
 def cuts(model: torch.nn.Sequential, x: torch.Tensor, stages: int) -> Tuple[Dict[str, Dict[str, Any]], List[float]]:
@@ -101,6 +102,7 @@ def measure(model: torch.nn.Sequential, x: torch.Tensor, y: torch.Tensor, keys: 
 def run_model(work: Workload, stage_counts: Sequence[int], rounds: int, seed: int, run: Run) -> Dict[str, Any]:
     """Cut, then measure every distinct stage of every cut (and the whole model) round by round."""
     model, x, y = work.seeded(work.batch[SCRIPT], seed)
+    model, x, y = model.to(here()), x.to(here()), y.to(here())  # profiled and timed on the benchmark's device
     n = len(model)
     stage_counts = [s for s in stage_counts if s <= n]
     t0 = time.perf_counter()

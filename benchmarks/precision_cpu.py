@@ -19,18 +19,18 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # started as a script
 from benchmarks import baselines  # noqa: E402
-from benchmarks.common import Run, interleaved, median_ms, median_ratio, parser  # noqa: E402
+from benchmarks.common import Run, here, interleaved, median_ms, median_ratio, parser  # noqa: E402
 from benchmarks.workloads import mlp_workload  # noqa: E402
 
 SCRIPT = "precision_cpu"
 
 
 def autocast(step: baselines.Step, dtype: torch.dtype = torch.bfloat16) -> baselines.Step:
-    """The same step, run under CPU autocast."""
+    """The same step, run under autocast on the benchmark's device type."""
     inner = step.run
 
     def run() -> Any:
-        with torch.autocast("cpu", dtype=dtype):
+        with torch.autocast(here().type, dtype=dtype):
             return inner()
 
     step.run = run

@@ -239,6 +239,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--no-recalibrate", action="store_true",
                    help="calibrate only before measuring (no calibration sample in the rounds)")
     args = p.parse_args(argv)
+    if args.device != "cpu":
+        p.error("runs on the CPU only: it predicts CPU steps from CPU calibrations")
     args.rounds = args.rounds if args.rounds is not None else WORK.default_rounds(SCRIPT, args.quick)
     if args.rounds < 1:
         p.error("--rounds must be >= 1")

@@ -128,6 +128,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--chunks", type=int, default=4)
     p.add_argument("--rss-tolerance-mb", type=float, default=5.0)
     args = p.parse_args(argv)
+    if args.device != "cpu":
+        p.error("runs on the CPU only: it watches the resident memory of CPU processes")
     args.steps = steps = args.steps or (200 if args.quick else 2000)
     if args.warmup < 1 or steps <= args.warmup or args.samples < 2:
         p.error("need --warmup >= 1, --steps > --warmup and --samples >= 2")
