@@ -14,8 +14,7 @@ the global batch (replicas x --batch samples).
 from __future__ import annotations
 
 import argparse
-import os
-from typing import Any, List, Optional, Tuple
+from typing import Any, Tuple
 
 import torch
 from torch import nn
@@ -47,23 +46,6 @@ def build(args: argparse.Namespace) -> Tuple[nn.Sequential, TensorDataset, Tenso
     return model, TensorDataset(x[:args.samples], y[:args.samples]), TensorDataset(x[args.samples:], y[args.samples:])
 
 
-def choose_devices(stages: int, mode: str) -> Tuple[Optional[List[str]], str]:
-    """This process's devices: the GPUs when there are enough for every process's stages, else the CPU.
-
-    Returns ``devices=`` for HybridParallel (None: its default, consecutive GPUs by local rank) and a line
-    saying what runs where. A single process with fewer GPUs than stages shares them (HybridParallel's default).
-    """
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    per_process = stages if mode == "replica" else 1
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if gpus == 0:
-        return ["cpu"] * per_process, "no GPU: every stage on the CPU (gloo)"
-    if gpus >= local_world * per_process or local_world == 1:
-        return None, f"{gpus} GPU(s) for {local_world} process(es) x {per_process} stage(s) each"
-    return ["cpu"] * per_process, (f"{gpus} GPU(s) cannot hold {local_world} process(es) x {per_process} stage(s): "
-                                   "every stage on the CPU (gloo)")
-
-
 def parse(argv: Any = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stages", type=int, default=2)
@@ -85,16 +67,16 @@ def parse(argv: Any = None) -> argparse.Namespace:
 def main(argv: Any = None) -> float:
     args = parse(argv)
     model, train_set, eval_set = build(args)
-    devices, where = choose_devices(args.stages, args.mode)
+    # "auto": the GPUs where there are enough for every process's stages, else the CPU (gloo)
     engine = pipeddp.HybridParallel(model, stages=args.stages, mode=args.mode, chunks=args.chunks,
-                                    schedule=args.schedule, balance="params", devices=devices)
+                                    schedule=args.schedule, balance="params", devices="auto")
     rank = engine.topology.rank
     loader = pipeddp.data.loader(train_set, args.batch, engine=engine, seed=args.seed, drop_last=True)
     optimizer = torch.optim.SGD(engine.parameters(), lr=args.lr, momentum=0.9)
     loss_fn = nn.functional.mse_loss
     if rank == 0:
         print(f"{engine.topology.replicas} replica(s) x {args.stages} stage(s), mode={args.mode}, "
-              f"balance {engine.balance}, devices {[str(d) for d in engine.devices]} ({where})", flush=True)
+              f"balance {engine.balance}, devices {[str(d) for d in engine.devices]} ({engine.backend})", flush=True)
     held_out = pipeddp.data.loader(eval_set, args.batch, engine=engine, train=False)
 
     def held_out_mse() -> float:

@@ -299,7 +299,7 @@ def main(argv: Any = None) -> Losses:
             torch.set_num_threads(args.threads)  # one stage per process
         engine: Union[pipeddp.Pipeline, pipeddp.HybridParallel] = pipeddp.HybridParallel(
             model, stages=args.stages, mode=args.mode, chunks=args.chunks, sample=x_sample, balance="time",
-            checkpoint=args.checkpoint, threads=args.threads)
+            checkpoint=args.checkpoint, threads=args.threads, devices="auto")  # the CPU where GPUs are too few
         topo = engine.topology
         rank, replica, replicas = topo.rank, topo.replica, topo.replicas
         held_loader = pipeddp.data.loader(held_set, args.batch, engine=engine, train=False)

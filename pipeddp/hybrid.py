@@ -63,9 +63,9 @@ class HybridParallel(nn.Module):
             A measured balance is computed on rank 0 and sent to every rank.
         mode: ``"replica"`` (one process per replica, driving ``stages`` devices
             with threads) or ``"stage"`` (one process per stage).
-        devices: this process's devices (``stages`` of them in replica mode, one in
-            stage mode). Default: consecutive CUDA devices by local rank, else CPU; a
-            single process with fewer GPUs than stages puts several stages on one GPU.
+        devices: this process's devices (``stages`` of them in replica mode, one in stage mode).
+            Default: consecutive CUDA devices by local rank, else CPU (one process with fewer GPUs
+            than stages shares them); ``"auto"``: the CPU too where the GPUs are too few.
         backend: ``"nccl"`` or ``"gloo"``; default nccl for CUDA, gloo for CPU.
         layout: stage mode only: ``"pipeline"`` (ranks 0..S-1 are replica 0) or
             ``"data"`` (ranks 0..R-1 hold stage 0).
@@ -92,7 +92,7 @@ class HybridParallel(nn.Module):
         schedule: Union[str, ScheduleFn] = "1f1b",
         checkpoint: str = "never",
         mode: str = "replica",
-        devices: Optional[Sequence[DeviceLike]] = None,
+        devices: Union[None, str, Sequence[DeviceLike]] = None,
         backend: Optional[str] = None,
         layout: str = "pipeline",
         ddp_kwargs: Optional[Dict[str, Any]] = None,

@@ -82,3 +82,9 @@ def test_forward_means_the_same_in_both_classes(kind):
         LOSS(ref(x), y).backward()
         for p, q in zip(engine.parameters(), ref.parameters()):
             assert (p.grad - q.grad).abs().max().item() < 1e-12
+
+
+def test_auto_devices_fall_back_to_the_cpu_where_there_is_no_gpu():
+    with pipeddp.HybridParallel(make_mlp(), stages=2, devices="auto", chunks=2) as engine:
+        assert [d.type for d in engine.devices] == ["cpu", "cpu"] and engine.backend == "gloo"
+        assert torch.isfinite(engine.train_step(*data(6), LOSS))

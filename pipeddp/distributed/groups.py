@@ -19,7 +19,7 @@ import os
 import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -39,9 +39,22 @@ def current_topology(stages: int, mode: str, layout: str) -> Topology:
     return Topology(rank, world, local_rank, local_world, stages, mode, layout)
 
 
-def local_devices(topo: Topology, devices: Optional[Sequence[DeviceLike]]) -> List[torch.device]:
-    """This process's devices: as given (checked), else by local rank (see the module docstring)."""
+def local_devices(topo: Topology, devices: Union[None, str, Sequence[DeviceLike]]) -> List[torch.device]:
+    """This process's devices: as given (checked), else by local rank (see the module docstring).
+
+    ``devices="auto"``: the GPUs where there are enough for every process on this node, else the CPU
+    (with a warning saying so), so that one script runs on any machine.
+    """
     want = topo.stages if topo.mode == "replica" else 1
+    if devices == "auto":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count and (count >= topo.local_world_size * want or topo.local_world_size == 1):
+            devices = None
+        else:
+            if count:
+                warnings.warn(f"pipeddp: {count} CUDA device(s) cannot hold {topo.local_world_size} process(es) x "
+                              f"{want} stage(s): running on the CPU", RuntimeWarning, stacklevel=3)
+            return [torch.device("cpu")] * want
     if devices is not None:
         devs = resolve_devices(devices)
         if len(devs) != want:
