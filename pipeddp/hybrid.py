@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._engine import StepModule
 from ._settings import check_settings, choose_partition
 from .distributed import state
 from .distributed.agreement import Agreement
@@ -43,7 +44,7 @@ from .runtime.devices import DeviceLike
 from .runtime.executor import ThreadRunner
 from .runtime.microbatch import batch_size, tree_map
 from .runtime.schedule import ScheduleFn
-from .runtime.stage import Stage, build_stages, register_layers
+from .runtime.stage import build_stages, register_layers
 from .runtime.step import Runner, Step
 from .runtime.tied import find_ties
 from .runtime.trace import Trace
@@ -51,7 +52,7 @@ from .runtime.trace import Trace
 __all__ = ["HybridParallel", "resume"]
 
 
-class HybridParallel(nn.Module):
+class HybridParallel(StepModule):
     """Pipeline replicas x DDP, for one script run by ``torchrun`` (or ``pipeddp.spawn``, or alone).
 
     Args:
@@ -150,19 +151,6 @@ class HybridParallel(nn.Module):
 
     # -- structure ---------------------------------------------------------------------------------
 
-    @property
-    def trace(self) -> Optional[Trace]:
-        """The timeline (None when off); all-reduce spans need ``trace=True`` at construction."""
-        return self._step.trace
-
-    @trace.setter
-    def trace(self, value: Optional[Trace]) -> None:
-        self._step.trace = value
-
-    @property
-    def stages(self) -> List[Stage]:
-        """The stages this process runs (all of them in replica mode, one in stage mode)."""
-        return list(self._step.stages)
 
     @property
     def is_first(self) -> bool:
@@ -291,11 +279,6 @@ class HybridParallel(nn.Module):
             dist.destroy_process_group()
             self._owns_group = False
 
-    def __enter__(self) -> "HybridParallel":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     def extra_repr(self) -> str:
         t = self.topology

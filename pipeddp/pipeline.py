@@ -25,13 +25,14 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Unio
 import torch
 from torch import nn
 
+from ._engine import StepModule
 from ._settings import check_settings, choose_partition
 from .partitioning.report import Partition
 from .runtime.devices import DeviceLike, resolve_devices
 from .runtime.executor import ThreadRunner
 from .runtime.microbatch import batch_size, tree_tensors
 from .runtime.schedule import ScheduleFn
-from .runtime.stage import Stage, build_stages, register_layers
+from .runtime.stage import build_stages, register_layers
 from .runtime.step import Step
 from .runtime.tied import find_ties
 from .runtime.trace import Trace
@@ -46,7 +47,7 @@ def _device_arg(args: Any, kwargs: Any) -> bool:
     return any(isinstance(a, (str, torch.device, int, torch.Tensor)) for a in args)
 
 
-class Pipeline(nn.Module):
+class Pipeline(StepModule):
     """Run an ``nn.Sequential`` as a pipeline over ``devices`` (one stage each).
 
     Args:
@@ -121,11 +122,6 @@ class Pipeline(nn.Module):
     # -- structure ---------------------------------------------------------------------------------
 
     @property
-    def stages(self) -> List[Stage]:
-        """The stages, in order (each has ``.module``, ``.device``)."""
-        return list(self._step.stages)
-
-    @property
     def chunks(self) -> Optional[int]:
         return self.settings.chunks
 
@@ -150,14 +146,6 @@ class Pipeline(nn.Module):
         """Intra-op threads of each CPU stage's worker thread."""
         return self._runner.threads
 
-    @property
-    def trace(self) -> Optional[Trace]:
-        """The timeline being recorded (None when off); assign a ``Trace`` to start recording."""
-        return self._step.trace
-
-    @trace.setter
-    def trace(self, value: Optional[Trace]) -> None:
-        self._step.trace = value
 
     def stage_parameters(self, stage: int) -> Iterator[nn.Parameter]:
         return self._step.stages[stage].module.parameters()
@@ -180,11 +168,6 @@ class Pipeline(nn.Module):
         """Stop and join the stage threads. The pipeline cannot run afterwards."""
         self._finalizer()
 
-    def __enter__(self) -> "Pipeline":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     @property
     def worker_threads(self) -> List[Any]:

@@ -19,7 +19,7 @@ for the sends still in flight at the end of a step.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist

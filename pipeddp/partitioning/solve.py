@@ -19,7 +19,7 @@ the compute (its own stream) the segment costs ``max(compute, copy)``.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 __all__ = ["solve", "block_move", "stage_costs", "check_stage_count"]
 

@@ -20,8 +20,6 @@ import threading
 import time
 from typing import Any, Dict, Hashable, Optional, Protocol, Tuple
 
-import torch
-
 from .microbatch import tree_map
 from .streams import StageStreams
 

@@ -12,7 +12,6 @@ and prints as the call it makes::
 
 from __future__ import annotations
 
-import builtins
 import operator
 from typing import Any, Dict, Tuple
 
