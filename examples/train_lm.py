@@ -244,6 +244,8 @@ def parse(argv: Any = None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--dropout", type=float, default=0.1, help="attention, residual and embedding dropout")
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--clip", type=float, default=0.0, help="clip the gradient norm to this each step "
+                   "(engine.clip_grad_norm_, the plain model's norm; 0: no clipping)")
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--chunks", type=int, default=4, help="micro-batches per step")
     p.add_argument("--checkpoint", choices=["never", "except_last", "always"], default="never",
@@ -342,6 +344,8 @@ def main(argv: Any = None) -> Losses:
             x, y = sample_batch(data.train, args.batch, args.context, g)
             optimizer.zero_grad()
             losses.append(engine.train_step(x, y, loss_fn).item())
+            if args.clip > 0:  # the tied head counted once, every stage's gradients in (a collective in stage mode)
+                engine.clip_grad_norm_(args.clip)
             optimizer.step()
             bar.update(task, advance=1, loss=losses[-1])
             step = len(losses)

@@ -25,13 +25,14 @@ import os
 import warnings
 import weakref
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from functools import partial
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._engine import StepModule
+from ._engine import Combine, StepModule
 from ._settings import check_settings, choose_partition
 from .distributed import state
 from .distributed.agreement import Agreement
@@ -140,7 +141,7 @@ class HybridParallel(StepModule):
                                  schedule=settings.schedule, checkpoint=settings.checkpoint, ties=ties,
                                  deferred_batch_norm=deferred_batch_norm)
         step.sync = topo.replicas > 1
-        exchange = TieExchange(ties, step.ties, topo, backend=self.backend, timeout=settings.timeout_delta,
+        self._ties = exchange = TieExchange(ties, step.ties, topo, backend=self.backend, timeout=settings.timeout_delta,
                                comm_device=self.agreement.comm_device)
         step.before_forward.append(exchange.refresh)
         step.after_backward.append(exchange.fold)
@@ -235,6 +236,13 @@ class HybridParallel(StepModule):
         """None when every stage's copies agree bit for bit (a CRC32 per parameter), else ``RuntimeError``
         naming the stage, parameter and ranks. A collective: call it on every rank."""
         self.agreement.check_replicas(self._step.stages, self._groups.stage)
+
+    def _norm_scope(self) -> Tuple[List[nn.Parameter], torch.device, Optional[Combine]]:
+        """In stage mode the norm is joined over this replica's processes (replicas agree after DDP)."""
+        if self.topology.mode == "replica" or not self.agreement.distributed:
+            return [], self.agreement.comm_device, None
+        return self._ties.copies(), self.agreement.comm_device, partial(self.agreement.join_norm,
+                                                                         group=self._groups.pipeline)
 
     # -- state -------------------------------------------------------------------------------------
 

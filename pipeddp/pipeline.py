@@ -82,7 +82,8 @@ class Pipeline(StepModule):
 
     A parameter that several stages use (an embedding tied to the output head,
     a module placed twice) gets a copy on each later stage; the copies are kept
-    one weight (see ``pipeddp.runtime.tied``), and ``parameters()`` lists each.
+    one weight (see ``pipeddp.runtime.tied``), and ``parameters()`` lists each:
+    clip with ``pipe.clip_grad_norm_``, which counts them once.
     """
 
     def __init__(

@@ -11,12 +11,15 @@ from conftest import data, max_diff
 from tied_jobs import LOSS, global_batches, hybrid_tied_job, stage_unet_job, tied_model, unet
 
 
-def reference_state(model, batches, momentum=0.9):
+def reference_state(model, batches, momentum=0.9, clip=None, norm_type=2.0, norms=None):
+    """The plain model trained on one device; with ``clip``, torch's clip_grad_norm_ (norms appended to ``norms``)."""
     model = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
     for x, y in batches:
         opt.zero_grad()
         LOSS(model(x), y).backward()
+        if clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip, norm_type).item())
         opt.step()
     return model.state_dict()
 
@@ -51,14 +54,56 @@ def test_tied_weights_through_call_and_backward():
         assert torch.equal(pipe.stages[0].module[0].weight.grad, pipe.stages[1].module[2].weight.grad)
 
 
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+def test_clip_grad_norm_counts_a_tied_weight_once(norm_type):
+    """The engine's norm and clip equal torch's on the plain model; torch's over the pipeline's copies differs."""
+    model, clip = tied_model(), 0.05
+    norms = []
+    expect = reference_state(model, global_batches(), clip=clip, norm_type=norm_type, norms=norms)
+    with pipeddp.Pipeline(copy.deepcopy(model), ["cpu", "cpu"], chunks=3, balance=[2, 3]) as pipe:
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+        got_norms = []
+        for x, y in global_batches():
+            opt.zero_grad()
+            pipe.train_step(x, y, LOSS)
+            naive = torch.nn.utils.get_total_norm([p.grad for p in pipe.parameters()], norm_type) \
+                if hasattr(torch.nn.utils, "get_total_norm") else None
+            got_norms.append(pipe.clip_grad_norm_(clip, norm_type).item())
+            if naive is not None and norm_type != float("inf"):
+                assert abs(naive.item() - got_norms[-1]) > 1e-3  # the tied copy counted twice
+            opt.step()
+        got = pipe.state_dict()
+    assert min(norms) > clip  # every step was clipped
+    assert got_norms == pytest.approx(norms, rel=1e-12)
+    assert max_diff(expect.values(), got.values()) < 1e-12
+
+
+def test_clip_grad_norm_rejects_a_bad_order_and_a_nonfinite_norm():
+    with pipeddp.Pipeline(tied_model(), ["cpu", "cpu"], chunks=3, balance=[2, 3]) as pipe:
+        x, y = global_batches(1)[0]
+        pipe.train_step(x, y, LOSS)
+        with pytest.raises(ValueError, match="norm_type"):
+            pipe.clip_grad_norm_(1.0, 0)
+        pipe.stages[0].module[0].weight.grad[0, 0] = float("nan")
+        with pytest.raises(RuntimeError, match="error_if_nonfinite"):
+            pipe.clip_grad_norm_(1.0, error_if_nonfinite=True)
+
+
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("mode,nprocs", [("replica", 2), ("stage", 4)])
-def test_tied_weights_across_replicas_and_processes(mode, nprocs, tmp_path):
-    """2 replicas x 2 stages; in stage mode the embedding and the head live in different processes."""
+@pytest.mark.parametrize("mode,nprocs,clip", [("replica", 2, None), ("stage", 4, None), ("stage", 4, 0.05)])
+def test_tied_weights_across_replicas_and_processes(mode, nprocs, clip, tmp_path):
+    """2 replicas x 2 stages; in stage mode the embedding and the head live in different processes.
+
+    With ``clip`` every process clips by the plain model's norm: the other stage's gradients
+    counted through the pipeline's collective, the tied weight once."""
     path = str(tmp_path / "tied.pt")
-    results = pipeddp.spawn(hybrid_tied_job, nprocs, args=(mode, path), timeout=150)
-    expect = reference_state(tied_model(), global_batches())  # one device, the global batch
+    results = pipeddp.spawn(hybrid_tied_job, nprocs, args=(mode, path, clip), timeout=150)
+    norms = []
+    expect = reference_state(tied_model(), global_batches(), clip=clip, norms=norms)  # one device, the global batch
+    if clip is not None:
+        assert min(norms) > clip
     for res in results:
+        assert res["norms"] == pytest.approx(norms, rel=1e-12), res["rank"]
         assert list(res["state"]) == list(expect)
         assert max_diff(expect.values(), res["state"].values()) < 1e-12, res["rank"]
     copies = [v for res in results for k, v in res["local"].items() if k in ("0.weight", "4.weight")]

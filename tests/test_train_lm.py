@@ -15,7 +15,7 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_lm.py"
 # A tiny float64 model without dropout: the pipeline must give the plain model's weights to rounding.
 TINY = ["--steps", "3", "--layers", "2", "--d-model", "16", "--heads", "2", "--context", "16", "--batch", "6",
         "--chunks", "3", "--dropout", "0", "--dtype", "float64", "--eval-windows", "12", "--sample-length", "8",
-        "--temperature", "0"]
+        "--temperature", "0", "--clip", "0.2"]
 
 
 @pytest.fixture(scope="module")
@@ -40,13 +40,17 @@ def reference(argv, replicas):
     model, data = ex.build(args)
     opt = ex.make_optimizer(model.parameters(), args)
     gens = [ex.replica_generator(args.seed, r) for r in range(replicas)]
+    norms = []
     for _ in range(args.steps):
         parts = [ex.sample_batch(data.train, args.batch, args.context, g) for g in gens]
         x = torch.cat([p[0] for p in parts])
         y = torch.cat([p[1] for p in parts])
         opt.zero_grad()
         ex.loss_fn(model(x), y).backward()
+        if args.clip > 0:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip).item())
         opt.step()
+    assert all(n > args.clip for n in norms)  # with --clip, every step of the reference was clipped
     return model, model.state_dict()
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -66,20 +66,26 @@ def unet(tag: bool = True, seed: int = 0) -> nn.Sequential:
     return nn.Sequential(Down(tag), Middle(), Middle(), Up()).double()
 
 
-def hybrid_tied_job(mode: str, path: str) -> Dict[str, Any]:
-    """2 replicas x 2 stages, the tied weights on different stages; returns states and this rank's copies."""
+def hybrid_tied_job(mode: str, path: str, clip: Optional[float] = None) -> Dict[str, Any]:
+    """2 replicas x 2 stages, the tied weights on different stages; returns states and this rank's copies.
+
+    With ``clip``, gradients are clipped to that norm each step (``engine.clip_grad_norm_``)."""
     engine = pipeddp.HybridParallel(tied_model(), stages=2, mode=mode, chunks=3, balance=[2, 3])
     opt = torch.optim.SGD(engine.parameters(), lr=0.1, momentum=0.9)
     replicas, r = engine.topology.replicas, engine.topology.replica
+    norms = []
     for x, y in global_batches():
         local = x.shape[0] // replicas
         x, y = x[r * local:(r + 1) * local], y[r * local:(r + 1) * local]
         opt.zero_grad()
         engine.train_step(x if engine.is_first else None, y if engine.is_last else None, LOSS)
+        if clip is not None:
+            norms.append(engine.clip_grad_norm_(clip).item())
         opt.step()
     engine.check_replicas()
     engine.save(path)
-    out = {"state": engine.state_dict(), "local": engine.local_state_dict(), "rank": engine.topology.rank}
+    out = {"state": engine.state_dict(), "local": engine.local_state_dict(), "rank": engine.topology.rank,
+           "norms": norms}
     engine.close()
     return out
 

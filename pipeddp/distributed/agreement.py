@@ -177,6 +177,14 @@ class Agreement:
                       f"({skipped + 1} skipped so far)", RuntimeWarning, stacklevel=3)
         return torch.tensor(loss, dtype=torch.float64), True
 
+    # -- a gradient norm over stages --------------------------------------------------------------------
+
+    def join_norm(self, part: torch.Tensor, is_max: bool, *, group: Any) -> torch.Tensor:
+        """The shares of a gradient norm held by ``group``'s processes: summed, or the max for the inf-norm."""
+        buf = part.to(self.comm_device, copy=True)
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX if is_max else dist.ReduceOp.SUM, group=group)
+        return buf
+
     # -- identical replicas ----------------------------------------------------------------------------
 
     def check_replicas(self, stages: Sequence[Any], groups: Dict[int, Any]) -> None:

@@ -34,6 +34,7 @@ class TieExchange:
     def __init__(self, ties: Sequence[Tie], local: LocalTies, topology: Topology, *, backend: str,
                  timeout: timedelta, comm_device: torch.device) -> None:
         self.comm_device = comm_device
+        self.rank = topology.rank
         mine = {tie: params[0] for tie, params in local.entries}
         self.items: List[Tuple[nn.Parameter, Any, int]] = []
         for tie in ties:
@@ -44,6 +45,10 @@ class TieExchange:
                 group = dist.new_group(ranks, timeout=timeout, backend=backend)
                 if topology.rank in ranks:
                     self.items.append((mine[tie], group, topology.rank_of(r, tie.owner)))
+
+    def copies(self) -> List[nn.Parameter]:
+        """This process's uses of ties whose first stage is in another process (refreshed from there)."""
+        return [param for param, _, src in self.items if src != self.rank]
 
     def fold(self) -> None:
         """Every use of a tie gets the sum of the uses' gradients."""

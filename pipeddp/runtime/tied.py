@@ -125,6 +125,10 @@ class LocalTies:
     def groups(self) -> List[List[nn.Parameter]]:
         return [params for _, params in self.entries]
 
+    def copies(self) -> List[nn.Parameter]:
+        """Every parameter here but each tie's first: what a norm over the plain model's weights leaves out."""
+        return [c for _, (first, *rest) in self.entries for c in rest]
+
     @torch.no_grad()
     def refresh(self) -> None:
         """Copy each tie's first parameter into the others (before a step's forwards)."""
