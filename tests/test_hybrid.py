@@ -1,11 +1,9 @@
 """HybridParallel on real processes (gloo, CPU) against single-device training on the global batch."""
 
 import copy
-import os
 
 import pytest
 import torch
-from torch.multiprocessing import ProcessRaisedException
 
 import pipeddp
 from conftest import make_mlp, max_diff, reference_training

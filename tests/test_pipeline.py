@@ -2,7 +2,6 @@
 
 import copy
 import gc
-import threading
 import time
 
 import pytest

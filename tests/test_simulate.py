@@ -1,5 +1,3 @@
-import math
-
 import pytest
 
 from pipeddp.tools.simulate import LINKS, Link, StageCost, bubble_bound, ring_allreduce_time, simulate

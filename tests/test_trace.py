@@ -3,7 +3,6 @@
 import json
 
 import pytest
-import torch
 from torch import nn
 
 import pipeddp
@@ -50,7 +49,7 @@ def test_chrome_trace_and_picture(tmp_path):
     assert 0.0 <= bubble < 1.0 and span > 0
     if have_matplotlib():
         png = draw(trace.spans, str(tmp_path / "t.png"), bound=2 / 7)
-        assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
+        assert png == str(tmp_path / "t.png") and (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_timeline_command(tmp_path):

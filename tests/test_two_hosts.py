@@ -12,7 +12,6 @@ import secrets
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
