@@ -8,20 +8,7 @@ from torch import nn
 
 import pipeddp
 from conftest import data, max_diff
-from tied_jobs import LOSS, global_batches, hybrid_tied_job, stage_unet_job, tied_model, unet
-
-
-def reference_state(model, batches, momentum=0.9, clip=None, norm_type=2.0, norms=None):
-    """The plain model trained on one device; with ``clip``, torch's clip_grad_norm_ (norms appended to ``norms``)."""
-    model = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
-    for x, y in batches:
-        opt.zero_grad()
-        LOSS(model(x), y).backward()
-        if clip is not None:
-            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip, norm_type).item())
-        opt.step()
-    return model.state_dict()
+from tied_jobs import LOSS, global_batches, hybrid_tied_job, reference_state, stage_unet_job, tied_model, unet
 
 
 def test_tied_weights_on_two_stages_train_like_the_plain_model():
@@ -52,41 +39,6 @@ def test_tied_weights_through_call_and_backward():
         LOSS(pipe(x), y).backward()
         assert (pipe.stages[0].module[0].weight.grad - ref[0].weight.grad).abs().max().item() < 1e-12
         assert torch.equal(pipe.stages[0].module[0].weight.grad, pipe.stages[1].module[2].weight.grad)
-
-
-@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
-def test_clip_grad_norm_counts_a_tied_weight_once(norm_type):
-    """The engine's norm and clip equal torch's on the plain model; torch's over the pipeline's copies differs."""
-    model, clip = tied_model(), 0.05
-    norms = []
-    expect = reference_state(model, global_batches(), clip=clip, norm_type=norm_type, norms=norms)
-    with pipeddp.Pipeline(copy.deepcopy(model), ["cpu", "cpu"], chunks=3, balance=[2, 3]) as pipe:
-        opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
-        got_norms = []
-        for x, y in global_batches():
-            opt.zero_grad()
-            pipe.train_step(x, y, LOSS)
-            naive = torch.nn.utils.get_total_norm([p.grad for p in pipe.parameters()], norm_type) \
-                if hasattr(torch.nn.utils, "get_total_norm") else None
-            got_norms.append(pipe.clip_grad_norm_(clip, norm_type).item())
-            if naive is not None and norm_type != float("inf"):
-                assert abs(naive.item() - got_norms[-1]) > 1e-3  # the tied copy counted twice
-            opt.step()
-        got = pipe.state_dict()
-    assert min(norms) > clip  # every step was clipped
-    assert got_norms == pytest.approx(norms, rel=1e-12)
-    assert max_diff(expect.values(), got.values()) < 1e-12
-
-
-def test_clip_grad_norm_rejects_a_bad_order_and_a_nonfinite_norm():
-    with pipeddp.Pipeline(tied_model(), ["cpu", "cpu"], chunks=3, balance=[2, 3]) as pipe:
-        x, y = global_batches(1)[0]
-        pipe.train_step(x, y, LOSS)
-        with pytest.raises(ValueError, match="norm_type"):
-            pipe.clip_grad_norm_(1.0, 0)
-        pipe.stages[0].module[0].weight.grad[0, 0] = float("nan")
-        with pytest.raises(RuntimeError, match="error_if_nonfinite"):
-            pipe.clip_grad_norm_(1.0, error_if_nonfinite=True)
 
 
 @pytest.mark.timeout(200)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 from typing import Any, Dict, List, Optional
 
@@ -25,6 +26,20 @@ def tied_model(seed: int = 0) -> nn.Sequential:
 
 def global_batches(steps: int = 3, n: int = 12) -> List[Any]:
     return [data(n, width=6, seed=40 + i) for i in range(steps)]
+
+
+def reference_state(model: nn.Sequential, batches: List[Any], momentum: float = 0.9, clip: Optional[float] = None,
+                    norm_type: float = 2.0, norms: Optional[List[float]] = None) -> Dict[str, torch.Tensor]:
+    """The plain model trained on one device; with ``clip``, torch's clip_grad_norm_ (norms appended to ``norms``)."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+    for x, y in batches:
+        opt.zero_grad()
+        LOSS(model(x), y).backward()
+        if clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip, norm_type).item())
+        opt.step()
+    return model.state_dict()
 
 
 class Down(nn.Module):
