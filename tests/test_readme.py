@@ -34,3 +34,18 @@ def test_block_runs_as_written(index, tmp_path):
         out = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)],
                   tmp_path, CUDA_VISIBLE_DEVICES="")
         assert "2 replica(s)" in out
+
+
+@pytest.mark.parametrize("name", ["Pipeline", "HybridParallel"])
+def test_the_signature_the_readme_gives_is_the_real_one(name):
+    """The constructor line of the README lists every argument, in order, and no other."""
+    import inspect
+
+    import pipeddp
+
+    match = re.search(rf"^`{name}\((.*?)\)`", README.read_text(), flags=re.S | re.M)
+    assert match, f"the README has no `{name}(...)` line"
+    listed = [a.strip() for a in match.group(1).replace("\n", " ").split(",") if a.strip() != "*"]
+    listed = [n for a in listed for n in a.split(" | ")]  # `chunks | split_size`: one or the other
+    real = [p for p in inspect.signature(getattr(pipeddp, name).__init__).parameters if p != "self"]
+    assert listed == real
