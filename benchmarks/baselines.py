@@ -1,11 +1,8 @@
 """Every configuration the benchmarks time, each built by one function that returns a ``Step``.
 
-A step zeroes the gradients (set_to_none, as a training loop does), runs one forward and backward of the
-batch and returns the detached loss; no optimizer step. Every baseline owns a deep copy of the model, so
-that after a step its gradients (``Step.module``, under the plain model's parameter names) can be checked
-against a reference before anything is timed: a benchmark that times a wrong result measures nothing.
-The baselines: ``whole`` (plain model), ``accumulate`` (plain model over a pipeline's micro-batches),
-``ddp``, ``torch_pipelining`` (torch.distributed.pipelining), ``pipeline`` and ``hybrid`` (pipeddp).
+A step zeroes the gradients (set_to_none), runs one forward and backward of the batch and returns the
+detached loss; no optimizer step. Every baseline owns a deep copy of the model, so that its gradients can
+be checked against a reference before anything is timed (benchmarks/README.md, "Nothing wrong is timed").
 """
 
 from __future__ import annotations
@@ -14,7 +11,7 @@ import copy
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -32,12 +29,8 @@ Breakdown = Dict[int, Dict[str, float]]  # stage -> {"F_ms", "B_ms", ...}
 
 @dataclass
 class Step:
-    """One configuration on this rank.
-
-    ``run`` is None where this rank sits the configuration out (a 1-process configuration on the other
-    ranks of a job). ``traced(run)`` calls ``run()`` once and returns where the time went per stage of this
-    rank (forward and backward ms); ``procs`` is how many processes the configuration uses.
-    """
+    """One configuration on this rank: ``run`` is None where this rank sits it out; ``traced(run)`` calls ``run()``
+    once and returns this rank's forward and backward ms per stage; ``procs``: how many processes it uses."""
 
     name: str
     run: Optional[Callable[[], Any]]
@@ -54,29 +47,19 @@ class Step:
         return grad_snapshot(self.module) if self.run is not None and self.module is not None else {}
 
 
-def gathered_grads(step: Step) -> Tuple[float, Optional[Grads]]:
-    """Run ``step`` once on every rank of the job (barrier-timed; alone outside a job); return its seconds and,
-    on rank 0, the gradients of every rank merged by parameter name (None on the other ranks)."""
-    wall = barrier_timed(step.run)[0].wall
-    parts = gather(step.grads())
-    return wall, None if parts is None else {k: v for p in parts for k, v in p.items()}
-
-
 def check_grads(steps: Sequence[Step], reference: Union[str, Callable[[Step], Grads]], label: str,
                 exempt: Sequence[str] = ()) -> Dict[str, Dict[str, float]]:
-    """Run every step once (on every rank: this is also its warm-up) and compare its gradients, gathered on
-    rank 0, with the reference: a benchmark that times a wrong result measures nothing.
-
-    ``reference`` names one of ``steps`` (it runs first and its gradients are the reference) or computes
-    the reference for a step. A difference above 1e-4 is printed, except for steps in ``exempt`` (those
-    that are not expected to match, e.g. the whole batch against micro-batches under BatchNorm).
-    """
+    """Run every step once on every rank (also its warm-up) and compare its gradients, merged on rank 0, with
+    ``reference``: one of ``steps`` (run first) or a function of the step. A difference above 1e-4 is printed,
+    except for steps in ``exempt`` (not expected to match, e.g. whole batch vs micro-batches under BatchNorm)."""
     ref: Optional[Grads] = None
     out: Dict[str, Dict[str, float]] = {}
     for step in sorted(steps, key=lambda s: s.name != reference):
-        wall, grads = gathered_grads(step)
-        if grads is None:
+        wall = barrier_timed(step.run)[0].wall
+        parts = gather(step.grads())
+        if parts is None:  # not rank 0
             continue
+        grads = {k: v for p in parts for k, v in p.items()}
         if step.name == reference:
             ref = grads
         diff = grad_rel_diff(ref if isinstance(reference, str) else reference(step), grads)
@@ -130,11 +113,8 @@ def whole(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_fn: LossF
 
 def accumulate(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn, chunks: int, *,
                name: str = "accum") -> Step:
-    """The plain model accumulating over ``split_sizes(N, chunks)`` micro-batches, each loss weighted n_i/N.
-
-    The weights are the pipeline's: the sum of the weighted micro-batch means is the batch mean, so the
-    gradients equal a pipeline's over the same micro-batches (BatchNorm included: it sees the same pieces).
-    """
+    """The plain model accumulating over ``split_sizes(N, chunks)`` micro-batches, each loss weighted n_i/N as
+    the pipeline weights it: the gradients equal a pipeline's over the same micro-batches (BatchNorm included)."""
     dev = here()
     mod = copy.deepcopy(model).to(dev)
     n = x.shape[0]
@@ -169,19 +149,15 @@ def ddp(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn,
 def torch_pipelining(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn, *,
                      balance: Sequence[int], schedule: str, chunks: int, group: Any = None,
                      name: str = "torch") -> Step:
-    """``torch.distributed.pipelining``: rank r runs stage r (its ``balance`` slice) as a ``PipelineStage``.
-
-    No ``input_args``: torch infers the shapes at the first step (which the check step pays). With
-    ``scale_grads=True`` (the default) the gradients are those of the mean of micro-batch mean losses.
-    ``traced`` times the stage's ``forward_one_chunk`` / ``backward_one_chunk`` (with their bookkeeping).
-    """
+    """``torch.distributed.pipelining``: rank r runs stage r (its ``balance`` slice) as a ``PipelineStage``; shapes
+    inferred at the first step (the check step pays), gradients of the mean of micro-batch mean losses (scale_grads).
+    ``traced`` times the stage's ``forward_one_chunk`` / ``backward_one_chunk`` (with their bookkeeping)."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     rank, stages = dist.get_rank(), len(balance)
     a = sum(balance[:rank])
     dev = here()
-    sub = layers(model, a, a + balance[rank]).to(dev)
-    sub.train()
+    sub = layers(model, a, a + balance[rank]).to(dev).train()
     stage = PipelineStage(sub, rank, stages, dev, group=group)
     x, y = x.to(dev), y.to(dev)
     sched = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](stage, n_microbatches=chunks, loss_fn=loss_fn)
@@ -228,19 +204,14 @@ def stage_breakdown(spans: Sequence[Span]) -> Breakdown:
     return out
 
 
-def _traced(engine: Any, rank: int) -> Callable[[Callable[[], Any]], Breakdown]:
-    """Record a pipeddp engine's trace for one call of ``run`` (a clock reading around every action)."""
-
-    def traced(run: Callable[[], Any]) -> Breakdown:
-        engine.trace = Trace(rank)
-        try:
-            run()
-            spans = engine.trace.spans
-        finally:
-            engine.trace = None
-        return stage_breakdown(spans)
-
-    return traced
+def record(engine: Any, run: Callable[[], Any], rank: int = 0) -> List[Span]:
+    """The spans of a pipeddp engine's trace over one call of ``run`` (a clock reading around every action)."""
+    engine.trace = Trace(rank)
+    try:
+        run()
+        return engine.trace.spans
+    finally:
+        engine.trace = None
 
 
 def pipeline(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn, *, stages: int = 2,
@@ -252,7 +223,7 @@ def pipeline(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_fn: Lo
         pipe.zero_grad(set_to_none=True)
         return pipe.train_step(x, y, loss_fn)
 
-    traced = None if kwargs.get("trace") else _traced(pipe, 0)
+    traced = None if kwargs.get("trace") else lambda call: stage_breakdown(record(pipe, call))
     return Step(name, run, pipe, pipe.close, traced=traced,
                 info={"balance": list(pipe.balance), "schedule": kwargs.get("schedule", "1f1b")})
 
@@ -276,7 +247,7 @@ def hybrid(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_fn: Loss
         engine.zero_grad(set_to_none=True)
         return engine.train_step(xin, yin, loss_fn)
 
-    traced = None if kwargs.get("trace") else _traced(engine, rank)
+    traced = None if kwargs.get("trace") else lambda call: stage_breakdown(record(engine, call, rank))
     return Step(name, run, engine, engine.close, procs=dist.get_world_size(), traced=traced,
                 info={"balance": list(engine.balance), "schedule": kwargs.get("schedule", "1f1b"), "mode": mode,
                       "batch_per_process": sizes[replica]})

@@ -1,10 +1,8 @@
 """The harness every benchmark's figures rest on: timing, gradient checks, machine stamp, report.
 
-The host's speed drifts (by ~25 % over minutes on these machines), so a benchmark never compares medians
-taken minutes apart. Configurations are interleaved step by step (A B C, B C A, C A B, ...) and compared
-by the median of per-round ratios, which cancels any drift slower than one round. ``interleaved`` does
-this in one process; ``barrier_rounds`` does it in a multi-process job, where every step is timed between
-two barriers (``barrier_timed``) so that it counts from the common start until the slowest rank is done.
+The host's speed drifts, so configurations are interleaved round by round and compared by medians of
+per-round ratios (benchmarks/README.md, "How a figure is timed"): ``interleaved`` in one process,
+``barrier_rounds`` in a multi-process job, every step timed between two barriers (``barrier_timed``).
 """
 
 from __future__ import annotations
@@ -90,13 +88,9 @@ def timed_call(fn: Callable[[], Any], name: str = "") -> Tuple[float, Any]:
 
 
 def interleaved(fns: Mapping[str, Callable[[], Any]], rounds: int, warmup: int = 1) -> Dict[str, List[float]]:
-    """Time every configuration once per round; return seconds per call, by name.
-
-    The order rotates by one each round (round r starts at configuration r mod k) so that no configuration
-    always runs right after the same neighbour (caches, allocator state, CPU boost). The first ``warmup``
-    rounds are run but dropped: they pay for lazy initialisation and allocator growth. Round i of every
-    list comes from the same stretch of time, which is what ``median_ratio`` relies on.
-    """
+    """Time every configuration once per round, in an order rotated by one each round (no configuration always
+    follows the same neighbour); the first ``warmup`` rounds pay for lazy initialisation and are dropped.
+    Returns seconds per call by name; round i of every list comes from the same stretch of time."""
     names = list(fns)
     if rounds < 1 or warmup < 0 or not names:
         raise ValueError(f"need rounds >= 1, warmup >= 0 and a configuration, got {rounds}, {warmup}, {names}")
@@ -111,11 +105,8 @@ def interleaved(fns: Mapping[str, Callable[[], Any]], rounds: int, warmup: int =
 
 
 def median_ratio(a: Sequence[float], b: Sequence[float]) -> float:
-    """Median of ``a[i] / b[i]`` over rounds (the speedup of b over a when a is the baseline).
-
-    Per-round ratios compare two runs made seconds apart, so a drift of the host's speed cancels; the
-    median drops rounds hit by a hiccup.
-    """
+    """Median of ``a[i] / b[i]`` over rounds (b's speedup when a is the baseline): within a round the host's
+    drift cancels, and the median drops rounds hit by a hiccup."""
     if len(a) != len(b):
         raise ValueError(f"series of {len(a)} and {len(b)} rounds: they must come from the same rounds")
     if not a:
@@ -129,13 +120,9 @@ def median_ms(seconds: Sequence[float]) -> float:
 
 
 def parallel_probe(workers: int = 2, size: int = 256, reps: int = 50) -> Tuple[Callable[[], None], Callable[[], None]]:
-    """A fixed 1-thread matmul kernel: ``(solo, together)`` runs it once, or once on each of ``workers`` threads.
-
-    Why: a VM's cores are not always all there (neighbours, SMT siblings, steal). Timed next to the steps,
-    ``workers * t_solo / t_together`` (``probe_speedup``) is the parallel speedup the host really offered
-    in that round, the ceiling of any multi-core speedup measured beside it. The kernel fits in L2, so this
-    measures cores, not memory bandwidth.
-    """
+    """A fixed 1-thread matmul kernel that fits in L2: ``(solo, together)`` runs it once, or once on each of
+    ``workers`` threads. A VM's cores are not always all there: timed next to the steps, ``probe_speedup`` is
+    the parallel speedup the host really offered, the ceiling of any multi-core speedup measured beside it."""
     a, b = torch.randn(size, size), torch.randn(size, size)
     outs = [torch.empty(size, size) for _ in range(workers)]
 
@@ -166,11 +153,8 @@ _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def host_cpu_seconds() -> Tuple[float, float]:
-    """(busy, steal) CPU seconds of the whole machine since boot, from /proc/stat ((0, 0) where there is none).
-
-    The host is shared: busy time beyond a benchmark's own processes' CPU time during a step is other
-    processes competing for the cores, and steal is the hypervisor taking them away.
-    """
+    """(busy, steal) CPU seconds of the whole machine since boot, from /proc/stat ((0, 0) where there is none):
+    busy time beyond a benchmark's own CPU time is other processes competing for the cores, steal the hypervisor's."""
     try:
         with open("/proc/stat") as f:
             fields = [int(v) for v in f.readline().split()[1:]]
@@ -251,12 +235,8 @@ def _faults() -> Tuple[int, int]:
 
 
 def barrier_timed(step: Optional[Callable[[], Any]], name: str = "") -> Tuple[StepTime, Any]:
-    """All ranks barrier, ``step()`` runs (None: this rank sits the step out), all ranks barrier again.
-
-    The wall time is read from the first barrier to the second, so a 2-process step counts until the slower
-    rank is done; a 1-process step runs on one rank while the others wait in the barrier (a blocking wait:
-    the ``cpu`` reading of a waiting rank shows whether it spins). Outside a job there is nothing to wait for.
-    """
+    """All ranks barrier, ``step()`` runs (None: this rank sits the step out), all ranks barrier again: the wall
+    time counts until the slowest rank is done (a waiting rank's ``cpu`` shows whether it spins)."""
     barrier = dist.barrier if dist.is_initialized() else (lambda: None)
     barrier()
     busy0, steal0 = host_cpu_seconds()
@@ -277,13 +257,10 @@ def barrier_rounds(
     wrap: Optional[Callable[[str, Callable[[], None]], None]] = None,
     after_round: Optional[Callable[[Dict[str, StepTime]], bool]] = None,
 ) -> Tuple[Dict[str, List[StepTime]], Dict[str, List[Any]]]:
-    """``interleaved`` for a multi-process job: every rank calls it with the same names in the same order.
-
-    Each step is timed by ``barrier_timed``; ``before(name)`` runs before each (e.g. a calibration sample);
-    in timed rounds ``wrap(name, run)`` calls ``run()`` once (to instrument it). After each timed round
-    ``after_round`` sees this rank's readings and says whether to stop (alike on every rank), so up to
-    ``extra`` rounds may replace disturbed ones. Returns per name the timed rounds' readings and results.
-    """
+    """``interleaved`` for a multi-process job (every rank calls it with the same names in the same order), each
+    step timed by ``barrier_timed``: ``before(name)`` runs before each step; in timed rounds ``wrap(name, run)``
+    calls ``run()`` once (to instrument it); after each timed round ``after_round`` sees this rank's readings and
+    says whether to stop (alike on every rank), so up to ``extra`` rounds may replace disturbed ones."""
     names = list(steps)
     times: Dict[str, List[StepTime]] = {n: [] for n in names}
     results: Dict[str, List[Any]] = {n: [] for n in names}
@@ -342,20 +319,14 @@ def pipeddp_commit() -> str:
 
 
 def grad_snapshot(module: nn.Module) -> Grads:
-    """Copies of the gradients by parameter name (the next step's zero_grad would free them).
-
-    pipeddp's Pipeline and HybridParallel, DDP's ``.module`` and a named slice of the model all keep the
-    plain model's parameter names, so snapshots of different configurations compare name by name.
-    """
+    """Copies of the gradients by parameter name (the next zero_grad frees them); every configuration keeps the
+    plain model's parameter names, so snapshots of different configurations compare name by name."""
     return {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
 
 
 def grad_rel_diff(ref: Grads, got: Union[nn.Module, Grads]) -> float:
-    """max |g - g_ref| / max |g_ref| over all parameters; inf if the sets of parameters with a gradient differ.
-
-    A benchmark that times a wrong result measures nothing: every script that times training steps checks
-    its configurations' gradients against a reference (the plain model, or accumulation) with this.
-    """
+    """max |g - g_ref| / max |g_ref| over all parameters; inf if the sets of parameters with a gradient differ
+    (a benchmark that times a wrong result measures nothing)."""
     grads = grad_snapshot(got) if isinstance(got, nn.Module) else got
     if set(ref) != set(grads):
         return float("inf")
@@ -367,11 +338,8 @@ def grad_rel_diff(ref: Grads, got: Union[nn.Module, Grads]) -> float:
 
 
 def write_json(path: Union[str, os.PathLike], payload: Any, commit: Optional[str] = None) -> Path:
-    """Write ``payload`` with ``"machine": machine_info()`` and ``"pipeddp_commit"`` added, as indented JSON.
-
-    ``commit`` is the stamp taken when the run started (default: now). Parent directories are created, so
-    a fresh checkout can write to ``results/...`` directly. Returns the path written.
-    """
+    """Write ``payload`` with ``machine_info()`` and ``pipeddp_commit`` (``commit``: the stamp taken when the run
+    started; default now) as indented JSON, parent directories created; returns the path."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     doc: Dict[str, Any] = {"machine": machine_info(), "pipeddp_commit": commit or pipeddp_commit()}
@@ -398,12 +366,9 @@ def mb_text(sizes: Sequence[int]) -> str:
 
 
 class Run:
-    """One run of a benchmark script, the one report writer: its clock, its tables and its JSON.
-
-    The commit is read when the run starts: a long run's spawned processes import the code as it was then,
-    and the checkout may change before the run ends. Tables are printed 160 columns wide: in a file or a
-    pipe rich would assume 80 and squeeze them (too wide a cell wraps).
-    """
+    """One run of a benchmark script, the one report writer: its clock, its tables and its JSON. The commit is
+    read at the start (spawned processes import the code as it was then); tables are 160 columns wide (in a
+    file or a pipe rich would assume 80 and squeeze them)."""
 
     def __init__(self, benchmark: str, args: argparse.Namespace, timing: str = INTERLEAVED) -> None:
         use_device(getattr(args, "device", "cpu"))
@@ -418,7 +383,7 @@ class Run:
         return time.perf_counter() - self.started
 
     def table(self, title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]],
-              caption: Optional[str] = None) -> Table:
+              caption: Optional[str] = None) -> None:
         """Print a table (first column left, the rest right-aligned); cells: None as "-", floats with 2 decimals."""
         table = Table(title=title, caption=caption)
         for i, col in enumerate(columns):
@@ -426,7 +391,6 @@ class Run:
         for row in rows:
             table.add_row(*("-" if c is None else f"{c:.2f}" if isinstance(c, float) else str(c) for c in row))
         self.console.print(table)
-        return table
 
     def finish(self, settings: Optional[Mapping[str, Any]] = None, **payload: Any) -> Path:
         """Write the JSON (benchmark, the flags and ``settings``, elapsed_s, payload, machine, commit); say where."""

@@ -1,17 +1,13 @@
 """pipeddp on 2 CPU cores against the plain model, accumulation, DDP and torch.distributed.pipelining.
 
-    python benchmarks/hybrid_cpu.py                         # mlp + resnet50, m = 2 4 8 16 (16 min)
-    python benchmarks/hybrid_cpu.py --quick                 # smoke run: mlp, m = 2 8, 1 round
-    python benchmarks/hybrid_cpu.py --models resnet50 --ms 8 16 --rounds 5
-
-One spawned 2-process gloo job runs every configuration, interleaved and timed between barriers; steps
-disturbed by other processes are left out and replaced (``--max-foreign``, ``--max-retries``). Gradients
-are checked against accumulation's before timing. See benchmarks/README.md.
+One spawned 2-process gloo job times every configuration between barriers; steps disturbed by other
+processes are left out and replaced (``--max-foreign``, ``--max-retries``). See benchmarks/README.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -26,7 +22,6 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # started as a script
 import pipeddp  # noqa: E402
 from benchmarks import baselines  # noqa: E402
-from benchmarks.baselines import Step  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     BARRIER, LossFn, Run, StepTime, barrier_rounds, barrier_timed, check_same, gather, init_job, log0,
     parallel_probe, parser,
@@ -54,15 +49,13 @@ def guarded(rank: int, fn: Callable[[], Any], group: Any) -> Tuple[Any, str]:
         return fn(), ""
     except Exception as exc:  # noqa: BLE001 - recorded, the benchmark goes on
         for teardown in (group.abort, lambda: dist.destroy_process_group(group)):
-            try:
+            with contextlib.suppress(Exception):
                 teardown()
-            except Exception:  # noqa: BLE001
-                pass
         return None, f"rank {rank}: {type(exc).__name__}: {str(exc).strip()[-1500:]}"
 
 
 def local_steps(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, m: int, balance: List[int],
-                loss_fn: LossFn, schedules: Sequence[str]) -> List[Step]:
+                loss_fn: LossFn, schedules: Sequence[str]) -> List[baselines.Step]:
     """The baselines and pipeddp's two modes; 1-process ones run on rank 0 while rank 1 stands by."""
     tag = {s: "" if s == "1f1b" else f"-{s}" for s in schedules}
     if rank == 0:
@@ -81,14 +74,12 @@ def local_steps(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tenso
 
 
 def torch_steps(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, m: int, cuts: Dict[str, int],
-                loss_fn: LossFn, group_timeout: float) -> Tuple[List[Step], Dict[str, Any]]:
-    """torch pipelining for each named cut that works; a failing cut is recorded and the next one tried.
-
-    Each configuration gets a process group of its own with a short timeout, so that a rank that fails
-    (e.g. an in-place first op on the received activation) can tear it down and the peer's pending receive
-    fails instead of hanging. A cut equal to an earlier label's is timed once (``alias_of``).
-    """
-    steps: List[Step] = []
+                loss_fn: LossFn, group_timeout: float) -> Tuple[List[baselines.Step], Dict[str, Any]]:
+    """torch pipelining for each named cut that works; a failing cut is recorded and the next one tried. Each
+    configuration gets a process group of its own with a short timeout, so that a failing rank (e.g. an in-place
+    first op on the received activation) can tear it down and the peer's pending receive fails instead of hanging.
+    A cut equal to an earlier label's is timed once (``alias_of``)."""
+    steps: List[baselines.Step] = []
     report: Dict[str, Any] = {}
     done: Dict[Tuple[int, str], str] = {}
     for label, cut0 in cuts.items():
@@ -121,15 +112,11 @@ def torch_steps(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tenso
 
 
 class Judge:
-    """After every timed round: which steps were disturbed, and whether enough rounds are in.
+    """After every timed round: which steps were disturbed (other processes used more than ``max_foreign`` cores:
+    machine busy time minus both benchmark processes' CPU time), and whether every pipeddp-vs-baseline pair
+    (accum, whole-1t, each torch configuration) has ``rounds`` rounds in which both steps ran undisturbed."""
 
-    A step is disturbed when other processes used more than ``max_foreign`` cores during it (the machine's
-    busy CPU time from /proc/stat minus both benchmark processes' CPU time). Rounds go on until every pair
-    that matters (each pipeddp configuration against accum, whole-1t and each torch configuration) has
-    ``rounds`` rounds in which both steps ran undisturbed.
-    """
-
-    def __init__(self, steps: Sequence[Step], rounds: int, max_foreign: float) -> None:
+    def __init__(self, steps: Sequence[baselines.Step], rounds: int, max_foreign: float) -> None:
         self.rounds, self.max_foreign = rounds, max_foreign
         self.names = [s.name for s in steps]
         self.single = {s.name for s in steps if s.procs == 1}
@@ -179,10 +166,9 @@ def breakdown(infos: Dict[str, List[Dict[int, Dict[str, float]]]], judge: Judge,
         if not per_round:
             continue
         use = [i for i, ok in enumerate(judge.clean[name]) if ok] or list(range(len(per_round)))
-        stages = sorted(per_round[0])
         out[name] = {"step_ms": statistics.median(walls[name][i] for i in use) * 1e3, "rounds": len(use),
                      "stages": [{k: statistics.median(per_round[i][s][k] for i in use) for k in per_round[0][s]}
-                                for s in stages]}
+                                for s in sorted(per_round[0])]}
     return out
 
 
@@ -215,7 +201,7 @@ def run_m(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, m: 
                                     exempt=["whole-1t", "whole-2t", "ddp"] if opts["has_bn"] else [])
     if opts["probe"]:
         solo, both = parallel_probe(STAGES) if rank == 0 else (None, None)
-        steps += [Step("host_solo", solo), Step("host_both", both)]
+        steps += [baselines.Step("host_solo", solo), baselines.Step("host_both", both)]
     judge = Judge(steps, opts["rounds"], opts["max_foreign"])
     infos: Dict[str, List[Any]] = {s.name: [] for s in steps}
     by_name = {s.name: s for s in steps}

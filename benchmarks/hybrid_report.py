@@ -1,7 +1,6 @@
 """What benchmarks/hybrid_cpu.py's rounds mean: medians, paired speedups, the issue's targets, the tables.
 
-Kept apart from the spawned job, so that the ``models`` of a saved JSON can be analysed again without
-running anything (``report(doc["models"], run)``).
+Kept apart from the spawned job so that a saved JSON can be analysed again: ``report(doc["models"], run)``.
 """
 
 from __future__ import annotations

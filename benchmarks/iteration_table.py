@@ -1,12 +1,7 @@
 """The classic table: time per training iteration, split into forward and backward, per kind of parallelism.
 
-    python benchmarks/iteration_table.py                    # resnet50 3x64x64, batch 128 (5 min)
-    python benchmarks/iteration_table.py --quick            # smoke run: 3x32x32, 1 round
-    python benchmarks/iteration_table.py --side 32 --rounds 8 --chunks 4
-
-Rows: one device, DDP N=2, naive MP (chunks=1), the pipeline (chunks=m) and a hybrid 2 replicas x 2
-stages, under GPipe (forward and backward separable) and 1F1B, in one spawned 2-process gloo job timed
-between barriers; gradients are checked against accumulation first. See benchmarks/README.md.
+One device, DDP, naive MP, the pipeline and a 2x2 hybrid, under GPipe (forward and backward separable) and
+1F1B, in one spawned 2-process gloo job timed between barriers. See benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -25,9 +20,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # started as a script
 import pipeddp  # noqa: E402
 from benchmarks import baselines  # noqa: E402
-from benchmarks.baselines import Step  # noqa: E402
 from benchmarks.common import (  # noqa: E402
-    BARRIER, Run, barrier_rounds, check_same, init_job, log0, mb_text, median_ratio, parser,
+    BARRIER, Run, barrier_rounds, check_same, gather, init_job, log0, mb_text, median_ratio, parser,
 )
 from benchmarks.workloads import WORKLOADS, names  # noqa: E402
 from pipeddp.runtime.microbatch import split_sizes  # noqa: E402
@@ -47,12 +41,9 @@ def phases(spans: List[Any], t0: float) -> Dict[str, Any]:
             "allreduce": sum(s.duration for s in spans if s.kind == "allreduce")}
 
 
-def recorded(step: Step, chunks: int, layout: str, batch: int) -> Step:
+def recorded(step: baselines.Step, chunks: int, layout: str, batch: int) -> baselines.Step:
     """``step``, returning its phases: timed directly for the plain model and DDP, from the trace for pipeddp.
-
-    ``chunks``: micro-batches per process; accumulation over ``chunks * procs`` micro-batches of the global
-    batch computes the same gradients, which is what the row is checked against.
-    """
+    ``chunks``: micro-batches per process (the row is checked against accumulation over ``chunks * procs``)."""
     per_proc = step.info.get("batch_per_process", batch)
     step.info.update(equivalent_chunks=chunks * step.procs, procs_x_threads=layout, batch_per_process=per_proc,
                      microbatch_sizes=split_sizes(per_proc, chunks=chunks))
@@ -75,7 +66,7 @@ def recorded(step: Step, chunks: int, layout: str, batch: int) -> Step:
 
 
 def build(rank: int, model: torch.nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_fn: Any,
-          cuts: Dict[str, Any], settings: Dict[str, Any]) -> List[Step]:
+          cuts: Dict[str, Any], settings: Dict[str, Any]) -> List[baselines.Step]:
     """The rows; 1-process ones run on rank 0 while rank 1 stands by."""
     m, hc, piped = settings["chunks"], cuts["hybrid_chunks"], f"1 x {STAGES} stage thr"
     n = x.shape[0]
@@ -135,8 +126,7 @@ def job(settings: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     times, recs = barrier_rounds({s.name: s.run for s in steps}, settings["rounds"], settings["warmup"])
     for step in steps:
         step.close()
-    everyone: List[Any] = [None] * PROCS
-    dist.all_gather_object(everyone, {"recs": recs})
+    everyone = gather({"recs": recs})
     dist.barrier()
     if rank != 0:
         return None
@@ -181,14 +171,12 @@ def _ms(v: Optional[float]) -> str:
 
 
 def report(res: Dict[str, Any], rows: List[Dict[str, Any]], rounds: int, run: Run) -> None:
-    table = []
-    for r in rows:
-        table.append([r["name"], r["procs_x_threads"], f"{r['batch_per_process']}{'/proc' if r['procs'] > 1 else ''}",
-                      mb_text(r["microbatch_sizes"]), str(r.get("balance", "-")),
-                      _ms(r["fwd_ms"]), _ms(r["bwd_ms"]), _ms(r["other_ms"]), _ms(r["step_ms"]),
-                      f"{r['speedup_vs_one_device']:.2f}x",
-                      f"{min(r['speedup_per_round']):.2f}-{max(r['speedup_per_round']):.2f}",
-                      " / ".join(f"{v:.0f}" for v in r["F_busy_ms"]), " / ".join(f"{v:.0f}" for v in r["B_busy_ms"])])
+    table = [[r["name"], r["procs_x_threads"], f"{r['batch_per_process']}{'/proc' if r['procs'] > 1 else ''}",
+              mb_text(r["microbatch_sizes"]), str(r.get("balance", "-")), _ms(r["fwd_ms"]), _ms(r["bwd_ms"]),
+              _ms(r["other_ms"]), _ms(r["step_ms"]), f"{r['speedup_vs_one_device']:.2f}x",
+              f"{min(r['speedup_per_round']):.2f}-{max(r['speedup_per_round']):.2f}",
+              " / ".join(f"{v:.0f}" for v in r["F_busy_ms"]), " / ".join(f"{v:.0f}" for v in r["B_busy_ms"])]
+             for r in rows]
     run.table(f"ms per iteration (forward + backward), median of {rounds} interleaved rounds",
               ["config", "processes x threads", "batch", "micro-batches", "balance", "fwd ms", "bwd ms", "other ms",
                "step ms", "vs one device", "range", "F busy ms (per stage)", "B busy ms (per stage)"], table,

@@ -1,12 +1,7 @@
 """How good is pipeddp's cut? Measured bottleneck stage time against uniform, params and block-move cuts.
 
-    python benchmarks/partition_quality.py                  # resnet50, resnet18, mlp at 2 3 4 stages (4 min)
-    python benchmarks/partition_quality.py --quick          # smoke run: resnet18 + mlp, 2 and 4 stages, 2 rounds
-    python benchmarks/partition_quality.py --models mlp --stages 2 3 4 5 6 --rounds 20
-
-Per model and stage count: pipeddp's cut, uniform, params and block-move; then every stage of every cut
-(its layers as a plain ``nn.Sequential`` slice) is timed forward+backward on its real activation,
-interleaved round by round with the others and the whole model. See benchmarks/README.md.
+Every stage of every cut is timed forward+backward on its real activation, interleaved round by round with
+the others and the whole model. See benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -34,8 +29,7 @@ Key = Tuple[int, int]  # layers a..b-1
 
 def ranges(balance: Sequence[int]) -> List[Key]:
     """The (first, end) layers of every stage of a cut."""
-    ends = list(itertools.accumulate(balance))
-    return [(e - b, e) for b, e in zip(balance, ends)]
+    return list(itertools.pairwise(itertools.accumulate(balance, initial=0)))
 
 
 class Segment:

@@ -1,12 +1,7 @@
 """How much a 2-stage CPU pipeline speeds up one training step, against accumulation and the whole batch.
 
-    python benchmarks/pipeline_cpu.py                      # mlp + resnet50, m = 1 2 4 8 16 (9 min)
-    python benchmarks/pipeline_cpu.py --quick              # smoke run: 1 round, m = 1 4
-    python benchmarks/pipeline_cpu.py --models mlp --ms 4 8 --rounds 20 --schedules 1f1b gpipe
-
-Per (model, m): the plain model on the whole batch, accumulation over the same m micro-batches and the
-pipeline under each schedule, interleaved step by step; the pipeline's gradients are checked against
-accumulation's first, and one traced step per pipeline shows where its time goes. See benchmarks/README.md.
+Per (model, m): the plain model, accumulation over the same m micro-batches and the pipeline under each
+schedule, interleaved; one traced step per pipeline shows where its time goes. See benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -22,39 +17,31 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # started as a script
 from benchmarks import baselines  # noqa: E402
 from benchmarks.common import (  # noqa: E402
-    Run, interleaved, mb_text, median_ms, median_ratio, parallel_probe, parser, probe_speedup,
+    Run, interleaved, mb_text, median_ms, median_ratio, parallel_probe, parser, probe_speedup, timed_call,
 )
 from benchmarks.workloads import WORKLOADS, Workload, names  # noqa: E402
 from pipeddp.runtime.schedule import get_schedule, play  # noqa: E402
-from pipeddp.runtime.trace import Trace  # noqa: E402
 from pipeddp.tools.simulate import bubble_bound  # noqa: E402
 
 SCRIPT = "pipeline_cpu"
 STAGES = 2
 
 
-def trace_step(pipe: Any, step: Callable[[], Any], schedule: str, m: int, accum_ms: float) -> Dict[str, Any]:
-    """One traced pipeline step, split into per-stage forward/backward/idle time.
-
-    ``predicted_ms`` replays the schedule on paper with the measured action durations and free transfers:
-    the gap between it and the traced makespan is the executor's own cost (thread hand-offs, waking the
-    peer). ``busy_over_accum`` above 1 means the same work got slower with both cores busy at once.
-    """
-    pipe.trace = Trace()
-    try:
-        start = time.perf_counter()
-        step()
-        wall = time.perf_counter() - start
-        spans = [s for s in pipe.trace.spans if s.lane == "compute"]
-    finally:
-        pipe.trace = None
+def trace_step(step: baselines.Step, m: int, accum_ms: float) -> Dict[str, Any]:
+    """One traced pipeline step, split into per-stage forward/backward/idle time. ``predicted_ms`` replays the
+    schedule with the measured action durations and free transfers: the gap to the traced makespan is the
+    executor's own cost (thread hand-offs, waking the peer)."""
+    wall: List[float] = []
+    schedule = step.info["schedule"]
+    spans = baselines.record(step.module, lambda: wall.append(timed_call(step, step.name)[0]))
+    spans = [s for s in spans if s.lane == "compute"]
     makespan = max(s.end for s in spans) - min(s.start for s in spans)
     fwd = [sum(s.duration for s in spans if s.stage == st and s.kind == "F") for st in range(STAGES)]
     bwd = [sum(s.duration for s in spans if s.stage == st and s.kind == "B") for st in range(STAGES)]
     busy = [f + b for f, b in zip(fwd, bwd)]
     durations = {(s.stage, s.kind, s.mb): s.duration for s in spans}
     predicted = play(get_schedule(schedule, STAGES, m), duration=lambda st, a: durations[(st, a.kind, a.mb)]).makespan
-    return {"step_ms": wall * 1e3, "makespan_ms": makespan * 1e3, "forward_ms": [v * 1e3 for v in fwd],
+    return {"step_ms": wall[0] * 1e3, "makespan_ms": makespan * 1e3, "forward_ms": [v * 1e3 for v in fwd],
             "backward_ms": [v * 1e3 for v in bwd], "busy_ms": [v * 1e3 for v in busy],
             "idle_frac": [1 - b / makespan for b in busy], "imbalance": max(busy) / (sum(busy) / len(busy)),
             "busy_over_accum": sum(busy) * 1e3 / accum_ms, "predicted_ms": predicted * 1e3,
@@ -93,8 +80,7 @@ def run_m(work: Workload, model: torch.nn.Sequential, x: torch.Tensor, y: torch.
             fns["host_solo"], fns["host_both"] = parallel_probe(STAGES)
         times = interleaved(fns, rounds=rounds, warmup=warmup)
         medians = {k: median_ms(v) for k, v in times.items()}
-        trace = {} if args.no_trace else {s: trace_step(steps[s].module, steps[s], s, m, medians["accum"])
-                                          for s in schedules}
+        trace = {} if args.no_trace else {s: trace_step(steps[s], m, medians["accum"]) for s in schedules}
     finally:
         for step in steps.values():
             step.close()

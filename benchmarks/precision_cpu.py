@@ -1,12 +1,7 @@
 """Mixed precision and torch.compile on a 2-stage CPU pipeline: what they buy, as ratios from one run.
 
-    python benchmarks/precision_cpu.py            # MLP 16 x 1024, batch 256, m = 8 -> results/precision_cpu.json
-    python benchmarks/precision_cpu.py --quick    # smoke run: a small MLP, 2 rounds
-
-Interleaved step by step, one training step each (forward, backward): the plain model on the whole batch in
-float32 and under ``torch.autocast("cpu", bfloat16)``, and a 2-stage ``Pipeline`` (1 thread per stage) in
-float32, under the same autocast, and with ``compile=True`` (inductor; compiled during the check step, before
-timing). Every pipeline's gradients are checked first against the plain model's in the same precision.
+The plain model and a 2-stage ``Pipeline`` in float32 and under bfloat16 autocast, and the pipeline with
+``compile=True`` (compiled during the check step), interleaved. See benchmarks/README.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """How well does ``pipeddp.simulate`` predict a training step on 2 CPU cores? Predict, then measure.
 
-    flock /tmp/pipeddp-bench.lock python benchmarks/simulator_accuracy.py     # 5 min
-    python benchmarks/simulator_accuracy.py --quick                            # smoke run
-
-13 configurations of the MLP are predicted from calibration alone (simulator_calibration.py), then
-checked and measured in interleaved rounds, each step right after a calibration sample at its micro-batch
-size; targets: median |error| <= 10 %, worst <= 20 %. See benchmarks/README.md.
+Configurations of the MLP are predicted from calibration alone (simulator_calibration.py), then measured in
+interleaved rounds; targets: median |error| <= 10 %, worst <= 20 %. See benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -25,7 +21,7 @@ import pipeddp  # noqa: E402
 from benchmarks import baselines  # noqa: E402
 from benchmarks.baselines import Step  # noqa: E402
 from benchmarks.common import (  # noqa: E402
-    BARRIER, Run, StepTime, barrier_rounds, barrier_timed, check_same, init_job, log0, parser,
+    BARRIER, Run, StepTime, barrier_rounds, barrier_timed, check_same, gather, init_job, log0, parser,
 )
 from benchmarks.simulator_calibration import (  # noqa: E402
     BATCH, DDP_BUCKET, SPECS, WORK, Calib, Spec, calibrate_allreduce, calibrate_engine_collectives, calibrate_p2p,
@@ -165,8 +161,7 @@ def job(settings: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     for step in steps if not settings["quick"] else []:  # a second untimed step: warm-up
         barrier_timed(step.run)
     times, paired = measure(rank, steps, specs, calib, model, halves, x, settings, reps)
-    everyone: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, times)
+    everyone = gather(times)
     for step in steps:
         step.close()
     dist.barrier()

@@ -1,11 +1,8 @@
 """What benchmarks/simulator_accuracy.py predicts from: calibration of compute, contention and links.
 
-Nothing here runs a configuration being predicted. Compute: per-layer forward and backward seconds from
-``profile_layers`` at a configuration's micro-batch size, and the loss. Contention: how much slower half
-the model runs, the way a stage runs it, while the other core runs the other half (caches, memory bandwidth
-and the host's neighbours are shared). Links: a gloo send/recv ping-pong (stage mode), a thread hand-off
-through pipeddp's ``Inbox`` (the threaded pipeline), a bucket reduced the way DDP does it (replicas) and
-the per-step collectives of ``HybridParallel.train_step``. ``predict`` feeds these to ``pipeddp.simulate``.
+Nothing here runs a configuration being predicted: per-layer costs and the loss at each micro-batch size,
+how much slower half the model runs while the other core runs the other half (contention), and the links
+(gloo ping-pong, thread hand-off, DDP's bucket all-reduce, ``HybridParallel``'s per-step collectives).
 """
 
 from __future__ import annotations
@@ -63,12 +60,8 @@ SPECS: List[Spec] = [Spec("1x1", 1), Spec("1x1", 4), Spec("1x1", 16), Spec("1x2"
 
 def _fit(sizes: Sequence[float], times: Sequence[float]) -> Tuple[float, float]:
     """Least squares ``t = a + c * bytes``; returns (a, c), both clipped at >= 0."""
-    n = len(sizes)
-    mx, my = sum(sizes) / n, sum(times) / n
-    sxx = sum((s - mx) ** 2 for s in sizes)
-    c = sum((s - mx) * (t - my) for s, t in zip(sizes, times)) / sxx if sxx else 0.0
-    c = max(c, 1e-15)
-    return max(my - c * mx, 0.0), c
+    c = max(statistics.linear_regression(sizes, times).slope, 1e-15)
+    return max(statistics.fmean(times) - c * statistics.fmean(sizes), 0.0), c
 
 
 def _median_time(op: Callable[[], Any], reps: int) -> float:
@@ -183,11 +176,9 @@ def stream(part: nn.Sequential, x: torch.Tensor, grad_input: bool, reps: int) ->
 
 def compute_sample(rank: int, model: nn.Sequential, halves: Sequence[nn.Sequential], x: torch.Tensor, b: int,
                    repeat: int, loss_reps: int) -> Optional[Dict[str, Any]]:
-    """One calibration sample of compute at micro-batch ``b`` (returned on rank 0): ``solo``, the layer profile
-    on rank 0 alone; ``loss``, its forward and backward seconds; ``stream_solo`` / ``stream_together``, rank 0
-    running the first half of the model as a stage does, alone, then while rank 1 runs the other half (the
-    contention); ``together``, the layer profile on both ranks at once (for comparison: it keeps each layer's
-    weights hot between its forward and backward, so it misses the cores competing for cache and memory)."""
+    """One calibration sample of compute at micro-batch ``b`` (on rank 0): the layer profile alone (``solo``) and
+    on both ranks at once (``together``), the loss's seconds, and rank 0 running its half of the model as a stage
+    does, alone then while rank 1 runs the other half (``stream_solo`` / ``stream_together``: the contention)."""
     reps = max(2, 64 // b)
     mine = halves[rank]
     dist.barrier()
@@ -240,12 +231,10 @@ class Calib:
     def layers(self, b: int, key: str = "solo") -> List[Dict[str, float]]:
         """Per layer: median forward / backward seconds over the samples, and sizes."""
         samples: List[List[LayerCost]] = [c[key] for c in self.samples[b]]
-        out = []
-        for i, first in enumerate(samples[0]):
-            out.append({"name": first.name, "forward": statistics.median(s[i].forward for s in samples),
-                        "backward": statistics.median(s[i].backward for s in samples),
-                        "activation_bytes": first.activation_bytes, "param_bytes": first.param_bytes})
-        return out
+        return [{"name": first.name, "forward": statistics.median(s[i].forward for s in samples),
+                 "backward": statistics.median(s[i].backward for s in samples),
+                 "activation_bytes": first.activation_bytes, "param_bytes": first.param_bytes}
+                for i, first in enumerate(samples[0])]
 
     def loss(self, b: int) -> Tuple[float, float]:
         return (statistics.median(c["loss"][0] for c in self.samples[b]),

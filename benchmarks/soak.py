@@ -1,12 +1,7 @@
 """Soak test: 2,000 training steps of a small 2 x 2 hybrid job on CPU; does memory, threads or fds grow?
 
-    python benchmarks/soak.py                  # 2,000 steps (1 min)
-    python benchmarks/soak.py --quick          # 200 steps
-    python benchmarks/soak.py --steps 10000 --samples 40
-
-2 spawned processes, each a replica of ``HybridParallel(mode="replica", stages=2)`` (stage threads, local
-channels, per-stage DDP groups: the long-lived machinery most likely to leak), sample RSS, threads and
-open fds; no leak if RSS grew < ``--rss-tolerance-mb`` and nothing else grew. See benchmarks/README.md.
+Replica mode's stage threads, local channels and per-stage DDP groups are the long-lived machinery most
+likely to leak. See benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -85,11 +80,7 @@ def verdict(samples: List[Dict[str, Any]], tol_mb: float) -> Dict[str, Any]:
     s0, s1 = samples[0], samples[-1]
     rss = [s["rss_kb"] / 1024 for s in samples]
     steps = [s["step"] for s in samples]
-    slope = 0.0
-    if len(samples) > 2:
-        ms, mr = statistics.mean(steps), statistics.mean(rss)
-        den = sum((a - ms) ** 2 for a in steps)
-        slope = sum((a - ms) * (b - mr) for a, b in zip(steps, rss)) / den * 1000 if den else 0.0
+    slope = statistics.linear_regression(steps, rss).slope * 1000 if len(samples) > 2 else 0.0
     growth = {"rss_mb": rss[-1] - rss[0], "os_threads": s1["os_threads"] - s0["os_threads"],
               "py_threads": s1["py_threads"] - s0["py_threads"], "fds": s1["fds"] - s0["fds"]}
     ok = growth["rss_mb"] < tol_mb and growth["os_threads"] <= 0 and growth["py_threads"] <= 0 and growth["fds"] <= 0

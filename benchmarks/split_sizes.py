@@ -1,12 +1,7 @@
 """Step time of a 2-stage CPU pipeline against the micro-batch size ``split_size``.
 
-    python benchmarks/split_sizes.py                    # resnet50 3x64x64, batch 120 (8 min)
-    python benchmarks/split_sizes.py --model mlp        # MLP 16 x 1024, batch 240
-    python benchmarks/split_sizes.py --quick            # smoke run: split sizes 16 48, 1 round
-
-Per split size k, a pipeline cut at micro-batch k (``sample = x[:k]``), interleaved with the plain model
-and naive model parallelism (the same 2 stages, ``chunks=1``); gradients are checked against the plain
-model's first. Output: a table, JSON and a PNG plot. See benchmarks/README.md.
+Per split size k, a pipeline cut at micro-batch k, interleaved with the plain model and naive model
+parallelism (``chunks=1``); a table, JSON and a PNG plot. See benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -52,8 +47,7 @@ def plot(path: str, name: str, rows: List[Dict[str, Any]], plain_ms: float, naiv
     ax.axhline(plain_ms, color="#55A868", linestyle="--", label=f"plain model, 1 thread ({plain_ms:.0f} ms)")
     ax.axhline(naive_ms, color="#DD8452", linestyle=":", label=f"naive MP, chunks=1 ({naive_ms:.0f} ms)")
     ax.set_xscale("log", base=2)
-    ax.set_xticks(ks)
-    ax.set_xticklabels([str(k) for k in ks])
+    ax.set_xticks(ks, [str(k) for k in ks])
     ax.set_xlabel("split_size (samples per micro-batch)")
     ax.set_ylabel("step time, forward + backward (ms)")
     ax.set_title(f"{name}: 2-stage CPU pipeline step time vs micro-batch size\n"
@@ -70,11 +64,8 @@ def plot(path: str, name: str, rows: List[Dict[str, Any]], plain_ms: float, naiv
 
 def build(model: torch.nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_fn: Any, splits: Sequence[int],
           run: Run) -> Dict[str, baselines.Step]:
-    """plain, naive-mp (cut at the whole batch) and one pipeline per split size, cut at that micro-batch.
-
-    The sample is ``x[:k]``, not the batch: given a whole batch pipeddp would profile at n / ceil(n / k)
-    rows, which is not k when k does not divide n (60 for ``split_size=96`` of 120).
-    """
+    """plain, naive-mp (cut at the whole batch) and one pipeline per split size, cut at that micro-batch: the
+    sample is ``x[:k]`` (given the batch pipeddp would profile at n / ceil(n / k) rows: 60 for k=96 of 120)."""
     steps = {"plain": baselines.whole(model, x, y, loss_fn, name="plain")}
     for name, kw, sample in [("naive-mp", {"chunks": 1}, x)] + [(f"split={k}", {"split_size": k}, x[:k])
                                                               for k in splits]:

@@ -1,8 +1,7 @@
 """The models every benchmark times, in one registry built on ``pipeddp.tools.models``.
 
 One place, so that "the MLP" and "resnet50" mean the same model, input, target and loss in every table of
-README.md. What differs from script to script (the batch, how many rounds a full run affords) is recorded
-per script here too, next to the cost that decides it.
+README.md; each script's batch and rounds are recorded here too, next to the cost that decides them.
 """
 
 from __future__ import annotations
@@ -20,11 +19,8 @@ from benchmarks.common import LossFn
 
 @dataclass(frozen=True)
 class Workload:
-    """A model, how to make a batch for it, and its loss.
-
-    ``batch`` and ``rounds`` are each script's defaults (keyed by the script's name): a full run's batch
-    size and timed rounds, chosen so that a full run fits its time in README.md.
-    """
+    """A model, how to make a batch for it, and its loss; ``batch`` and ``rounds``: each script's defaults (by
+    the script's name), chosen so that a full run fits its time in README.md."""
 
     name: str
     model_text: str
@@ -39,15 +35,13 @@ class Workload:
 
     def data(self, n: int, side: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(x, y)`` of ``n`` samples from the global RNG (ranks seeded alike draw the same); ``side``: image side."""
-        x = self.inputs(n, side)
-        return x, self.targets(n)
+        return self.inputs(n, side), self.targets(n)
 
     def seeded(self, n: int, seed: int, side: Optional[int] = None) -> Tuple[nn.Sequential, torch.Tensor, torch.Tensor]:
         """Model (train mode), x and y of ``n`` samples, drawn in this order after ``torch.manual_seed(seed)``:
         every rank of a job, and every run of a script, builds the same."""
         torch.manual_seed(seed)
-        model = self.build()
-        model.train()
+        model = self.build().train()
         return (model, *self.data(n, side))
 
     def describe(self, n: int, side: Optional[int] = None) -> str:
