@@ -6,7 +6,6 @@ the others and the whole model. See benchmarks/README.md.
 
 from __future__ import annotations
 
-import itertools
 import os
 import statistics
 import sys
@@ -29,7 +28,7 @@ Key = Tuple[int, int]  # layers a..b-1
 
 def ranges(balance: Sequence[int]) -> List[Key]:
     """The (first, end) layers of every stage of a cut."""
-    return list(itertools.pairwise(itertools.accumulate(balance, initial=0)))
+    return [(sum(balance[:i]), sum(balance[:i + 1])) for i in range(len(balance))]
 
 
 class Segment:

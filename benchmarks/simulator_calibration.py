@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+import numpy
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -60,7 +61,7 @@ SPECS: List[Spec] = [Spec("1x1", 1), Spec("1x1", 4), Spec("1x1", 16), Spec("1x2"
 
 def _fit(sizes: Sequence[float], times: Sequence[float]) -> Tuple[float, float]:
     """Least squares ``t = a + c * bytes``; returns (a, c), both clipped at >= 0."""
-    c = max(statistics.linear_regression(sizes, times).slope, 1e-15)
+    c = max(float(numpy.polyfit(sizes, times, 1)[0]), 1e-15)
     return max(statistics.fmean(times) - c * statistics.fmean(sizes), 0.0), c
 
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import statistics
 import sys
 import threading
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
+import numpy
 import torch
 import torch.distributed as dist
 
@@ -80,7 +80,7 @@ def verdict(samples: List[Dict[str, Any]], tol_mb: float) -> Dict[str, Any]:
     s0, s1 = samples[0], samples[-1]
     rss = [s["rss_kb"] / 1024 for s in samples]
     steps = [s["step"] for s in samples]
-    slope = statistics.linear_regression(steps, rss).slope * 1000 if len(samples) > 2 else 0.0
+    slope = float(numpy.polyfit(steps, rss, 1)[0]) * 1000 if len(samples) > 2 else 0.0
     growth = {"rss_mb": rss[-1] - rss[0], "os_threads": s1["os_threads"] - s0["os_threads"],
               "py_threads": s1["py_threads"] - s0["py_threads"], "fds": s1["fds"] - s0["fds"]}
     ok = growth["rss_mb"] < tol_mb and growth["os_threads"] <= 0 and growth["py_threads"] <= 0 and growth["fds"] <= 0
