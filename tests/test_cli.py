@@ -42,3 +42,23 @@ def test_piped_output_keeps_every_cell_whole_and_shows_progress(capsys):
     assert "…" not in out, out
     assert "(conv1..layer" in out
     assert "profiling resnet18" in out and "100%" in out  # progress while it profiles
+
+
+def test_the_pipeddp_command_starts():
+    """The console script declared in pyproject.toml resolves, and the installed `pipeddp` command runs."""
+    import importlib
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pyproject = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
+    target = re.search(r'^pipeddp = "([\w.]+):(\w+)"$', pyproject, flags=re.M)
+    assert target, "pyproject.toml declares no `pipeddp` console script"
+    assert callable(getattr(importlib.import_module(target.group(1)), target.group(2)))
+    script = Path(sys.executable).with_name("pipeddp")
+    if not script.exists():
+        pytest.skip(f"pipeddp is not installed beside {sys.executable} (pip install -e . installs the command)")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0 and "demo" in proc.stdout, proc.stdout + proc.stderr
