@@ -49,3 +49,27 @@ def test_the_signature_the_readme_gives_is_the_real_one(name):
     listed = [n for a in listed for n in a.split(" | ")]  # `chunks | split_size`: one or the other
     real = [p for p in inspect.signature(getattr(pipeddp, name).__init__).parameters if p != "self"]
     assert listed == real
+
+
+def test_every_pipeddp_name_the_readmes_mention_exists():
+    """`pipeddp.tools.models.flatten_sequential` and the like: a module that moves must take the docs with it."""
+    import importlib
+
+    text = README.read_text() + (README.parent / "benchmarks" / "README.md").read_text()
+    names = sorted(set(re.findall(r"\bpipeddp(?:\.[A-Za-z_]\w*)+", text)))
+    assert names
+    missing = []
+    for name in names:
+        parts = name.split(".")
+        for i in range(len(parts), 0, -1):
+            try:
+                obj = importlib.import_module(".".join(parts[:i]))
+                break
+            except ImportError:
+                continue
+        try:
+            for attr in parts[i:]:
+                obj = getattr(obj, attr)
+        except AttributeError:
+            missing.append(name)
+    assert not missing, f"the README names what pipeddp does not have: {missing}"
