@@ -141,8 +141,8 @@ class HybridParallel(StepModule):
                                  schedule=settings.schedule, checkpoint=settings.checkpoint, ties=ties,
                                  deferred_batch_norm=deferred_batch_norm)
         step.sync = topo.replicas > 1
-        self._ties = exchange = TieExchange(ties, step.ties, topo, backend=self.backend, timeout=settings.timeout_delta,
-                               comm_device=self.agreement.comm_device)
+        self._ties = exchange = TieExchange(ties, step.ties, topo, backend=self.backend,
+                                            timeout=settings.timeout_delta, comm_device=self.agreement.comm_device)
         step.before_forward.append(exchange.refresh)
         step.after_backward.append(exchange.fold)
         self._finalizer = weakref.finalize(self, runner.close)

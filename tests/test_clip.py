@@ -41,8 +41,9 @@ def test_clip_grad_norm_rejects_a_bad_order_and_a_nonfinite_norm():
     with pipeddp.Pipeline(tied_model(), ["cpu", "cpu"], chunks=3, balance=[2, 3]) as pipe:
         x, y = global_batches(1)[0]
         pipe.train_step(x, y, LOSS)
-        with pytest.raises(ValueError, match="norm_type"):
-            pipe.clip_grad_norm_(1.0, 0)
+        for bad in (0, -1.0, float("-inf"), float("nan")):
+            with pytest.raises(ValueError, match="norm_type"):
+                pipe.clip_grad_norm_(1.0, bad)
         pipe.stages[0].module[0].weight.grad[0, 0] = float("nan")
         with pytest.raises(RuntimeError, match="error_if_nonfinite"):
             pipe.clip_grad_norm_(1.0, error_if_nonfinite=True)

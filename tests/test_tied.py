@@ -42,7 +42,8 @@ def test_tied_weights_through_call_and_backward():
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("mode,nprocs,clip", [("replica", 2, None), ("stage", 4, None), ("stage", 4, 0.05)])
+@pytest.mark.parametrize("mode,nprocs,clip", [("replica", 2, None), ("stage", 4, None), ("replica", 2, 0.05),
+                                            ("stage", 4, 0.05)])
 def test_tied_weights_across_replicas_and_processes(mode, nprocs, clip, tmp_path):
     """2 replicas x 2 stages; in stage mode the embedding and the head live in different processes.
 

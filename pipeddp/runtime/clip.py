@@ -22,7 +22,7 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
-__all__ = ["local_part", "total_from_part", "scale_grads"]
+__all__ = ["clip_grad_norm", "local_part", "total_from_part", "scale_grads"]
 
 
 def local_part(grads: Sequence[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
@@ -63,7 +63,7 @@ def clip_grad_norm(params: Sequence[torch.nn.Parameter], copies: Iterable[torch.
     them all.
     """
     norm_type = float(norm_type)
-    if norm_type <= 0 and not math.isinf(norm_type):
+    if not norm_type > 0:  # NaN and -inf too
         raise ValueError(f"norm_type must be positive or inf, got {norm_type}")
     left_out = {id(p) for p in copies}
     counted = [p.grad for p in params if p.grad is not None and id(p) not in left_out]
