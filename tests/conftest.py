@@ -12,9 +12,13 @@ run their checks in subprocesses that see the machine's GPUs again
 from __future__ import annotations
 
 import copy
+import importlib.util
 import os
+import subprocess
 import threading
-from typing import Callable, Dict, List, Tuple
+from pathlib import Path
+from types import ModuleType
+from typing import Callable, Dict, List, Sequence, Tuple
 
 #: The environment under which a subprocess sees this machine's GPUs (as before the suite hid them).
 GPU_ENV: Dict[str, str] = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
@@ -76,3 +80,21 @@ def reference_training(model: nn.Module, batches, loss_fn: Callable, lr: float =
 
 def max_diff(a, b) -> float:
     return max((x.detach().cpu() - y.detach().cpu()).abs().max().item() for x, y in zip(a, b))
+
+
+def load_example(path: Path) -> ModuleType:
+    """An example script imported as a module (``examples/`` is no package), so a test builds its reference
+    with the example's own model, data and optimizer."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_script(cmd: Sequence[str], cwd: Path, *, timeout: float = 240, **env_extra: str) -> str:
+    """Run ``cmd`` as a user would (one intra-op thread, unbuffered output); its stdout, or a failure that
+    shows the ends of its stdout and stderr."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **env_extra)
+    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(map(str, cmd))} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc.stdout

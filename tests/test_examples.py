@@ -1,9 +1,6 @@
 """The hybrid example under a real torchrun, and as a plain script, against single-device training."""
 
-import importlib.util
 import re
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -11,20 +8,14 @@ import pytest
 import torch
 
 import pipeddp
+from conftest import load_example, run_script
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_hybrid.py"
 
 
-def load_example():
-    spec = importlib.util.spec_from_file_location("train_hybrid", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def reference(argv, replicas):
     """One device, one optimizer, the replicas' shards of each step concatenated into the global batch."""
-    ex = load_example()
+    ex = load_example(EXAMPLE)
     args = ex.parse(argv)
     model, train_set, _ = ex.build(args)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
@@ -47,20 +38,13 @@ def reference(argv, replicas):
     return model.state_dict()
 
 
-def run(cmd, tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode,nproc,replicas", [("stage", 4, 2), ("replica", 2, 2)])
 def test_torchrun_job_equals_single_device(tmp_path, mode, nproc, replicas):
     out = tmp_path / "final.pt"
     argv = ["--stages", "2", "--mode", mode, "--steps", "12", "--out", str(out)]
-    stdout = run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                  str(EXAMPLE), *argv], tmp_path)
+    stdout = run_script([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                         str(EXAMPLE), *argv], tmp_path)
     assert f"{replicas} replica(s) x 2 stage(s)" in stdout
     assert "held-out mse" in stdout
     got = torch.load(out)
@@ -73,7 +57,7 @@ def test_torchrun_job_equals_single_device(tmp_path, mode, nproc, replicas):
 def test_plain_script_equals_single_device(tmp_path):
     out = tmp_path / "final.pt"
     argv = ["--stages", "3", "--steps", "10", "--out", str(out)]
-    stdout = run([sys.executable, str(EXAMPLE), *argv], tmp_path)
+    stdout = run_script([sys.executable, str(EXAMPLE), *argv], tmp_path)
     assert "1 replica(s) x 3 stage(s)" in stdout
     got = torch.load(out)
     expected = reference(argv, 1)
@@ -82,6 +66,6 @@ def test_plain_script_equals_single_device(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_example_learns_with_its_defaults(tmp_path):
-    stdout = run([sys.executable, str(EXAMPLE)], tmp_path)
+    stdout = run_script([sys.executable, str(EXAMPLE)], tmp_path)
     before, after = map(float, re.search(r"held-out mse ([\d.]+) before training, ([\d.]+) after", stdout).groups())
     assert after < 0.7 * before, stdout[-2000:]

@@ -1,12 +1,12 @@
 """Every Python block of the README runs as written, in a fresh interpreter (and under torchrun where it says so)."""
 
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import run_script
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 BLOCKS = re.findall(r"^```python\n(.*?)^```", README.read_text(), flags=re.S | re.M)
@@ -16,23 +16,16 @@ def test_the_readme_has_python_blocks():
     assert len(BLOCKS) >= 3
 
 
-def run(cmd, cwd, **env_extra):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **env_extra)
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, f"{' '.join(map(str, cmd))} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return proc.stdout
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_block_runs_as_written(index, tmp_path):
     script = tmp_path / f"block{index}.py"
     script.write_text(BLOCKS[index])
-    run([sys.executable, str(script)], tmp_path)
+    run_script([sys.executable, str(script)], tmp_path)
     if "torchrun" in BLOCKS[index] and "def main" in BLOCKS[index]:
         # 2 processes x 2 stages: 4 GPUs or the CPU; this test means the CPU (a GPU machine may have fewer)
-        out = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)],
-                  tmp_path, CUDA_VISIBLE_DEVICES="")
+        out = run_script([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          str(script)], tmp_path, CUDA_VISIBLE_DEVICES="")
         assert "2 replica(s)" in out
 
 

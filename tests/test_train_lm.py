@@ -1,14 +1,13 @@
 """The character language model example (tied embedding and head across stages) against single-device training."""
 
-import importlib.util
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from conftest import load_example, run_script
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_lm.py"
 
@@ -22,20 +21,14 @@ TINY = ["--steps", "3", "--layers", "2", "--d-model", "16", "--heads", "2", "--c
 def corpus(tmp_path_factory):
     """A copy of the example's default text: the project's sources may change between a run and its reference."""
     path = tmp_path_factory.mktemp("corpus") / "text.txt"
-    path.write_text("".join(p.read_text(encoding="utf-8") for p in load_example().corpus_files()), encoding="utf-8")
+    files = load_example(EXAMPLE).corpus_files()
+    path.write_text("".join(p.read_text(encoding="utf-8") for p in files), encoding="utf-8")
     return ["--text", str(path)]
-
-
-def load_example():
-    spec = importlib.util.spec_from_file_location("train_lm", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def reference(argv, replicas):
     """One device, one optimizer; each step the replicas' windows (drawn as the example draws them) concatenated."""
-    ex = load_example()
+    ex = load_example(EXAMPLE)
     args = ex.parse(argv)
     model, data = ex.build(args)
     opt = ex.make_optimizer(model.parameters(), args)
@@ -55,10 +48,8 @@ def reference(argv, replicas):
 
 
 def run(cmd, cwd, timeout=120):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout
+    """The example's own runs: a shorter bound than other scripts', on the CPU."""
+    return run_script(cmd, cwd, timeout=timeout, CUDA_VISIBLE_DEVICES="")
 
 
 def check_equal(out_path, argv, replicas):
@@ -110,7 +101,7 @@ def test_defaults_learn(tmp_path, corpus):
 @pytest.mark.timeout(60)
 def test_dropout_replays_under_recompute(tmp_path, corpus):
     """Attention and residual dropout draw the same numbers whether activations are kept or recomputed."""
-    ex = load_example()
+    ex = load_example(EXAMPLE)
     argv = [*TINY, *corpus, "--dropout", "0.2", "--sample-length", "0"]
     losses, states = {}, {}
     for policy in ("never", "always"):
