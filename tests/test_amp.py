@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import pipeddp
+from conftest import reference_training
 from amp_jobs import (LOSS, SeesDtype, batch, overflow_model, probe_model, stage_autocast_job,
                       stage_scaler_job)
 
@@ -125,12 +126,8 @@ def compiled_run(compile, checkpoint, steps=3):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16))
     batches = [batch(seed=s) for s in range(steps)]
-    ref = copy.deepcopy(model)
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for x, y in batches:
-        opt.zero_grad()
-        LOSS(ref(x), y).backward()
-        opt.step()
+    _, params = reference_training(model, batches, LOSS)
+    expect = {name: p for (name, _), p in zip(model.named_parameters(), params)}
     with pipeddp.Pipeline(model, ["cpu", "cpu"], chunks=3, checkpoint=checkpoint, compile=compile) as pipe:
         opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
         for x, y in batches:
@@ -138,21 +135,21 @@ def compiled_run(compile, checkpoint, steps=3):
             pipe.train_step(x, y, LOSS)
             opt.step()
         assert all(st.call is not st.module for st in pipe.stages)  # compiled, once per stage
-        return ref, pipe.state_dict()
+        return expect, pipe.state_dict()
 
 
 @pytest.mark.timeout(600)
 def test_compiled_stages_train_like_the_plain_model():
     """compile=True (inductor), with recompute for all but the last micro-batch (uneven: 8 over 3)."""
-    ref, got = compiled_run(True, "except_last")
-    for k, v in ref.state_dict().items():
+    expect, got = compiled_run(True, "except_last")
+    for k, v in expect.items():
         assert torch.allclose(got[k], v, rtol=1e-5, atol=1e-6), k
 
 
 @pytest.mark.timeout(300)
 def test_compile_options_reach_torch_compile():
-    ref, got = compiled_run({"backend": "aot_eager"}, "always")
-    for k, v in ref.state_dict().items():
+    expect, got = compiled_run({"backend": "aot_eager"}, "always")
+    for k, v in expect.items():
         assert torch.allclose(got[k], v, rtol=1e-5, atol=1e-6), k
     with pytest.raises(ValueError, match="compile must be True, False or a dict"):
         pipeddp.Pipeline(nn.Sequential(nn.Linear(2, 2)), ["cpu"], compile="max-autotune")
