@@ -18,7 +18,7 @@ from torch import nn
 from .partitioning.report import Partition, check_model, partition
 from .partitioning.solve import check_stage_count
 from .runtime.microbatch import batch_size
-from .runtime.schedule import ScheduleFn, get_schedule
+from .runtime.schedule import ScheduleFn, accepts_virtual_stages, get_schedule, schedule_name
 
 __all__ = ["Settings", "check_settings", "CHECKPOINT_MODES", "choose_partition"]
 
@@ -38,6 +38,8 @@ class Settings:
     timeout: float
     #: options for ``torch.compile`` of each stage's module, or None for eager stages
     compile: Optional[Dict[str, Any]] = None
+    #: stages per device: the model is cut into ``devices x virtual_stages`` stages
+    virtual_stages: int = 1
 
     @property
     def timeout_delta(self) -> timedelta:
@@ -59,14 +61,23 @@ def check_settings(
     checkpoint: str,
     timeout: Timeout,
     compile: Union[bool, Dict[str, Any]] = False,
+    virtual_stages: Optional[int] = None,
 ) -> Settings:
     """Check everything that does not need a device or a process group; raise naming the fix.
 
-    ``chunks`` defaults to two micro-batches per stage. ``timeout`` is seconds
-    or a ``timedelta``. ``compile``: True or a dict of ``torch.compile`` options.
+    ``stages`` is the number of devices of a pipeline. ``chunks`` defaults to
+    two micro-batches per device. ``timeout`` is seconds or a ``timedelta``.
+    ``compile``: True or a dict of ``torch.compile`` options.
+    ``virtual_stages``: stages per device (default 2 for ``schedule="interleaved"``, else 1).
     """
     check_model(model)
     check_stage_count(stages, len(model))
+    virtual = check_virtual_stages(virtual_stages, schedule)
+    if virtual > 1 and stages * virtual > len(model):
+        raise ValueError(f"cannot cut {len(model)} layers into {stages} devices x {virtual} virtual stages = "
+                         f"{stages * virtual} stages: every stage needs at least one layer; use fewer "
+                         "virtual_stages or devices, or split the model into finer layers, e.g. with "
+                         "pipeddp.tools.models.flatten_sequential(model, sample)")
     if chunks is not None and split_size is not None:
         raise ValueError("give chunks= (number of micro-batches) or split_size= (samples per micro-batch), not both")
     if chunks is not None:
@@ -77,20 +88,35 @@ def check_settings(
         chunks = 2 * stages
     if checkpoint not in CHECKPOINT_MODES:
         raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
-    get_schedule(schedule, stages, 1)  # an unknown schedule fails now, not at the first step
+    get_schedule(schedule, stages, 1, virtual)  # an unknown or broken schedule fails now, not at the first step
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
         raise ValueError(f"timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
     if not isinstance(compile, (bool, dict)):
         raise ValueError(f"compile must be True, False or a dict of torch.compile options, got {compile!r}")
     options = dict(compile) if isinstance(compile, dict) else ({} if compile else None)
-    return Settings(chunks, split_size, schedule, checkpoint, float(seconds), options)
+    return Settings(chunks, split_size, schedule, checkpoint, float(seconds), options, virtual)
+
+
+def check_virtual_stages(virtual_stages: Optional[int], schedule: Union[str, ScheduleFn]) -> int:
+    """Stages per device: given, or 2 for the interleaved schedule and 1 for the others."""
+    if isinstance(schedule, str):
+        schedule_name(schedule)  # an unknown name is refused here, with the list of names
+    if virtual_stages is None:
+        return 2 if isinstance(schedule, str) and schedule_name(schedule) == "interleaved" else 1
+    _positive_int(virtual_stages, "virtual_stages", "stages per device")
+    if virtual_stages > 1 and not accepts_virtual_stages(schedule):
+        raise ValueError(f"virtual_stages={virtual_stages} needs a schedule that runs several stages per device: "
+                         "schedule='interleaved' or 'zb', or a function (stages, chunks, virtual_stages); got "
+                         f"schedule={schedule!r}")
+    return virtual_stages
 
 
 def choose_partition(model: nn.Sequential, stages: int, balance: Union[None, str, Sequence[int]], sample: Any,
                      settings: Settings, device: torch.device) -> Partition:
     """The cut for ``balance``: measured on ``sample`` at the real micro-batch size, or as given.
 
+    ``stages`` is the number of stages to cut (devices x virtual stages).
     ``balance=None`` means ``"time"`` with a sample and ``"params"`` without.
     """
     if balance is None:

@@ -44,7 +44,7 @@ from .partitioning.report import Partition
 from .runtime.devices import DeviceLike
 from .runtime.executor import ThreadRunner
 from .runtime.microbatch import batch_size, tree_map
-from .runtime.schedule import ScheduleFn
+from .runtime.schedule import ScheduleFn, row_of
 from .runtime.stage import build_stages, register_layers
 from .runtime.step import Runner, Step
 from .runtime.tied import find_ties
@@ -60,9 +60,11 @@ class HybridParallel(StepModule):
         model: the ``nn.Sequential`` (built identically on every rank; DDP
             copies rank 0's weights to the other replicas at start).
         stages: pipeline stages per replica.
-        chunks, split_size, balance, sample, schedule, checkpoint, timeout, deferred_batch_norm, compile:
-            as in ``Pipeline`` (tied weights and autocast too, across processes in stage mode).
-            A measured balance is computed on rank 0 and sent to every rank.
+        chunks, split_size, balance, sample, schedule, checkpoint, timeout, deferred_batch_norm, compile,
+            virtual_stages: as in ``Pipeline`` (tied weights and autocast too, across processes in
+            stage mode). A measured balance is computed on rank 0 and sent to every rank. With
+            ``virtual_stages=v`` the model has ``stages * v`` stages; device r of each replica (a
+            thread in replica mode, a process in stage mode) holds stages r, r + stages, ...
         mode: ``"replica"`` (one process per replica, driving ``stages`` devices
             with threads) or ``"stage"`` (one process per stage).
         devices: this process's devices (``stages`` of them in replica mode, one in stage mode).
@@ -106,12 +108,14 @@ class HybridParallel(StepModule):
         skip_nonfinite: bool = False,
         deferred_batch_norm: bool = False,
         compile: Union[bool, Dict[str, Any]] = False,
+        virtual_stages: Optional[int] = None,
     ) -> None:
         super().__init__()
         self.topology = topo = current_topology(stages, mode, layout)
         self.settings = settings = check_settings(model, stages, chunks=chunks, split_size=split_size,
                                                   schedule=schedule, checkpoint=checkpoint, timeout=timeout,
-                                                  compile=compile)
+                                                  compile=compile, virtual_stages=virtual_stages)
+        n_stages = stages * settings.virtual_stages
         check_ddp_kwargs(ddp_kwargs, comm_hook)
         self.skip_nonfinite = skip_nonfinite
         self.skipped_steps = 0
@@ -122,24 +126,30 @@ class HybridParallel(StepModule):
             init_process_group(self.backend, settings.timeout_delta)
         self.agreement = Agreement(topo, devs[0] if self.backend == "nccl" else torch.device("cpu"))
         self.partition: Partition = self.agreement.from_rank0(
-            lambda: choose_partition(model, stages, balance, sample, settings, devs[0]))
+            lambda: choose_partition(model, n_stages, balance, sample, settings, devs[0]))
         self.balance: List[int] = list(self.partition.balance)
-        self._groups = make_groups(topo, self.backend, settings.timeout_delta)
+        self._groups = make_groups(topo, self.backend, settings.timeout_delta, settings.virtual_stages)
         if sync_batchnorm:  # after profiling: a SyncBatchNorm would wait for the other ranks there
             model = with_sync_batchnorm(model, devs, topo.replicas, topo.rank)
-        local = build_stages(model, self.balance, devs, range(stages) if mode == "replica" else [topo.stage],
-                             compile=settings.compile)
+        if mode == "replica":
+            indices = list(range(n_stages))
+            placed = [devs[row_of(s, stages)] for s in indices]
+        else:
+            indices = list(range(topo.stage, n_stages, stages))
+            placed = [devs[0]] * len(indices)
+        local = build_stages(model, self.balance, placed, indices, compile=settings.compile)
         register_layers(self, local)
         runner: Runner
         if mode == "replica":
-            runner = ThreadRunner(local, threads=threads, timeout=settings.timeout, rank=topo.rank)
+            runner = ThreadRunner(local, threads=threads, timeout=settings.timeout, rank=topo.rank, rows=stages,
+                                  n_stages=n_stages)
         else:
-            runner = ProcessRunner.connect(local[0], topo, comm_device=self.agreement.comm_device,
+            runner = ProcessRunner.connect(local, topo, n_stages=n_stages, comm_device=self.agreement.comm_device,
                                            timeout=settings.timeout_delta)
         ties = find_ties(model, self.balance)
-        self._step = step = Step(local, stages, runner, chunks=settings.chunks, split_size=settings.split_size,
+        self._step = step = Step(local, n_stages, runner, chunks=settings.chunks, split_size=settings.split_size,
                                  schedule=settings.schedule, checkpoint=settings.checkpoint, ties=ties,
-                                 deferred_batch_norm=deferred_batch_norm)
+                                 deferred_batch_norm=deferred_batch_norm, virtual_stages=settings.virtual_stages)
         step.sync = topo.replicas > 1
         self._ties = exchange = TieExchange(ties, step.ties, topo, backend=self.backend,
                                             timeout=settings.timeout_delta, comm_device=self.agreement.comm_device)

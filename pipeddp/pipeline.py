@@ -31,7 +31,7 @@ from .partitioning.report import Partition
 from .runtime.devices import DeviceLike, resolve_devices
 from .runtime.executor import ThreadRunner
 from .runtime.microbatch import batch_size, tree_tensors
-from .runtime.schedule import ScheduleFn
+from .runtime.schedule import ScheduleFn, row_of
 from .runtime.stage import build_stages, register_layers
 from .runtime.step import Step
 from .runtime.tied import find_ties
@@ -61,8 +61,13 @@ class Pipeline(StepModule):
             ``"uniform"``, or a list of layers per stage. Default: ``"time"`` when
             a ``sample`` is given, else ``"params"``.
         sample: one input batch, used to profile the layers.
-        schedule: ``"1f1b"`` (default) or ``"gpipe"`` for ``train_step``, or a
-            function ``(stages, chunks) -> per-stage action lists``.
+        schedule: for ``train_step``: ``"1f1b"`` (default), ``"gpipe"``, ``"interleaved"``
+            (interleaved 1F1B over ``virtual_stages`` stages per device) or ``"zb"``
+            (zero-bubble: each backward split into its input and weight halves), or a
+            function ``(stages, chunks) -> per-device action lists`` (see ``pipeddp.runtime.schedule``).
+        virtual_stages: stages per device (default 2 for ``"interleaved"``, else 1): the
+            model is cut into ``len(devices) * virtual_stages`` stages and device r holds
+            stages r, r + len(devices), ...; ``balance`` then lists that many stages.
         checkpoint: ``"never"``, ``"except_last"`` or ``"always"``: recompute
             activations in backward instead of keeping them (dropout replays the
             same random numbers).
@@ -102,20 +107,26 @@ class Pipeline(StepModule):
         timeout: Union[float, timedelta] = timedelta(minutes=30),
         deferred_batch_norm: bool = False,
         compile: Union[bool, Dict[str, Any]] = False,
+        virtual_stages: Optional[int] = None,
     ) -> None:
         super().__init__()
         devs = resolve_devices(devices)
         settings = check_settings(model, len(devs), chunks=chunks, split_size=split_size, schedule=schedule,
-                                  checkpoint=checkpoint, timeout=timeout, compile=compile)
+                                  checkpoint=checkpoint, timeout=timeout, compile=compile,
+                                  virtual_stages=virtual_stages)
         self.devices = devs
-        self.partition: Partition = choose_partition(model, len(devs), balance, sample, settings, devs[0])
+        n_stages = len(devs) * settings.virtual_stages
+        self.partition: Partition = choose_partition(model, n_stages, balance, sample, settings, devs[0])
         self.balance: List[int] = list(self.partition.balance)
-        stages = build_stages(model, self.balance, devs, compile=settings.compile)
+        stages = build_stages(model, self.balance, [devs[row_of(s, len(devs))] for s in range(n_stages)],
+                              compile=settings.compile)
         register_layers(self, stages)
-        self._runner = ThreadRunner(stages, threads=threads, timeout=settings.timeout)
-        self._step = Step(stages, len(stages), self._runner, chunks=settings.chunks, split_size=settings.split_size,
+        self._runner = ThreadRunner(stages, threads=threads, timeout=settings.timeout, rows=len(devs),
+                                    n_stages=n_stages)
+        self._step = Step(stages, n_stages, self._runner, chunks=settings.chunks, split_size=settings.split_size,
                           schedule=settings.schedule, checkpoint=settings.checkpoint,
-                          ties=find_ties(model, self.balance), deferred_batch_norm=deferred_batch_norm)
+                          ties=find_ties(model, self.balance), deferred_batch_norm=deferred_batch_norm,
+                          virtual_stages=settings.virtual_stages)
         self._finalizer = weakref.finalize(self, self._runner.close)
         self.settings = settings
         self.trace = Trace() if trace else None
@@ -137,6 +148,11 @@ class Pipeline(StepModule):
     @property
     def checkpoint(self) -> str:
         return self.settings.checkpoint
+
+    @property
+    def virtual_stages(self) -> int:
+        """Stages per device (the model has ``len(devices) * virtual_stages`` stages)."""
+        return self.settings.virtual_stages
 
     @property
     def timeout(self) -> float:
@@ -210,5 +226,6 @@ class Pipeline(StepModule):
 
     def extra_repr(self) -> str:
         devs = ", ".join(str(d) for d in self.devices)
+        virtual = f", virtual_stages={self.virtual_stages}" if self.virtual_stages > 1 else ""
         return f"devices=[{devs}], balance={self.balance}, chunks={self.chunks}, split_size={self.split_size}, " \
-               f"schedule={self.schedule!r}, checkpoint={self.checkpoint!r}"
+               f"schedule={self.schedule!r}{virtual}, checkpoint={self.checkpoint!r}"

@@ -250,7 +250,9 @@ def test_bad_input_errors():
         pipeddp.Pipeline(model, ["cpu", "gpu0"])
     with pytest.raises(ValueError, match="checkpoint"):
         pipeddp.Pipeline(model, DEVICES[2], checkpoint="sometimes")
-    with pytest.raises(ValueError, match="schedule"):
+    with pytest.raises(ValueError, match="unknown schedule 'zigzag'"):
+        pipeddp.Pipeline(model, DEVICES[2], schedule="zigzag")
+    with pytest.raises(ValueError, match="2 devices x 2 virtual stages"):
         pipeddp.Pipeline(model, DEVICES[2], schedule="interleaved")
     with pipeddp.Pipeline(model, DEVICES[2], chunks=2) as pipe:
         with pytest.raises(ValueError, match="empty batch"):

@@ -123,19 +123,27 @@ def init_process_group(backend: str, timeout: timedelta) -> None:
 
 @dataclass
 class Groups:
-    """The process groups of a job: ``stage[s]`` holds the copies of stage s; ``pipeline`` this replica's ranks."""
+    """The process groups of a job: ``stage[s]`` holds the copies of stage s; ``pipeline`` this replica's ranks.
+
+    With virtual stages every stage has a group of its own, although the
+    stages of one device have the same members: each stage's DDP then reduces
+    on its own communicator, and never waits behind another stage's buckets.
+    """
 
     stage: Dict[int, Any] = field(default_factory=dict)
     pipeline: Any = None
 
 
-def make_groups(topo: Topology, backend: str, timeout: timedelta) -> Groups:
-    """Stage groups (and pipeline groups in stage mode), created on every rank in the same order."""
+def make_groups(topo: Topology, backend: str, timeout: timedelta, virtual_stages: int = 1) -> Groups:
+    """Stage groups (and pipeline groups in stage mode), created on every rank in the same order.
+
+    ``virtual_stages``: stages per device; stage s lives on device ``s % topo.stages``.
+    """
     groups = Groups()
     if topo.world_size == 1:
         return groups
-    for s in range(topo.stages):
-        groups.stage[s] = dist.new_group(topo.stage_ranks(s), timeout=timeout, backend=backend)
+    for s in range(topo.stages * virtual_stages):
+        groups.stage[s] = dist.new_group(topo.stage_ranks(s % topo.stages), timeout=timeout, backend=backend)
     if topo.mode == "stage":
         for r in range(topo.replicas):
             g = dist.new_group(topo.pipeline_ranks(r), timeout=timeout, backend=backend)

@@ -1,10 +1,14 @@
-"""``ProcessRunner``: the process that owns one stage runs its action list on its main thread.
+"""``ProcessRunner``: the process that owns one device of a pipeline runs its action list on its main thread.
 
-It is the runner of ``mode="stage"``: the same ``run_actions`` as the stage
-threads of one process, with ``P2PChannel``s to the neighbouring stages'
-processes instead of ``LocalChannel``s::
+It is the runner of ``mode="stage"``: the same ``run_actions`` as the device
+threads of one process, with ``P2PChannel``s to the other devices' processes
+instead of ``LocalChannel``s::
 
-    rank 0 (stage 0): run_actions(F0 F1 F2 B0 ...) --P2PChannel--> rank 1 (stage 1): run_actions(F0 B0 F1 ...)
+    rank 0 (device 0): run_actions(F0 F1 F2 B0 ...) --P2PChannel--> rank 1 (device 1): run_actions(F0 B0 F1 ...)
+
+With virtual stages the process holds stages ``row, row + p, ...`` and the
+last device feeds the first device's next stage: the channels form a ring,
+one per other process it exchanges data with (both ways on one channel).
 
 After a step every send still in flight is awaited (``flush``); after a
 failed step the channels forget what they knew of it (``reset``), so the
@@ -14,12 +18,13 @@ next step starts clean.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from ..runtime.executor import StageResults, run_actions
-from ..runtime.schedule import Action
+from ..runtime.channels import Channel, Inbox, LocalChannel
+from ..runtime.executor import Device, StageResults, group_rows, run_actions
+from ..runtime.schedule import Action, row_of
 from ..runtime.stage import Grads, Stage, StepSpec
 from ..runtime.trace import Trace
 from .p2p import P2PChannel
@@ -29,36 +34,51 @@ __all__ = ["ProcessRunner"]
 
 
 class ProcessRunner:
-    """Runs ``stage``'s actions in this process; ``prev``/``next`` reach the neighbouring stages' processes."""
+    """Runs ``device``'s actions in this process; ``links[r]`` reaches device row r (a process, or itself)."""
 
-    def __init__(self, stage: Stage, prev: Optional[P2PChannel], next: Optional[P2PChannel], *, rank: int) -> None:
-        self.stage = stage
-        self.channels = [c for c in (prev, next) if c is not None]
-        self.prev = prev
-        self.next = next
+    def __init__(self, device: Device, links: Dict[int, Channel], *, rank: int) -> None:
+        self.device = device
+        self.links = links
+        self.channels: List[P2PChannel] = [c for c in links.values() if isinstance(c, P2PChannel)]
+        self._own: Optional[Inbox] = None
         self.rank = rank
 
     @classmethod
-    def connect(cls, stage: Stage, topology: Topology, *, comm_device: torch.device,
+    def connect(cls, stages: Sequence[Stage], topology: Topology, *, n_stages: int, comm_device: torch.device,
                 timeout: timedelta) -> "ProcessRunner":
-        """The runner of this process's stage in ``topology``, with channels to its replica's neighbours."""
-
-        def channel(peer_stage: int) -> Optional[P2PChannel]:
-            if not 0 <= peer_stage < topology.stages:
-                return None
-            return P2PChannel(topology.rank_of(topology.replica, peer_stage), rank=topology.rank,
-                              stage=stage.index, peer_stage=peer_stage, device=stage.device,
-                              comm_device=comm_device, timeout=timeout)
-
-        return cls(stage, channel(stage.index - 1), channel(stage.index + 1), rank=topology.rank)
+        """The runner of this process's stages (one device row of ``topology``), with channels to the others."""
+        rows = topology.stages
+        (device,) = group_rows(stages, rows, n_stages)
+        peers = set()
+        for s in device.stages:
+            for t in (s - 1, s + 1):
+                if 0 <= t < n_stages:
+                    peers.add(row_of(t, rows))
+        links: Dict[int, Channel] = {}
+        own: Optional[Inbox] = None
+        for r in sorted(peers):
+            if r == device.row:  # consecutive stages on this one device: a mailbox of its own
+                own = Inbox(r)
+                streams = device.first.streams
+                links[r] = LocalChannel(streams, streams, own, own, timeout.total_seconds())
+            else:
+                links[r] = P2PChannel(topology.rank_of(topology.replica, r), rank=topology.rank, stage=device.row,
+                                      peer_stage=r, device=device.first.device, comm_device=comm_device,
+                                      timeout=timeout)
+        runner = cls(device, links, rank=topology.rank)
+        runner._own = own
+        return runner
 
     def run(self, rows: Sequence[Sequence[Action]], spec: StepSpec, *, inputs: Optional[Sequence[Any]] = None,
             output_grads: Optional[Sequence[Optional[Grads]]] = None, grad_event: Any = None,
             trace: Optional[Trace] = None) -> List[StageResults]:
         (actions,) = rows
-        self.stage.streams.enter()
+        streams = self.device.first.streams
+        if self._own is not None:
+            self._own.reset()
+        streams.enter()
         try:
-            return [run_actions(self.stage, actions, spec, prev=self.prev, next=self.next, inputs=inputs,
+            return [run_actions(self.device, actions, spec, links=self.links, inputs=inputs,
                                 output_grads=output_grads, trace=trace, rank=self.rank)]
         except BaseException:
             for ch in self.channels:
@@ -67,7 +87,12 @@ class ProcessRunner:
         finally:
             for ch in self.channels:
                 ch.flush()
-            self.stage.streams.leave()
+            streams.leave()
 
     def close(self) -> None:
-        """Nothing to stop: the stage runs on the caller's thread."""
+        """Nothing to stop: the stages run on the caller's thread."""
+
+    @property
+    def stages(self) -> List[Stage]:
+        return list(self.device.stages.values())
+

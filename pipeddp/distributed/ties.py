@@ -10,7 +10,10 @@ group per replica: the ranks of that replica holding a use of the tie::
 
 Groups are created on every rank in the same order (ties, then replicas), as
 ``torch.distributed.new_group`` requires; in replica mode every use is in one
-process and no group is made.
+process and no group is made. With virtual stages one process may hold
+several uses of a tie (stage s lives on device ``s % devices``): they are
+first kept one weight locally (``runtime.tied``), then the process takes part
+with their sum and hands the result to each of them.
 """
 
 from __future__ import annotations
@@ -35,33 +38,38 @@ class TieExchange:
                  timeout: timedelta, comm_device: torch.device) -> None:
         self.comm_device = comm_device
         self.rank = topology.rank
-        mine = {tie: params[0] for tie, params in local.entries}
-        self.items: List[Tuple[nn.Parameter, Any, int]] = []
+        mine = {tie: params for tie, params in local.entries}
+        #: per tie shared with other processes: this process's uses (first one first), the group, the owner's rank
+        self.items: List[Tuple[List[nn.Parameter], Any, int]] = []
+        rows = topology.stages
         for tie in ties:
             for r in range(topology.replicas):
-                ranks = sorted({topology.rank_of(r, s) for s in tie.stages})
+                ranks = sorted({topology.rank_of(r, s % rows) for s in tie.stages})
                 if len(ranks) < 2:
                     continue
                 group = dist.new_group(ranks, timeout=timeout, backend=backend)
                 if topology.rank in ranks:
-                    self.items.append((mine[tie], group, topology.rank_of(r, tie.owner)))
+                    self.items.append((mine[tie], group, topology.rank_of(r, tie.owner % rows)))
 
     def copies(self) -> List[nn.Parameter]:
         """This process's uses of ties whose first stage is in another process (refreshed from there)."""
-        return [param for param, _, src in self.items if src != self.rank]
+        return [params[0] for params, _, src in self.items if src != self.rank]
 
     def fold(self) -> None:
-        """Every use of a tie gets the sum of the uses' gradients."""
-        for param, group, _ in self.items:
-            grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        """Every use of a tie gets the sum of the uses' gradients (after the local uses were summed)."""
+        for params, group, _ in self.items:
+            first = params[0]
+            grad = first.grad if first.grad is not None else torch.zeros_like(first)
             buf = grad.detach().to(self.comm_device, copy=True)
             dist.all_reduce(buf, group=group)
-            param.grad = buf.to(param.device)
+            for p in params:
+                p.grad = buf.to(p.device, copy=True)
 
     @torch.no_grad()
     def refresh(self) -> None:
         """Every use of a tie takes the value of its first stage's copy."""
-        for param, group, src in self.items:
-            buf = param.detach().to(self.comm_device, copy=True)
+        for params, group, src in self.items:
+            buf = params[0].detach().to(self.comm_device, copy=True)
             dist.broadcast(buf, src=src, group=group)
-            param.copy_(buf)
+            for p in params:
+                p.copy_(buf)

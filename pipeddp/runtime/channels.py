@@ -1,21 +1,27 @@
-"""Move activations forward and gradients backward between neighbouring stages.
+"""Move activations forward and gradients backward between the devices of a pipeline.
 
-Every stage talks to its neighbours through a *channel* with two calls::
+A device talks to every device it exchanges data with (its own included,
+where one device holds consecutive stages) through a *channel* with two
+calls::
 
-    channel.send(kind, mb, value)    kind "F": activation, "B": gradients
-    channel.recv(kind, mb) -> value
+    channel.send(kind, stage, mb, value)   kind "F": the input of ``stage`` (an activation)
+                                           kind "B": the gradient of ``stage``'s output
+    channel.recv(kind, stage, mb) -> value
 
-``LocalChannel`` connects two stages of one process (threads): ``send`` copies
-the value to the peer's device on the copy stream and drops it in the peer's
-``Inbox``; ``recv`` waits for it there. ``P2PChannel`` (see ``p2p.py``)
-connects stages in different processes with ``torch.distributed`` send/recv.
+Messages are named by the stage that *receives* them, so two stages on one
+device (virtual stages) never mix their messages. ``LocalChannel`` connects
+two devices of one process (threads): ``send`` copies the value to the
+peer's device on the copy stream and drops it in the peer's ``Inbox``;
+``recv`` waits for it there. ``P2PChannel`` (``pipeddp.distributed.p2p``)
+connects devices in different processes with ``torch.distributed`` send/recv.
 The executor cannot tell them apart, which is why one executor serves both
-the threaded pipeline and the one-stage-per-process mode.
+the threaded pipeline and the one-device-per-process mode.
 """
 
 from __future__ import annotations
 
 import contextlib
+import queue
 import threading
 import time
 from typing import Any, Dict, Hashable, Optional, Protocol, Tuple
@@ -25,18 +31,21 @@ from .streams import StageStreams
 
 __all__ = ["Channel", "Inbox", "LocalChannel", "PipelineAborted", "describe", "device_copy"]
 
+#: ``(kind, stage, mb)``: what a message is, named by the stage that receives it
+Key = Tuple[str, int, int]
+
 
 class Channel(Protocol):
-    """A stage's link to one neighbour: what the executor needs, and all it needs.
+    """A device's link to one device: what the executor needs, and all it needs.
 
-    ``kind`` is ``"F"`` (an activation, sent to the next stage) or ``"B"`` (the
-    gradients of an activation, sent back to the previous stage); ``mb`` is the
-    micro-batch. ``recv`` returns the value ready to use on this stage's device.
+    ``kind`` is ``"F"`` (the input of ``stage``, an activation) or ``"B"`` (the
+    gradients of ``stage``'s output); ``mb`` is the micro-batch. ``recv``
+    returns the value ready to use on this device.
     """
 
-    def send(self, kind: str, mb: int, value: Any) -> None: ...
+    def send(self, kind: str, stage: int, mb: int, value: Any) -> None: ...
 
-    def recv(self, kind: str, mb: int) -> Any: ...
+    def recv(self, kind: str, stage: int, mb: int) -> Any: ...
 
 
 class PipelineAborted(RuntimeError):
@@ -47,55 +56,83 @@ def describe(kind: str) -> str:
     return "activation" if kind == "F" else "gradient"
 
 
-class Inbox:
-    """Thread-safe mailbox of one stage, keyed by ``(kind, micro-batch)``.
+class _Abort:
+    """The message that wakes a waiting device when the step failed elsewhere."""
 
-    Keys make the order of arrival irrelevant: a custom schedule may consume
-    micro-batches in another order than they were produced. ``abort`` wakes
-    every waiter with an error, so one failing stage never leaves the others
-    blocked.
+
+_ABORT = _Abort()
+
+
+class Inbox:
+    """The mailbox of one device, keyed by ``(kind, stage, micro-batch)``; its own thread takes from it.
+
+    Keys make the order of arrival irrelevant: a schedule may consume messages
+    in another order than they were produced (one that arrives early waits in
+    a stash of the consumer's). Delivery is one C-level queue operation, the
+    cheapest hand-off between two Python threads. ``abort`` wakes the waiter
+    with an error (each woken waiter passes the wake-up on, so every waiter
+    wakes), so one failing stage never leaves the others blocked.
     """
 
-    def __init__(self, stage: int) -> None:
-        self.stage = stage
-        self._cv = threading.Condition()
-        self._items: Dict[Hashable, Any] = {}
+    def __init__(self, row: int) -> None:
+        self.row = row
+        self._queue: "queue.SimpleQueue[Tuple[Hashable, Any]]" = queue.SimpleQueue()
+        self._stash: Dict[Hashable, Any] = {}
+        self._lock = threading.Lock()  # guards the stash against a second taker
         self._error: Optional[BaseException] = None
 
     def put(self, key: Hashable, item: Any) -> None:
-        with self._cv:
-            self._items[key] = item
-            self._cv.notify_all()
+        self._queue.put((key, item))
 
-    def take(self, key: Tuple[str, int], timeout: float, source: int) -> Any:
+    def take(self, key: Key, timeout: float, source: int) -> Any:
+        """The message ``key`` (waiting up to ``timeout`` seconds for it), sent by device ``source``."""
+        with self._lock:
+            if key in self._stash:
+                return self._stash.pop(key)
         deadline = time.monotonic() + timeout
-        with self._cv:
-            while key not in self._items:
-                if self._error is not None:
-                    raise PipelineAborted(
-                        f"stage {self.stage} stopped waiting for the {describe(key[0])} of micro-batch {key[1]} "
-                        f"because another stage failed: {self._error!r}"
-                    )
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(
-                        f"stage {self.stage} waited {timeout:.0f} s for the {describe(key[0])} of micro-batch "
-                        f"{key[1]} from stage {source}; that stage is stuck or too slow (raise timeout= if "
-                        "a micro-batch really takes this long)"
-                    )
-                self._cv.wait(left)
-            return self._items.pop(key)
+        while True:
+            if self._error is not None:
+                raise self._aborted(key)
+            left = deadline - time.monotonic()
+            try:
+                got, item = self._queue.get(timeout=max(left, 0.0)) if left > 0 else self._queue.get_nowait()
+            except queue.Empty:
+                raise self._timeout(key, timeout, source) from None
+            if got == key:
+                return item
+            if item is _ABORT:
+                self._queue.put((got, item))  # wake the next waiter too
+                raise self._aborted(key)
+            with self._lock:
+                self._stash[got] = item
+
+    def _aborted(self, key: Key) -> PipelineAborted:
+        kind, stage, mb = key
+        return PipelineAborted(f"stage {stage} stopped waiting for the {describe(kind)} of micro-batch {mb} "
+                               f"because another stage failed: {self._error!r}")
+
+    def _timeout(self, key: Key, timeout: float, source: int) -> TimeoutError:
+        kind, stage, mb = key
+        return TimeoutError(
+            f"stage {stage} waited {timeout:.0f} s for the {describe(kind)} of micro-batch {mb} from the device "
+            f"of stage {stage - 1 if kind == 'F' else stage + 1} (device {source}); that stage is stuck or too slow "
+            "(raise timeout= if a micro-batch really takes this long)"
+        )
 
     def abort(self, error: BaseException) -> None:
-        with self._cv:
-            self._error = error
-            self._cv.notify_all()
+        self._error = error
+        self._queue.put((None, _ABORT))
 
     def reset(self) -> None:
         """Forget leftovers and errors of a previous step (a failed step leaves both behind)."""
-        with self._cv:
-            self._items.clear()
-            self._error = None
+        with self._lock:
+            self._stash.clear()
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        self._error = None
 
 
 def device_copy(value: Any, src: StageStreams, dst: StageStreams) -> Tuple[Any, Optional[Any]]:
@@ -129,10 +166,10 @@ def device_copy(value: Any, src: StageStreams, dst: StageStreams) -> Tuple[Any, 
 
 
 class LocalChannel:
-    """One direction-pair between two stages of the same process.
+    """A device's link to another device of the same process (or to itself).
 
-    ``own``/``peer`` are the streams of this stage and its neighbour;
-    ``outbox`` is the neighbour's inbox and ``inbox`` this stage's own.
+    ``own``/``peer`` are the streams of this device and the other one;
+    ``inbox`` is this device's inbox and ``outbox`` the other's.
     """
 
     def __init__(self, own: StageStreams, peer: StageStreams, inbox: Inbox, outbox: Inbox, timeout: float) -> None:
@@ -142,9 +179,9 @@ class LocalChannel:
         self.outbox = outbox
         self.timeout = timeout
 
-    def send(self, kind: str, mb: int, value: Any) -> None:
-        self.outbox.put((kind, mb), device_copy(value, self.own, self.peer))
+    def send(self, kind: str, stage: int, mb: int, value: Any) -> None:
+        self.outbox.put((kind, stage, mb), device_copy(value, self.own, self.peer))
 
-    def recv(self, kind: str, mb: int) -> Any:
-        value, event = self.inbox.take((kind, mb), self.timeout, self.outbox.stage)
+    def recv(self, kind: str, stage: int, mb: int) -> Any:
+        value, event = self.inbox.take((kind, stage, mb), self.timeout, self.outbox.row)
         return self.own.adopt(value, event)

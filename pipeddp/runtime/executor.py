@@ -1,18 +1,22 @@
-"""Run each stage's action list: on a worker thread per stage, or in this process.
+"""Run each device's action list: on a worker thread per device, or in this process.
 
-``run_actions`` is the whole executor for one stage: it walks the stage's
-list from the schedule, pulls inputs from the previous stage's channel,
-pushes outputs to the next, and records a span per action when tracing.
-``ThreadRunner`` runs it for every stage of a process on one ``Workers``
-thread per stage, joined by ``LocalChannel``s::
+``run_actions`` is the whole executor for one device: it walks the device's
+row of the schedule, dispatching each action to the stage it names, pulls
+inputs from the channels of the devices that send them, pushes outputs to
+the devices that take them, and records a span per action when tracing.
+``ThreadRunner`` runs it for every device of a process on one ``Workers``
+thread per device, joined by ``LocalChannel``s::
 
     caller --run(rows, spec)--> ThreadRunner
-                                  stage 0 thread: run_actions(F0 F1 B0 ...) --LocalChannel--.
-                                  stage 1 thread: run_actions(F0 B0 F1 ...) <---------------'
-                                <-- one StageResults per stage (outputs, losses, input grads)
+                                  device 0 thread: run_actions(F0 F1 B0 ...) --LocalChannel--.
+                                  device 1 thread: run_actions(F0 B0 F1 ...) <---------------'
+                                <-- one StageResults per device (outputs, losses, input grads)
 
-The process that owns one stage of a multi-process pipeline runs the same
-``run_actions`` on its main thread (``pipeddp.distributed.stage_runner``).
+With virtual stages a device holds several stages (device r: stages r, r + p,
+...) and the last device feeds the first device's next stage, so channels
+form a ring. The process that owns one device of a multi-process pipeline
+runs the same ``run_actions`` on its main thread
+(``pipeddp.distributed.stage_runner``).
 
 Threads are persistent (a step is far too short to pay for thread start-up
 per stage), daemonic (a forgotten pipeline can never block interpreter exit)
@@ -27,129 +31,196 @@ import queue
 import threading
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
 from .channels import Channel, Inbox, LocalChannel, PipelineAborted
-from .schedule import Action
+from .schedule import Action, Kind, row_of
 from .stage import Grads, Stage, StepSpec
 from .trace import Trace
 
-__all__ = ["Workers", "StageResults", "run_actions", "ThreadRunner"]
+__all__ = ["Workers", "StageResults", "Device", "run_actions", "ThreadRunner", "group_rows"]
 
 
 @dataclass
 class StageResults:
-    """What one stage produced in a step: last-stage outputs/losses, first-stage input grads."""
+    """What one device produced in a step: last-stage outputs/losses, first-stage input grads."""
 
     outputs: Dict[int, Any] = field(default_factory=dict)
     losses: Dict[int, torch.Tensor] = field(default_factory=dict)
     input_grads: Dict[int, Grads] = field(default_factory=dict)
 
 
+@dataclass
+class Device:
+    """One device of a pipeline (a row of the schedule) and the stages it holds.
+
+    ``row`` is its place in the pipeline, ``rows`` how many devices the
+    pipeline has and ``n_stages`` how many stages (``rows * virtual_stages``).
+    """
+
+    row: int
+    rows: int
+    n_stages: int
+    stages: Dict[int, Stage]
+
+    @property
+    def index(self) -> int:
+        """The row (what error notes and traces name)."""
+        return self.row
+
+    @property
+    def first(self) -> Stage:
+        return self.stages[min(self.stages)]
+
+
+def group_rows(stages: Sequence[Stage], rows: int, n_stages: int) -> List[Device]:
+    """This process's stages as devices (rows), each holding its stages; stages of a row share its streams.
+
+    A device's stages run one after another on one thread, so they compute
+    on one stream: its first stage's.
+    """
+    by_row: Dict[int, Dict[int, Stage]] = {}
+    for st in stages:
+        by_row.setdefault(row_of(st.index, rows), {})[st.index] = st
+    out = []
+    for r in sorted(by_row):
+        dev = Device(r, rows, n_stages, dict(sorted(by_row[r].items())))
+        for st in dev.stages.values():
+            st.streams = dev.first.streams
+        out.append(dev)
+    return out
+
+
 def run_actions(
-    stage: Stage,
+    device: Device,
     actions: Sequence[Action],
     spec: StepSpec,
     *,
-    prev: Optional[Channel],
-    next: Optional[Channel],
+    links: Mapping[int, Channel],
     inputs: Optional[Sequence[Any]] = None,
     output_grads: Optional[Sequence[Optional[Grads]]] = None,
     trace: Optional[Trace] = None,
     rank: int = 0,
     stop: Optional[threading.Event] = None,
 ) -> StageResults:
-    """Execute ``actions`` on ``stage``.
+    """Execute ``actions`` on ``device``'s stages.
 
-    ``prev``/``next`` are channels to the neighbouring stages (None at the
-    ends). The first stage reads micro-batch inputs from ``inputs``; the last
-    stage takes output gradients from ``output_grads`` (None entries or no list
-    at all in a loss step, where backward starts from the loss).
+    ``links[r]`` is the channel to device row ``r`` (only the rows this
+    device exchanges data with). Stage 0 reads micro-batch inputs from
+    ``inputs``; the last stage takes output gradients from ``output_grads``
+    (None entries or no list at all in a loss step, where backward starts
+    from the loss).
 
     An exception keeps its type and traceback and gains a note naming the
     rank, stage and action it interrupted (shown under its traceback).
-    ``stop``, once set (another stage failed), ends the list before its next
-    action: a stage that only sends (a forward-only call) waits on no one and
+    ``stop``, once set (another device failed), ends the list before its next
+    action: a device that only sends (a forward-only call) waits on no one and
     would otherwise run all its micro-batches.
     """
     where: List[Action] = []
-
-    def enter(a: Action) -> None:
-        if stop is not None and stop.is_set():
-            where.clear()  # the message says where it stopped; no action was interrupted
-            raise PipelineAborted(f"stage {stage.index} stopped before {a} because another stage failed")
-        where.append(a)
-
     try:
-        return _run(stage, actions, spec, prev, next, inputs, output_grads, trace, enter)
+        return _run(device, actions, spec, links, inputs, output_grads, trace, where, stop)
     except BaseException as exc:
         if where and hasattr(exc, "add_note"):
-            current = where[-1]
-            exc.add_note(f"pipeddp: rank {rank}, stage {stage.index}, while running {current} "
-                         f"({'forward' if current.kind == 'F' else 'backward'} of micro-batch {current.mb})")
+            a = where[-1]
+            exc.add_note(f"pipeddp: rank {rank}, stage {a.stage}, while running {a} "
+                         f"({a.kind.describe} of micro-batch {a.mb})")
         raise
 
 
+def last_weight_actions(actions: Sequence[Action]) -> Dict[int, int]:
+    """Per stage, the position of its last action that accumulates weight gradients (its last B or W).
+
+    That action carries the data-parallel reduction of the stage's gradients.
+    """
+    out: Dict[int, int] = {}
+    for k, a in enumerate(actions):
+        if a.kind is Kind.B or a.kind is Kind.W:
+            out[a.stage] = k
+    return out
+
+
 def _run(
-    stage: Stage,
+    device: Device,
     actions: Sequence[Action],
     spec: StepSpec,
-    prev: Optional[Channel],
-    next: Optional[Channel],
+    links: Mapping[int, Channel],
     inputs: Optional[Sequence[Any]],
     output_grads: Optional[Sequence[Optional[Grads]]],
     trace: Optional[Trace],
-    enter: Callable[[Action], None],
+    where: List[Action],
+    stop: Optional[threading.Event],
 ) -> StageResults:
     results = StageResults()
-    last_backward = max((k for k, a in enumerate(actions) if a.kind == "B"), default=-1)
-    stream = stage.streams.compute if (trace is not None and stage.streams.cuda) else None
+    rows, last_stage = device.rows, device.n_stages - 1
+    arm = {k for s, k in last_weight_actions(actions).items()} if spec.sync else set()
+    stages = device.stages
+    first = device.first
+    stream = first.streams.compute if (trace is not None and first.streams.cuda) else None
     for k, a in enumerate(actions):
-        enter(a)
-        if a.kind == "F":
-            if prev is None:
-                assert inputs is not None
-                value = inputs[a.mb]
+        if stop is not None and stop.is_set():
+            where.clear()  # the message says where it stopped; no action was interrupted
+            raise PipelineAborted(f"device {device.row} stopped before {a.label(False)} because another stage failed")
+        where.append(a)
+        kind, s, mb = a.kind, a.stage, a.mb
+        st = stages.get(s)
+        if st is None:
+            raise RuntimeError(f"device {device.row} runs an action of stage {s}, which it does not hold "
+                               f"(it holds {sorted(stages)})")
+        if kind is Kind.F:
+            if s == 0:
+                if inputs is None:
+                    raise RuntimeError("stage 0 was given no inputs")
+                value = inputs[mb]
             else:
-                value = _recv(prev, "F", a.mb, stage, trace)
+                value = _recv(links[row_of(s - 1, rows)], "F", s, mb, device.row, trace)
             if trace is not None:
-                with trace.span(stage.index, "F", a.mb, stream):
-                    out, loss = stage.forward(a.mb, value, spec)
+                with trace.span(s, "F", mb, stream, row=device.row):
+                    out, loss = st.forward(mb, value, spec)
             else:
-                out, loss = stage.forward(a.mb, value, spec)
-            if next is not None:
-                next.send("F", a.mb, out)
+                out, loss = st.forward(mb, value, spec)
+            if s < last_stage:
+                links[row_of(s + 1, rows)].send("F", s + 1, mb, out)
             else:
-                results.outputs[a.mb] = out
+                results.outputs[mb] = out
                 if loss is not None:
-                    results.losses[a.mb] = loss
-        else:
-            if next is None:
-                grads = output_grads[a.mb] if output_grads is not None else None
+                    results.losses[mb] = loss
+        elif kind is Kind.B or kind is Kind.I:
+            if s == last_stage:
+                grads = output_grads[mb] if output_grads is not None else None
             else:
-                grads = _recv(next, "B", a.mb, stage, trace)
-            sync = spec.sync and k == last_backward
+                grads = _recv(links[row_of(s + 1, rows)], "B", s, mb, device.row, trace)
             if trace is not None:
-                with trace.span(stage.index, "B", a.mb, stream):
-                    gin = stage.backward(a.mb, grads, spec, sync=sync)
+                with trace.span(s, kind.value, mb, stream, row=device.row):
+                    gin = st.backward(mb, grads, spec, sync=k in arm) if kind is Kind.B \
+                        else st.backward_input(mb, grads, spec)
             else:
-                gin = stage.backward(a.mb, grads, spec, sync=sync)
-            if prev is not None:
-                prev.send("B", a.mb, gin)
+                gin = st.backward(mb, grads, spec, sync=k in arm) if kind is Kind.B \
+                    else st.backward_input(mb, grads, spec)
+            if s > 0:
+                links[row_of(s - 1, rows)].send("B", s - 1, mb, gin)
             else:
-                results.input_grads[a.mb] = gin
+                results.input_grads[mb] = gin
+        elif kind is Kind.W:
+            if trace is not None:
+                with trace.span(s, "W", mb, stream, row=device.row):
+                    st.backward_weight(mb, spec, sync=k in arm)
+            else:
+                st.backward_weight(mb, spec, sync=k in arm)
+        else:
+            raise ValueError(f"device {device.row}: unknown action kind {kind!r} in {a!r}")
         if trace is not None:
-            trace.note_memory(stage.index, len(spec.store(stage.index)), stage.device)
+            trace.note_memory(device.row, sum(len(spec.store(i)) for i in stages), first.device)
     return results
 
 
-def _recv(channel: Channel, kind: str, mb: int, stage: Stage, trace: Optional[Trace]) -> Any:
+def _recv(channel: Channel, kind: str, stage: int, mb: int, row: int, trace: Optional[Trace]) -> Any:
     if trace is None:
-        return channel.recv(kind, mb)
-    with trace.span(stage.index, "recv", mb, lane="comm"):
-        return channel.recv(kind, mb)
+        return channel.recv(kind, stage, mb)
+    with trace.span(stage, "recv", mb, lane="comm", row=row):
+        return channel.recv(kind, stage, mb)
 
 
 class _Worker:
@@ -230,58 +301,64 @@ class Workers:
 
 
 class ThreadRunner:
-    """Every stage of this process on a worker thread of its own, neighbours joined by ``LocalChannel``.
+    """Every device of this process on a worker thread of its own, joined by ``LocalChannel``s.
 
-    ``threads`` is the intra-op thread count of each CPU stage's worker
-    (default: the caller's count divided among the CPU stages, at least 1), so
-    that stages sharing the cores do not oversubscribe them.
+    ``stages`` are this process's stages of a pipeline of ``n_stages`` stages
+    on ``rows`` devices (stage s on device ``s % rows``). ``threads`` is the
+    intra-op thread count of each CPU device's worker (default: the caller's
+    count divided among the CPU devices, at least 1), so that devices sharing
+    the cores do not oversubscribe them.
     """
 
-    def __init__(self, stages: Sequence[Stage], *, threads: Optional[int], timeout: float, rank: int = 0) -> None:
+    def __init__(self, stages: Sequence[Stage], *, threads: Optional[int], timeout: float, rank: int = 0,
+                 rows: Optional[int] = None, n_stages: Optional[int] = None) -> None:
+        n_stages = len(stages) if n_stages is None else n_stages
+        rows = len(stages) if rows is None else rows
+        self.devices = group_rows(stages, rows, n_stages)
         self.stages = list(stages)
         self.rank = rank
-        cpu_stages = sum(1 for st in self.stages if st.device.type == "cpu")
-        if threads is None and cpu_stages > 0:
-            threads = max(1, torch.get_num_threads() // cpu_stages)
+        cpu_devices = sum(1 for d in self.devices if d.first.device.type == "cpu")
+        if threads is None and cpu_devices > 0:
+            threads = max(1, torch.get_num_threads() // cpu_devices)
         self.threads = threads
-        n = len(self.stages)
-        self._inboxes = [Inbox(st.index) for st in self.stages]
-        self._links: List[tuple] = []
-        for k, st in enumerate(self.stages):
-            prev = LocalChannel(st.streams, self.stages[k - 1].streams, self._inboxes[k], self._inboxes[k - 1],
-                                timeout) if k > 0 else None
-            nxt = LocalChannel(st.streams, self.stages[k + 1].streams, self._inboxes[k], self._inboxes[k + 1],
-                               timeout) if k < n - 1 else None
-            self._links.append((prev, nxt))
-        self._workers = Workers(n, threads=threads)
+        self._inboxes = {d.row: Inbox(d.row) for d in self.devices}
+        self._links: List[Dict[int, LocalChannel]] = []
+        for d in self.devices:
+            links = {}
+            for peer in self.devices:
+                links[peer.row] = LocalChannel(d.first.streams, peer.first.streams, self._inboxes[d.row],
+                                               self._inboxes[peer.row], timeout)
+            self._links.append(links)
+        self._workers = Workers(len(self.devices), threads=threads)
 
     def run(self, rows: Sequence[Sequence[Action]], spec: StepSpec, *, inputs: Optional[Sequence[Any]] = None,
             output_grads: Optional[Sequence[Optional[Grads]]] = None, grad_event: Any = None,
             trace: Optional[Trace] = None) -> List[StageResults]:
-        """Run ``rows[k]`` on stage k's thread; return each stage's results (re-raising the first real error)."""
-        for inbox in self._inboxes:
+        """Run ``rows[k]`` on device k's thread; return each device's results (re-raising the first real error)."""
+        for inbox in self._inboxes.values():
             inbox.reset()
-        for st in self.stages:
-            st.streams.enter()
-        if grad_event is not None and self.stages[-1].streams.cuda:
-            self.stages[-1].streams.compute.wait_event(grad_event)
-        last = len(self.stages) - 1
+        for d in self.devices:
+            d.first.streams.enter()
+        last = self.devices[-1]
+        if grad_event is not None and last.first.streams.cuda:
+            last.first.streams.compute.wait_event(grad_event)
         stop = threading.Event()
-        fns = [functools.partial(run_actions, st, rows[k], spec, prev=self._links[k][0], next=self._links[k][1],
-                                 inputs=inputs if k == 0 else None, output_grads=output_grads if k == last else None,
+        fns = [functools.partial(run_actions, d, rows[k], spec, links=self._links[k],
+                                 inputs=inputs if 0 in d.stages else None,
+                                 output_grads=output_grads if d is last else None,
                                  trace=trace, rank=self.rank, stop=stop)
-               for k, st in enumerate(self.stages)]
+               for k, d in enumerate(self.devices)]
 
         def abort(exc: BaseException) -> None:
             stop.set()
-            for inbox in self._inboxes:
+            for inbox in self._inboxes.values():
                 inbox.abort(exc)
 
         try:
             return self._workers.run(fns, abort)
         finally:
-            for st in self.stages:
-                st.streams.leave()
+            for d in self.devices:
+                d.first.streams.leave()
 
     def close(self) -> None:
         """Stop and join the worker threads (idempotent)."""

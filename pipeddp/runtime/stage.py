@@ -5,8 +5,10 @@ keeps what its backward will need and nothing more::
 
     forward(i):   input -> [detach, requires_grad] -> layers -> output
                   keeps (input leaves, output)          (checkpoint: input only)
-    backward(i):  (recompute output) -> autograd.backward(output, grad)
+    backward(i):  (recompute output) -> autograd.backward(output, grad)       B: whole backward
                   returns input.grad, frees micro-batch i
+    or, split:    I(i): (recompute) -> input grads only, returned          zero-bubble schedules
+                  W(i): weight grads into .grad, frees micro-batch i       (see ``split``)
 
 Cutting the autograd graph at every stage boundary (the ``detach``) is what
 lets each stage run its own backward on its own thread: autograd's CPU
@@ -33,6 +35,7 @@ from .microbatch import tree_map, tree_tensors
 from .amp import Autocast
 from .batchnorm import batch_norms, frozen_statistics
 from .rng import Replay, recomputing
+from .split import WeightGrads, backward_input
 from .streams import StageStreams
 from .tied import layers_of, stage_of_layers
 
@@ -76,11 +79,15 @@ class StepSpec:
 
 @dataclass
 class _Saved:
+    """What forward keeps of one micro-batch for its backward."""
+
     inputs: Any
+    #: what backward starts from (the outputs, or the weighted loss); None: recompute it first
     roots: Optional[Any]
     target: Any = None
     weight: float = 1.0
-    extra: Dict[str, Any] = field(default_factory=dict)
+    #: after an input-gradient backward (I): what its weight half (W) needs
+    weight_grads: Optional[WeightGrads] = None
 
 
 def _may_write_its_input(module: nn.Module) -> bool:
@@ -149,7 +156,7 @@ class Stage:
             )
         return loss * saved.weight
 
-    # -- forward / backward ------------------------------------------------------------------------
+    # -- forward ----------------------------------------------------------------------------------------
 
     def forward(self, mb: int, value: Any, spec: StepSpec) -> Tuple[Any, Optional[torch.Tensor]]:
         """Run micro-batch ``mb``; return (output detached for sending, weighted loss or None)."""
@@ -193,8 +200,56 @@ class Stage:
             return t
         return t.detach().requires_grad_(True)
 
+    # -- backward: whole (B), or input half (I) then weight half (W) ----------------------------------
+
+    def _take(self, spec: StepSpec, mb: int, *, keep: bool) -> _Saved:
+        """What forward kept for micro-batch ``mb`` (removed from the step unless ``keep``)."""
+        store = spec.store(self.index)
+        if mb not in store:
+            raise RuntimeError(
+                f"stage {self.index} has no saved forward for micro-batch {mb}: its backward ran twice, or "
+                "without its forward (call backward once per forward; a W needs its I)"
+            )
+        return store[mb] if keep else store.pop(mb)
+
+    def _roots(self, saved: _Saved, spec: StepSpec, mb: int) -> Any:
+        """What backward starts from; recomputed here, once, where forward dropped the activations.
+
+        The replay runs from the micro-batch's own seed (the same random numbers
+        as the first forward), marked as a recompute, without a second update
+        of BatchNorm statistics, under the caller's autocast. Its result is kept
+        on ``saved`` so a split backward's I and W share one replay.
+        """
+        if saved.roots is None:
+            with self._seeded(spec, mb), recomputing(), frozen_statistics(self.batch_norms), spec.autocast(), \
+                    torch.enable_grad():
+                out = self._run(saved.inputs)
+                saved.roots = self._root(self._loss(out, saved, spec), spec) \
+                    if (self.last and spec.loss_fn is not None) else out
+        return saved.roots
+
+    def _pairs(self, roots: Any, grads: Optional[Grads]) -> List[Tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        """(root tensor, its gradient) for every root that backward must start from."""
+        tensors = tree_tensors(roots)
+        if grads is None:
+            return [(t, None) for t in tensors if t.requires_grad]
+        if len(grads) != len(tensors):
+            raise RuntimeError(f"stage {self.index}: got {len(grads)} output gradients for {len(tensors)} outputs")
+        return [(t, g) for t, g in zip(tensors, grads) if t.requires_grad and g is not None]
+
+    def _arm(self, pairs: List[Tuple[torch.Tensor, Optional[torch.Tensor]]]) -> List[Tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        """Pass the roots through the data-parallel engine's arming call (see ``distributed/ddp.py``)."""
+        if self.sync_roots is None:
+            return pairs
+        synced = self.sync_roots([t for t, _ in pairs])
+        return [(t, g) for t, (_, g) in zip(synced, pairs)]
+
+    @staticmethod
+    def _input_grads(saved: _Saved) -> Grads:
+        return [t.grad if t.requires_grad else None for t in tree_tensors(saved.inputs)]
+
     def backward(self, mb: int, grads: Optional[Grads], spec: StepSpec, *, sync: bool = False) -> Grads:
-        """Backward of micro-batch ``mb`` given the gradients of its outputs.
+        """The whole backward (B) of micro-batch ``mb`` given the gradients of its outputs.
 
         ``grads`` is aligned with the output's tensor leaves (None where an output
         got no gradient); the last stage in a loss step passes None and starts from
@@ -202,36 +257,46 @@ class Stage:
         that must carry the data-parallel gradient reduction. Returns the
         gradients of the input leaves (None where there is none).
         """
-        try:
-            saved = spec.store(self.index).pop(mb)
-        except KeyError:
-            raise RuntimeError(
-                f"stage {self.index} has no saved forward for micro-batch {mb}: backward ran twice, "
-                "or without its forward (call backward once per forward)"
-            ) from None
+        saved = self._take(spec, mb, keep=False)
         with self.streams.computing():
-            roots = saved.roots
-            if roots is None:  # recompute: the same random numbers, no second statistics update
-                with self._seeded(spec, mb), recomputing(), frozen_statistics(self.batch_norms), \
-                        spec.autocast(), torch.enable_grad():
-                    out = self._run(saved.inputs)
-                    roots = self._root(self._loss(out, saved, spec), spec) \
-                        if (self.last and spec.loss_fn is not None) else out
-            tensors = tree_tensors(roots)
-            if grads is None:
-                pairs = [(t, None) for t in tensors if t.requires_grad]
-            else:
-                if len(grads) != len(tensors):
-                    raise RuntimeError(
-                        f"stage {self.index}: got {len(grads)} output gradients for {len(tensors)} outputs"
-                    )
-                pairs = [(t, g) for t, g in zip(tensors, grads) if t.requires_grad and g is not None]
-            if sync and self.sync_roots is not None:
-                synced = self.sync_roots([t for t, _ in pairs])
-                pairs = [(s, g) for s, (_, g) in zip(synced, pairs)]
+            pairs = self._pairs(self._roots(saved, spec, mb), grads)
+            if sync:
+                pairs = self._arm(pairs)
             if pairs:
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs] if grads is not None else None)
-        return [t.grad if t.requires_grad else None for t in tree_tensors(saved.inputs)]
+        return self._input_grads(saved)
+
+    def backward_input(self, mb: int, grads: Optional[Grads], spec: StepSpec) -> Grads:
+        """The input-gradient half (I): the gradients to send to the previous stage, and nothing into ``.grad``.
+
+        What the weight half needs stays with the micro-batch until its
+        ``backward_weight`` (see ``split``); the activations stay held until then.
+        """
+        saved = self._take(spec, mb, keep=True)
+        if saved.weight_grads is not None:
+            raise RuntimeError(f"stage {self.index}: the input-gradient backward of micro-batch {mb} ran twice")
+        with self.streams.computing():
+            pairs = self._pairs(self._roots(saved, spec, mb), grads)
+            got, saved.weight_grads = backward_input(pairs, tree_tensors(saved.inputs), list(self.module.parameters()),
+                                                     loss=grads is None)
+        return got
+
+    def backward_weight(self, mb: int, spec: StepSpec, *, sync: bool = False) -> None:
+        """The weight-gradient half (W) of micro-batch ``mb``, after its I: accumulates into ``.grad``.
+
+        ``sync`` marks the stage's last W of the step: the data-parallel
+        reduction is armed here, so it fires once every micro-batch's weight
+        gradient is in.
+        """
+        saved = self._take(spec, mb, keep=False)
+        if saved.weight_grads is None:
+            raise RuntimeError(f"stage {self.index}: the weight-gradient backward of micro-batch {mb} ran before its "
+                               "input-gradient backward (a W needs its I)")
+        with self.streams.computing():
+            if sync and saved.roots is not None:
+                self._arm([(t, None) for t in tree_tensors(saved.roots) if t.requires_grad])
+            saved.weight_grads.run()
+        saved.weight_grads = None
 
 
 def build_stages(model: nn.Sequential, balance: Sequence[int], devices: Sequence[torch.device],

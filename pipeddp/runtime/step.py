@@ -32,7 +32,7 @@ from .batchnorm import DeferredStatistics
 from .executor import StageResults
 from .microbatch import merge, split, split_sizes, tree_map
 from .rng import draw_base_seed
-from .schedule import Action, Schedule, ScheduleFn, backward_only, forward_only, get_schedule
+from .schedule import Action, Schedule, ScheduleFn, backward_only, forward_only, get_schedule, row_of
 from .stage import Grads, Stage, StepSpec
 from .tied import LocalTies, Tie
 from .trace import Trace
@@ -43,7 +43,7 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 
 
 class Runner(Protocol):
-    """Runs one action list per local stage of a step and returns each stage's results."""
+    """Runs one action list per local device (schedule row) of a step and returns each device's results."""
 
     def run(self, rows: Sequence[Sequence[Action]], spec: StepSpec, *, inputs: Optional[Sequence[Any]] = None,
             output_grads: Optional[Sequence[Optional[Grads]]] = None, grad_event: Any = None,
@@ -68,15 +68,21 @@ def recompute_policy(checkpoint: str, chunks: int) -> Callable[[int], bool]:
 class Step:
     """Train or evaluate one batch on ``stages`` (this process's share of ``n_stages``) with ``runner``.
 
-    ``sync`` makes each stage's last backward of a training step carry the
+    The pipeline has ``n_stages // virtual_stages`` devices (schedule rows);
+    stage s runs on device ``s % rows``. ``sync`` makes each stage's last
+    weight-gradient action of a training step (its last B or W) carry the
     data-parallel gradient all-reduce (set when there are several replicas).
     """
 
     def __init__(self, stages: Sequence[Stage], n_stages: int, runner: Runner, *, chunks: Optional[int],
                  split_size: Optional[int], schedule: Union[str, ScheduleFn], checkpoint: str,
-                 ties: Sequence[Tie] = (), deferred_batch_norm: bool = False) -> None:
-        self.stages = list(stages)
+                 ties: Sequence[Tie] = (), deferred_batch_norm: bool = False, virtual_stages: int = 1) -> None:
+        self.stages = sorted(stages, key=lambda st: st.index)
         self.n_stages = n_stages
+        self.virtual_stages = virtual_stages
+        self.rows = n_stages // virtual_stages
+        #: the schedule rows this process runs (its devices), in the runner's order
+        self.local_rows = sorted({row_of(st.index, self.rows) for st in self.stages})
         self.runner = runner
         self.chunks = chunks
         self.split_size = split_size
@@ -113,10 +119,10 @@ class Step:
         key = (kind, m)
         if key not in self._rows:
             if kind == "train":
-                plan: Schedule = get_schedule(self.schedule, self.n_stages, m)
+                plan: Schedule = get_schedule(self.schedule, self.rows, m, self.virtual_stages)
             else:
-                plan = (forward_only if kind == "forward" else backward_only)(self.n_stages, m)
-            self._rows[key] = [plan[st.index] for st in self.stages]
+                plan = (forward_only if kind == "forward" else backward_only)(self.rows, m, self.virtual_stages)
+            self._rows[key] = [plan[r] for r in self.local_rows]
         return self._rows[key]
 
     def _seed(self) -> Optional[int]:

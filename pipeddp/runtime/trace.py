@@ -30,7 +30,7 @@ __all__ = ["Span", "Trace"]
 
 @dataclass
 class Span:
-    """One recorded interval: ``kind`` is F, B, recompute, send, recv, copy or allreduce."""
+    """One recorded interval: ``kind`` is F, B, I, W, recv or allreduce; ``stage`` the model stage."""
 
     stage: int
     kind: str
@@ -39,6 +39,13 @@ class Span:
     end: float
     lane: str = "compute"
     rank: int = 0
+    #: the device (schedule row) that ran it: the stage itself, unless a device holds several stages
+    row: Optional[int] = None
+
+    @property
+    def device(self) -> int:
+        """The device row this span belongs to (``stage`` where no row was recorded)."""
+        return self.stage if self.row is None else self.row
 
     @property
     def duration(self) -> float:
@@ -52,11 +59,12 @@ class Trace:
         self.rank = rank
         self._lock = threading.Lock()
         self._spans: List[Span] = []
-        self._pending: List[Tuple[int, str, int, str, Any, Any, Any, float]] = []
+        self._pending: List[Tuple[int, str, int, str, Any, Any, Any, float, Optional[int]]] = []
         self._anchors: Dict[Any, Tuple[Any, float]] = {}
-        #: per stage, the most micro-batches whose activations it held at once (what its memory scales with)
+        #: per device (schedule row), the most micro-batches whose activations its stages held at once
+        #: (what its memory scales with)
         self.peak_in_flight: Dict[int, int] = {}
-        #: per CUDA stage, ``torch.cuda.max_memory_allocated`` of its device after its actions (bytes)
+        #: per CUDA device row, ``torch.cuda.max_memory_allocated`` of its device after its actions (bytes)
         self.peak_memory: Dict[int, int] = {}
 
     def clear(self) -> None:
@@ -67,16 +75,17 @@ class Trace:
             self.peak_in_flight.clear()
             self.peak_memory.clear()
 
-    def note_memory(self, stage: int, in_flight: int, device: torch.device) -> None:
-        """Record what ``stage`` holds after an action: micro-batches in flight, and CUDA memory where it runs."""
+    def note_memory(self, row: int, in_flight: int, device: torch.device) -> None:
+        """Record what device ``row`` holds after an action: micro-batches in flight, and CUDA memory."""
         with self._lock:
-            self.peak_in_flight[stage] = max(self.peak_in_flight.get(stage, 0), in_flight)
+            self.peak_in_flight[row] = max(self.peak_in_flight.get(row, 0), in_flight)
             if device.type == "cuda":
-                self.peak_memory[stage] = max(self.peak_memory.get(stage, 0), torch.cuda.max_memory_allocated(device))
+                self.peak_memory[row] = max(self.peak_memory.get(row, 0), torch.cuda.max_memory_allocated(device))
 
     @contextlib.contextmanager
-    def span(self, stage: int, kind: str, mb: int, stream: Optional[Any] = None, lane: str = "compute") -> Iterator[None]:
-        """Time the body; ``stream`` (a CUDA stream) switches to CUDA events."""
+    def span(self, stage: int, kind: str, mb: int, stream: Optional[Any] = None, lane: str = "compute",
+             row: Optional[int] = None) -> Iterator[None]:
+        """Time the body; ``stream`` (a CUDA stream) switches to CUDA events. ``row``: the device that ran it."""
         if stream is None:
             start = time.perf_counter()
             try:
@@ -84,7 +93,7 @@ class Trace:
             finally:
                 end = time.perf_counter()
                 with self._lock:
-                    self._spans.append(Span(stage, kind, mb, start, end, lane, self.rank))
+                    self._spans.append(Span(stage, kind, mb, start, end, lane, self.rank, row))
             return
         anchor = self._anchor(stream)
         begin = torch.cuda.Event(enable_timing=True)
@@ -95,7 +104,7 @@ class Trace:
         finally:
             finish.record(stream)
             with self._lock:
-                self._pending.append((stage, kind, mb, lane, begin, finish, anchor[0], anchor[1]))
+                self._pending.append((stage, kind, mb, lane, begin, finish, anchor[0], anchor[1], row))
 
     def _anchor(self, stream: Any) -> Tuple[Any, float]:
         """A per-stream reference event with the wall-clock time it was recorded at."""
@@ -119,11 +128,11 @@ class Trace:
         """All spans, CUDA ones resolved (this synchronises the devices involved)."""
         with self._lock:
             pending, self._pending = self._pending, []
-            for stage, kind, mb, lane, begin, finish, anchor, wall in pending:
+            for stage, kind, mb, lane, begin, finish, anchor, wall, row in pending:
                 finish.synchronize()
                 start = wall + anchor.elapsed_time(begin) / 1e3
                 end = wall + anchor.elapsed_time(finish) / 1e3
-                self._spans.append(Span(stage, kind, mb, start, end, lane, self.rank))
+                self._spans.append(Span(stage, kind, mb, start, end, lane, self.rank, row))
             return sorted(self._spans, key=lambda s: (s.start, s.stage))
 
     def to_chrome(self) -> Dict[str, Any]:
@@ -139,7 +148,8 @@ class Trace:
                 "ts": (s.start - t0) * 1e6,
                 "dur": max(s.duration, 0.0) * 1e6,
                 "pid": s.rank,
-                "tid": f"stage {s.stage} {s.lane}",
+                "tid": f"device {s.device} {s.lane}" if s.row is not None and s.row != s.stage
+                else f"stage {s.stage} {s.lane}",
                 "args": {"stage": s.stage, "microbatch": s.mb},
             })
         return {"traceEvents": events, "displayTimeUnit": "ms"}
