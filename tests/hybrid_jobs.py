@@ -223,3 +223,29 @@ def forward_backward_job() -> List[torch.Tensor]:
     calls = sorted(HOOK_CALLS.values())
     engine.close()
     return grads + [torch.tensor(calls)]
+
+
+def schedule_job(mode: str, stages: int, replicas: int, combos) -> List[Dict[str, Any]]:
+    """Train 3 steps per (schedule, virtual_stages, chunks, checkpoint); return each step's gradients by name,
+    the final weights, and how many gradient all-reduces each stage group ran."""
+    init()
+    out = []
+    for schedule, virtual, chunks, checkpoint in combos:
+        engine = pipeddp.HybridParallel(make_mlp(), stages=stages, mode=mode, chunks=chunks, schedule=schedule,
+                                        virtual_stages=virtual, checkpoint=checkpoint, balance="uniform",
+                                        comm_hook=counting_hook)
+        HOOK_CALLS.clear()
+        opt = torch.optim.SGD(engine.parameters(), lr=0.1)
+        grads = []
+        for batch in global_batches(replicas, 3):
+            x, y = local_slice(batch, engine.topology.replica, 10)
+            opt.zero_grad()
+            engine.train_step(x if engine.is_first else None, y if engine.is_last else None, LOSS)
+            grads.append({n: p.grad.clone() for n, p in engine.named_parameters()})
+            opt.step()
+        engine.check_replicas()
+        out.append({"combo": (schedule, virtual, chunks, checkpoint), "grads": grads,
+                    "state": engine.local_state_dict(), "hook_calls": sorted(HOOK_CALLS.values()),
+                    "ddp": len([d for d in engine._ddps if d]), "stages": [st.index for st in engine.stages]})
+        engine.close()
+    return out

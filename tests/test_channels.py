@@ -1,4 +1,7 @@
-"""``runtime.channels``: the stage mailbox, the in-process channel and the CPU device copy."""
+"""``runtime.channels``: the device mailbox, the in-process channel and the CPU device copy.
+
+Messages are keyed ``(kind, receiving stage, micro-batch)``.
+"""
 
 import threading
 import time
@@ -30,30 +33,32 @@ def start(fn, *args):
 
 def test_take_waits_for_the_item():
     inbox = Inbox(1)
-    waiter = start(inbox.take, ("F", 0), 10.0, 0)
+    waiter = start(inbox.take, ("F", 1, 0), 10.0, 0)
     time.sleep(0.2)
     assert waiter["thread"].is_alive()  # nothing there yet: it waits
-    inbox.put(("F", 0), "activation")
+    inbox.put(("F", 1, 0), "activation")
     waiter["thread"].join(5)
     assert not waiter["thread"].is_alive()
     assert waiter == {"result": "activation", "thread": waiter["thread"]}
 
 
 def test_keys_make_the_order_of_arrival_irrelevant():
-    inbox = Inbox(2)
-    inbox.put(("F", 2), "f2")
-    inbox.put(("B", 0), "b0")
-    inbox.put(("F", 0), "f0")
-    inbox.put(("F", 1), "f1")
-    assert [inbox.take(k, 1.0, 1) for k in [("F", 0), ("F", 1), ("B", 0), ("F", 2)]] == ["f0", "f1", "b0", "f2"]
+    inbox = Inbox(0)
+    inbox.put(("F", 2, 2), "f2")
+    inbox.put(("B", 0, 0), "b0")
+    inbox.put(("F", 2, 0), "f0")
+    inbox.put(("F", 0, 0), "stage 0's f0")  # two stages of one device (virtual stages) never mix
+    inbox.put(("F", 2, 1), "f1")
+    keys = [("F", 2, 0), ("F", 2, 1), ("B", 0, 0), ("F", 2, 2), ("F", 0, 0)]
+    assert [inbox.take(k, 1.0, 1) for k in keys] == ["f0", "f1", "b0", "f2", "stage 0's f0"]
     # each item is taken once
     with pytest.raises(TimeoutError):
-        inbox.take(("F", 0), 0.05, 1)
+        inbox.take(("F", 2, 0), 0.05, 1)
 
 
 def test_abort_wakes_every_waiter_with_pipeline_aborted():
     inbox = Inbox(3)
-    keys = [("F", 0), ("F", 1), ("B", 4)]
+    keys = [("F", 3, 0), ("F", 3, 1), ("B", 3, 4)]
     waiters = [start(inbox.take, k, 60.0, 2) for k in keys]
     time.sleep(0.2)
     assert all(w["thread"].is_alive() for w in waiters)
@@ -62,7 +67,7 @@ def test_abort_wakes_every_waiter_with_pipeline_aborted():
     for w in waiters:
         w["thread"].join(5)
     assert time.monotonic() - began < 5
-    for (kind, mb), w in zip(keys, waiters):
+    for (kind, _, mb), w in zip(keys, waiters):
         assert not w["thread"].is_alive()
         err = w["error"]
         assert type(err) is PipelineAborted and isinstance(err, RuntimeError)
@@ -71,32 +76,35 @@ def test_abort_wakes_every_waiter_with_pipeline_aborted():
         assert "ValueError('stage 2 broke')" in str(err)
     # a later take fails at once too
     with pytest.raises(PipelineAborted):
-        inbox.take(("F", 9), 60.0, 2)
+        inbox.take(("F", 3, 9), 60.0, 2)
 
 
 def test_timeout_names_the_stage_and_the_micro_batch():
     inbox = Inbox(1)
     began = time.monotonic()
     with pytest.raises(TimeoutError) as info:
-        inbox.take(("B", 3), 0.3, 2)
+        inbox.take(("B", 1, 3), 0.3, 2)
     assert time.monotonic() - began >= 0.3
     assert "stage 1 waited" in str(info.value)
-    assert "for the gradient of micro-batch 3 from stage 2" in str(info.value)
-    with pytest.raises(TimeoutError, match="stage 4 waited .* for the activation of micro-batch 0 from stage 3"):
-        Inbox(4).take(("F", 0), 0.05, 3)
+    assert "for the gradient of micro-batch 3 from the device of stage 2 (device 2)" in str(info.value)
+    with pytest.raises(TimeoutError, match="stage 4 waited .* for the activation of micro-batch 0 from the device "
+                                           "of stage 3"):
+        Inbox(4).take(("F", 4, 0), 0.05, 3)
 
 
 def test_reset_forgets_leftovers_and_errors():
     inbox = Inbox(0)
-    inbox.put(("F", 0), "stale")
+    inbox.put(("F", 0, 0), "stale")
+    inbox.put(("F", 0, 2), "stashed")
+    assert inbox.take(("F", 0, 2), 1.0, 1) == "stashed"  # takes "stale" into the stash on the way
     inbox.abort(RuntimeError("previous step failed"))
     with pytest.raises(PipelineAborted):
-        inbox.take(("F", 1), 1.0, 1)
+        inbox.take(("F", 0, 1), 1.0, 1)
     inbox.reset()
     with pytest.raises(TimeoutError):  # the leftover is gone, and the error no longer fires
-        inbox.take(("F", 0), 0.05, 1)
-    inbox.put(("F", 0), "fresh")
-    assert inbox.take(("F", 0), 1.0, 1) == "fresh"
+        inbox.take(("F", 0, 0), 0.05, 1)
+    inbox.put(("F", 0, 0), "fresh")
+    assert inbox.take(("F", 0, 0), 1.0, 1) == "fresh"
 
 
 def pair(timeout=5.0):
@@ -110,8 +118,8 @@ def test_local_channel_delivers_values_unchanged():
     x = torch.randn(4, 3, dtype=torch.float64)
     value = (x, torch.arange(4), [torch.ones(4, 2, dtype=torch.float16)], {"mask": torch.zeros(4, dtype=torch.bool)},
              "tag")
-    to_next.send("F", 0, value)
-    got = to_prev.recv("F", 0)
+    to_next.send("F", 1, 0, value)
+    got = to_prev.recv("F", 1, 0)
     assert type(got) is tuple and len(got) == 5 and got[4] == "tag"
     assert torch.equal(got[0], x) and got[0].dtype == torch.float64
     assert torch.equal(got[1], torch.arange(4))
@@ -120,16 +128,16 @@ def test_local_channel_delivers_values_unchanged():
     # CPU to CPU nothing moves: the very tensors arrive
     assert got[0] is x
     grads = [torch.full((4, 3), 2.0, dtype=torch.float64), None]
-    to_prev.send("B", 0, grads)
-    back = to_next.recv("B", 0)
+    to_prev.send("B", 0, 0, grads)
+    back = to_next.recv("B", 0, 0)
     assert back[1] is None and torch.equal(back[0], grads[0])
 
 
 def test_local_channel_between_threads_in_any_order():
     to_next, to_prev = pair()
     sent = [torch.full((2, 2), float(i), dtype=torch.float64) for i in range(4)]
-    producer = start(lambda: [to_next.send("F", i, t) for i, t in enumerate(sent)])
-    got = {i: to_prev.recv("F", i) for i in (3, 1, 0, 2)}
+    producer = start(lambda: [to_next.send("F", 1, i, t) for i, t in enumerate(sent)])
+    got = {i: to_prev.recv("F", 1, i) for i in (3, 1, 0, 2)}
     producer["thread"].join(5)
     assert "error" not in producer
     assert all(torch.equal(got[i], sent[i]) for i in range(4))
@@ -137,10 +145,12 @@ def test_local_channel_between_threads_in_any_order():
 
 def test_local_channel_recv_times_out_naming_both_stages():
     to_next, to_prev = pair(timeout=0.1)
-    with pytest.raises(TimeoutError, match="stage 1 waited .* activation of micro-batch 5 from stage 0"):
-        to_prev.recv("F", 5)
-    with pytest.raises(TimeoutError, match="stage 0 waited .* gradient of micro-batch 2 from stage 1"):
-        to_next.recv("B", 2)
+    with pytest.raises(TimeoutError, match="stage 1 waited .* activation of micro-batch 5 from the device of stage 0"
+                                           r" \(device 0\)"):
+        to_prev.recv("F", 1, 5)
+    with pytest.raises(TimeoutError, match="stage 0 waited .* gradient of micro-batch 2 from the device of stage 1"
+                                           r" \(device 1\)"):
+        to_next.recv("B", 0, 2)
 
 
 def test_device_copy_on_cpu():

@@ -13,7 +13,7 @@ from conftest import data, make_mlp, max_diff
 from pipeddp.distributed.ddp import COMM_HOOKS, attach_ddp, check_ddp_kwargs
 from pipeddp.runtime.executor import ThreadRunner
 from pipeddp.runtime.microbatch import split, split_sizes
-from pipeddp.runtime.schedule import Action, one_f_one_b
+from pipeddp.runtime.schedule import Action, one_f_one_b, zero_bubble
 from pipeddp.runtime.stage import Stage, StepSpec, build_stages
 
 CPU = torch.device("cpu")
@@ -49,7 +49,7 @@ class Recorder:
             self._watch(st)
 
     def _watch(self, stage):
-        original = stage.backward
+        original, original_weight = stage.backward, stage.backward_weight
 
         def backward(mb, grads, spec, *, sync=False):
             self.running[stage.index] = (mb, sync)
@@ -58,7 +58,15 @@ class Recorder:
             finally:
                 self.running[stage.index] = None
 
+        def backward_weight(mb, spec, *, sync=False):  # zero-bubble: the weight half accumulates, so it reduces
+            self.running[stage.index] = (mb, sync)
+            try:
+                return original_weight(mb, spec, sync=sync)
+            finally:
+                self.running[stage.index] = None
+
         stage.backward = backward
+        stage.backward_weight = backward_weight
 
     def hook(self, state, bucket):  # no annotations: DDP inspects them
         s = self.stage_of[id(state)]
@@ -69,7 +77,8 @@ class Recorder:
 
 
 @pytest.mark.parametrize("schedule,recompute", [(one_f_one_b, False), (one_f_one_b, True),
-                                                (backwards_reversed, False)])
+                                                (backwards_reversed, False), (zero_bubble, False),
+                                                (zero_bubble, True)])
 def test_the_all_reduce_runs_once_per_bucket_in_the_last_backward(one_rank_group, schedule, recompute):
     model = make_mlp()
     ref = copy.deepcopy(model)
@@ -80,7 +89,8 @@ def test_the_all_reduce_runs_once_per_bucket_in_the_last_backward(one_rank_group
     ddps = [attach_ddp(st, g, ddp_kwargs={"bucket_cap_mb": 0.001}, comm_hook=rec.hook) for st, g in zip(stages, groups)]
     assert all(d is not None for d in ddps) and all(st.sync_roots is not None for st in stages)
     rows = schedule(2, 4)
-    last_backward = [[a for a in row if a.kind == "B"][-1].mb for row in rows]
+    # the last action that accumulates weight gradients: a B, or with a split backward a W
+    last_backward = [[a for a in row if a.kind in ("B", "W")][-1].mb for row in rows]
     runner = ThreadRunner(stages, threads=1, timeout=60)
     try:
         for step in range(2):

@@ -12,7 +12,7 @@ from torch import nn
 
 from conftest import data, make_mlp, max_diff
 from pipeddp.runtime.channels import Channel, Inbox, PipelineAborted
-from pipeddp.runtime.executor import ThreadRunner, Workers, run_actions
+from pipeddp.runtime.executor import Device, ThreadRunner, Workers, run_actions
 from pipeddp.runtime.microbatch import split, split_sizes
 from pipeddp.runtime.schedule import Action, gpipe, one_f_one_b
 from pipeddp.runtime.stage import Stage, StepSpec, build_stages
@@ -25,24 +25,32 @@ notes = pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes (
 class FakeChannel:
     """A ``Channel`` in memory: ``recv`` hands out what the test stored, ``send`` keeps what the stage sent.
 
-    Every call is appended to the shared ``log`` as ``(name, "send" | "recv", kind, mb)``.
+    Every call is appended to the shared ``log`` as ``(name, "send" | "recv", kind, mb)``; the receiving
+    stage of each message is checked against ``expect_stage`` (the stage the channel serves).
     """
 
-    def __init__(self, name, log, incoming=None, fail=None, on_send=None):
+    def __init__(self, name, log, incoming=None, fail=None, on_send=None, stages=None):
         self.name = name
+        self.stages = stages  # {"F": stage, "B": stage}: which stage each kind of message names
         self.log = log
         self.incoming = dict(incoming or {})
         self.sent = {}
         self.fail = fail
         self.on_send = on_send
 
-    def send(self, kind, mb, value):
+    def _check(self, kind, stage):
+        if self.stages is not None and kind in self.stages:
+            assert stage == self.stages[kind], (self.name, kind, stage)
+
+    def send(self, kind, stage, mb, value):
+        self._check(kind, stage)
         self.log.append((self.name, "send", kind, mb))
         self.sent[(kind, mb)] = value
         if self.on_send is not None:
             self.on_send(kind, mb)
 
-    def recv(self, kind, mb):
+    def recv(self, kind, stage, mb):
+        self._check(kind, stage)
         self.log.append((self.name, "recv", kind, mb))
         if self.fail == (kind, mb):
             raise ConnectionError(f"the peer sent no {kind}{mb}")
@@ -54,6 +62,20 @@ def channels(log, **kw):
     prev: Channel = FakeChannel("prev", log, **kw.get("prev", {}))
     nxt: Channel = FakeChannel("next", log, **kw.get("next", {}))
     return prev, nxt
+
+
+def run_stage(stage, actions, spec, *, prev=None, next=None, **kw):
+    """``run_actions`` for one stage on a device of its own, in a pipeline of one stage per device."""
+    n = stage.index + (1 if stage.last else 2)
+    links = {}
+    if prev is not None:
+        prev.stages = {"F": stage.index, "B": stage.index - 1}  # receives its input, sends its input's gradient
+        links[stage.index - 1] = prev
+    if next is not None:
+        next.stages = {"F": stage.index + 1, "B": stage.index}  # sends its output, receives its output's gradient
+        links[stage.index + 1] = next
+    device = Device(stage.index, n, n, {stage.index: stage})
+    return run_actions(device, [a._replace(stage=stage.index) for a in actions], spec, links=links, **kw)
 
 
 def micro_batches(sizes, seed):
@@ -71,7 +93,7 @@ def test_run_actions_runs_the_list_in_order_and_sends_what_it_computes():
     log = []
     prev, nxt = channels(log, prev={"incoming": {("F", i): x for i, x in enumerate(xs)}},
                          next={"incoming": {("B", i): [g] for i, g in enumerate(gs)}})
-    results = run_actions(stage, actions, StepSpec(grad=True), prev=prev, next=nxt)
+    results = run_stage(stage, actions, StepSpec(grad=True), prev=prev, next=nxt)
 
     expected_log = []
     for a in actions:
@@ -109,7 +131,7 @@ def test_first_and_last_stage_take_inputs_and_return_losses_and_input_grads():
     # the last stage first: it receives the first stage's activations (computed here on the plain slice)
     acts = {("F", i): first_part(xi).detach() for i, xi in enumerate(xs)}
     to_first, _ = channels(log, prev={"incoming": acts})
-    res_last = run_actions(last, rows[1], spec, prev=to_first, next=None)
+    res_last = run_stage(last, rows[1], spec, prev=to_first, next=None)
     assert sorted(res_last.outputs) == [0, 1, 2] and sorted(res_last.losses) == [0, 1, 2]
     for i in range(3):
         assert torch.equal(res_last.outputs[i], last_part(acts[("F", i)]))
@@ -117,7 +139,7 @@ def test_first_and_last_stage_take_inputs_and_return_losses_and_input_grads():
         assert abs(res_last.losses[i].item() - ref.item()) < 1e-15
     # ... and the first stage gets the gradients the last one sent back
     _, to_last = channels(log, next={"incoming": {("B", i): to_first.sent[("B", i)] for i in range(3)}})
-    res_first = run_actions(first, rows[0], spec, prev=None, next=to_last, inputs=xs)
+    res_first = run_stage(first, rows[0], spec, prev=None, next=to_last, inputs=xs)
     assert res_first.outputs == {} and res_first.losses == {}
     assert all(torch.equal(to_last.sent[("F", i)], acts[("F", i)]) for i in range(3))
 
@@ -137,7 +159,7 @@ def test_last_stage_without_loss_starts_from_the_given_output_gradients():
     xs, gs = micro_batches([2, 2], seed=5)
     log = []
     prev, _ = channels(log, prev={"incoming": {("F", i): x for i, x in enumerate(xs)}})
-    res = run_actions(stage, gpipe(2, 2)[1], StepSpec(grad=True), prev=prev, next=None,
+    res = run_stage(stage, gpipe(2, 2)[1], StepSpec(grad=True), prev=prev, next=None,
                       output_grads=[[g] for g in gs])
     assert res.losses == {}
     for x, g in zip(xs, gs):
@@ -167,7 +189,7 @@ def test_an_error_in_forward_keeps_its_type_and_names_rank_stage_and_action():
     prev, nxt = channels(log, prev={"incoming": {("F", i): x for i, x in enumerate(xs)}},
                          next={"incoming": {("B", i): [torch.ones(4 - i, 12, dtype=torch.float64)] for i in range(4)}})
     with pytest.raises(ValueError, match="bad micro-batch of 2") as info:
-        run_actions(stage, one_f_one_b(3, 4)[1], StepSpec(grad=True), prev=prev, next=nxt, rank=7)
+        run_stage(stage, one_f_one_b(3, 4)[1], StepSpec(grad=True), prev=prev, next=nxt, rank=7)
     assert type(info.value) is ValueError
     assert info.value.__notes__ == ["pipeddp: rank 7, stage 1, while running F2 (forward of micro-batch 2)"]
     # the traceback still reaches the layer that raised
@@ -183,7 +205,7 @@ def test_an_error_in_a_receive_names_the_backward_it_interrupted():
     prev, nxt = channels(log, prev={"incoming": {("F", i): x for i, x in enumerate(xs)}},
                          next={"incoming": {("B", i): [g] for i, g in enumerate(gs)}, "fail": ("B", 1)})
     with pytest.raises(ConnectionError) as info:
-        run_actions(stage, gpipe(4, 3)[2], StepSpec(grad=True), prev=prev, next=nxt, rank=3)
+        run_stage(stage, gpipe(4, 3)[2], StepSpec(grad=True), prev=prev, next=nxt, rank=3)
     assert type(info.value) is ConnectionError
     assert info.value.__notes__ == ["pipeddp: rank 3, stage 2, while running B1 (backward of micro-batch 1)"]
 
@@ -194,8 +216,8 @@ def test_a_set_stop_event_ends_the_list_before_the_next_action():
     stop = threading.Event()
     log = []
     _, nxt = channels(log, next={"on_send": lambda kind, mb: stop.set() if mb == 1 else None})
-    with pytest.raises(PipelineAborted, match="stage 0 stopped before F2 because another stage failed"):
-        run_actions(stage, [Action("F", i) for i in range(3)], StepSpec(grad=False), prev=None, next=nxt,
+    with pytest.raises(PipelineAborted, match="device 0 stopped before F2@s0 because another stage failed"):
+        run_stage(stage, [Action("F", i) for i in range(3)], StepSpec(grad=False), prev=None, next=nxt,
                     inputs=xs, stop=stop)
     assert log == [("next", "send", "F", 0), ("next", "send", "F", 1)]
 
@@ -207,7 +229,7 @@ def test_a_stop_is_not_reported_as_interrupting_the_finished_action():
     stop = threading.Event()
     _, nxt = channels([], next={"on_send": lambda kind, mb: stop.set() if mb == 1 else None})
     with pytest.raises(PipelineAborted) as info:
-        run_actions(stage, [Action("F", i) for i in range(3)], StepSpec(grad=False), prev=None, next=nxt,
+        run_stage(stage, [Action("F", i) for i in range(3)], StepSpec(grad=False), prev=None, next=nxt,
                     inputs=xs, stop=stop)
     assert not any("while running F1" in n for n in getattr(info.value, "__notes__", []))
 
@@ -248,7 +270,7 @@ def test_workers_reraise_the_real_error_after_waking_the_waiters():
     seen = []
 
     def waiting():  # blocks until on_error aborts the inbox
-        return inbox.take(("B", 0), 60.0, 1)
+        return inbox.take(("B", 0, 0), 60.0, 1)
 
     def failing():
         time.sleep(0.1)

@@ -62,16 +62,19 @@ def test_unsupported_values_are_refused_with_a_clear_message():
 def test_channel_refuses_a_dict_before_sending_anything():
     ch = P2PChannel(1, rank=0, stage=0, peer_stage=1, device=CPU, comm_device=CPU, timeout=timedelta(seconds=1))
     with pytest.raises(TypeError, match="got dict; restructure the layer at the cut"):
-        ch.send("F", 0, {"h": torch.zeros(2, 3)})  # no process group is needed to refuse it
+        ch.send("F", 1, 0, {"h": torch.zeros(2, 3)})  # no process group is needed to refuse it
     assert ch._meta == {} and ch._inflight == []
 
 
-def test_tags_are_unique_per_kind_micro_batch_and_slot():
+def test_tags_are_unique_per_kind_stage_micro_batch_and_slot():
     max_slots = (_HEADER - 2) // 2 + 1  # a header describes at most 31 tensors: slots 0 (header) .. 31
-    keys = list(itertools.product("FB", range(300), range(max_slots)))
-    tags = [_tag(kind, mb, slot) for kind, mb, slot in keys]
+    keys = list(itertools.product("FB", (0, 1, 5, 255), range(300), range(max_slots)))
+    tags = [_tag(kind, stage, mb, slot) for kind, stage, mb, slot in keys]
     assert len(set(tags)) == len(keys)
     assert min(tags) >= 0 and max(tags) < 2**31
+    assert _tag("B", 255, 4095, 127) < 2**31  # the largest tag fits gloo's 32 bits
+    with pytest.raises(ValueError, match="at most 256 stages"):
+        _tag("F", 256, 0, 0)
 
 
 # -- a real exchange over gloo ----------------------------------------------------------------------------------
@@ -114,15 +117,21 @@ def exchange_job():
     got = []
     for step, sizes in enumerate(STEPS):
         order = list(range(len(sizes)))
-        if rank == 0:
+        if rank == 0:  # device 0 holds stages 0 and 2 (virtual stages), device 1 stages 1 and 3
             for mb in order:
-                ch.send("F", mb, activation(step, mb, sizes[mb]))
+                ch.send("F", 1, mb, activation(step, mb, sizes[mb]))
+                ch.send("F", 3, mb, activation(step + 10, mb, sizes[mb]))  # same micro-batch, another stage
             for mb in order:
-                got.append((step, mb, ch.recv("B", mb)))
+                got.append((step, mb, ch.recv("B", 0, mb)))
+                assert same(ch.recv("B", 2, mb)[0], gradient(step + 10, mb, sizes[mb])[0])
         else:
             for mb in reversed(order):  # consumed in another order than sent: tags, not arrival order, match them
-                got.append((step, mb, ch.recv("F", mb)))
-                ch.send("B", mb, gradient(step, mb, sizes[mb]))
+                other = ch.recv("F", 3, mb)
+                got.append((step, mb, ch.recv("F", 1, mb)))
+                ch.send("B", 2, mb, gradient(step + 10, mb, sizes[mb]))
+                ch.send("B", 0, mb, gradient(step, mb, sizes[mb]))
+                expected = activation(step + 10, mb, sizes[mb])
+                assert type(other) is type(expected)
         ch.flush()
     # a message that never comes: a PeerError naming both sides (rank 0 stays up meanwhile, sending nothing)
     error = ""
@@ -131,7 +140,7 @@ def exchange_job():
                            timeout=timedelta(seconds=1))
         began = time.monotonic()
         try:
-            short.recv("F", 99)
+            short.recv("F", 1, 99)
         except PeerError as exc:
             error = f"{exc} after {time.monotonic() - began:.1f} s"
     else:
@@ -174,6 +183,6 @@ def test_activations_and_gradients_cross_between_processes_intact():
             else:
                 assert same(g, want)
     assert sent_back["error"] == ""
-    assert received["error"].startswith("rank 1 (stage 1) got no activation of micro-batch 99 from rank 0 (stage 0) "
-                                        "within 1 s")
+    assert received["error"].startswith("rank 1 (stage 1) got no activation of micro-batch 99 for stage 1 from rank 0 "
+                                        "(stage 0) within 1 s")
     assert 0.9 <= float(received["error"].split(" after ")[-1][:-2]) < 2.5  # it waited its timeout, not longer

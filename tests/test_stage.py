@@ -147,7 +147,7 @@ def test_backward_without_its_forward_raises():
     x, _ = data(4)
     stage.forward(0, x, spec)
     stage.backward(0, [torch.ones(4, 12, dtype=torch.float64)], spec)
-    with pytest.raises(RuntimeError, match="no saved forward for micro-batch 0: backward ran twice"):
+    with pytest.raises(RuntimeError, match="no saved forward for micro-batch 0: its backward ran twice"):
         stage.backward(0, [torch.ones(4, 12, dtype=torch.float64)], spec)
 
 

@@ -120,6 +120,9 @@ def run_actions(
     would otherwise run all its micro-batches.
     """
     where: List[Action] = []
+    # a row written by hand may name kinds as strings and leave out the stage of a one-stage device
+    actions = [a if isinstance(a.kind, Kind) and a.stage is not None
+               else Action(Kind(a.kind), a.mb, device.row if a.stage is None else a.stage) for a in actions]
     try:
         return _run(device, actions, spec, links, inputs, output_grads, trace, where, stop)
     except BaseException as exc:

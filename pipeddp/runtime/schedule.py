@@ -430,11 +430,12 @@ def accepts_virtual_stages(schedule: Union[str, ScheduleFn]) -> bool:
 def normalize(schedule: Schedule, stages: Optional[int] = None) -> Schedule:
     """Every action as ``Action(Kind, mb, stage)``: string kinds become ``Kind``, a missing stage the row's own.
 
-    ``stages`` (default: one per row) is how many stages the model has; an
-    action without a stage is only allowed where it equals the number of rows.
+    ``stages`` (default: as many as the actions name, else one per row) is how
+    many stages the model has; an action without a stage is only allowed where
+    it equals the number of rows.
     """
     rows = len(schedule)
-    n = rows if stages is None else stages
+    n = _guess_stages(schedule) if stages is None else stages
     out: Schedule = []
     for r, row in enumerate(schedule):
         if not isinstance(row, (list, tuple)):
@@ -473,7 +474,7 @@ def validate(schedule: Schedule, chunks: int, *, training: bool = True, stages: 
     if not schedule:
         raise ValueError("a schedule needs at least one device row")
     rows = len(schedule)
-    schedule = normalize(schedule, stages if stages is not None else _guess_stages(schedule))
+    schedule = normalize(schedule, stages)
     n = stage_count(schedule) if stages is None else stages
     if n % rows:
         raise ValueError(f"the schedule runs {n} stages on {rows} devices; every device must hold the same "
@@ -527,7 +528,7 @@ def _guess_stages(schedule: Schedule) -> int:
 
 def format_schedule(schedule: Schedule) -> str:
     """One line per device: ``stage 0: F0 F1 B0 ...``, or ``device 0: F0@s0 F0@s2 ...`` with virtual stages."""
-    plan = normalize(schedule, _guess_stages(schedule))
+    plan = normalize(schedule)
     short = stage_count(plan) == len(plan)
     head = "stage" if short else "device"
     return "\n".join(f"{head} {r}: " + " ".join(a.label(short) for a in row) for r, row in enumerate(plan))
@@ -593,7 +594,7 @@ def play(
     on a copy stream / the network). Raises ``ValueError`` naming the stuck
     actions if the schedule deadlocks.
     """
-    schedule = normalize(schedule, _guess_stages(schedule))
+    schedule = normalize(schedule)
     n_stages = stage_count(schedule)
     p = len(schedule)
     done: Dict[Event, float] = {}

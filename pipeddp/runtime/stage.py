@@ -288,10 +288,11 @@ class Stage:
         reduction is armed here, so it fires once every micro-batch's weight
         gradient is in.
         """
-        saved = self._take(spec, mb, keep=False)
+        saved = self._take(spec, mb, keep=True)
         if saved.weight_grads is None:
             raise RuntimeError(f"stage {self.index}: the weight-gradient backward of micro-batch {mb} ran before its "
                                "input-gradient backward (a W needs its I)")
+        del spec.store(self.index)[mb]
         with self.streams.computing():
             if sync and saved.roots is not None:
                 self._arm([(t, None) for t in tree_tensors(saved.roots) if t.requires_grad])

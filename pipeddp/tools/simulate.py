@@ -56,7 +56,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-from ..runtime.schedule import Action, Played, Schedule, ScheduleFn, get_schedule, play, ready_time
+from ..runtime.schedule import (Action, Kind, Played, Schedule, ScheduleFn, get_schedule, normalize, play, produces,
+                                ready_time, row_of, stage_count)
 
 __all__ = ["StageCost", "Link", "LINKS", "Prediction", "simulate", "ring_allreduce_time", "bubble_bound", "resolve_link",
            "play_shared", "contention_factor"]
@@ -64,12 +65,28 @@ __all__ = ["StageCost", "Link", "LINKS", "Prediction", "simulate", "ring_allredu
 
 @dataclass(frozen=True)
 class StageCost:
-    """One stage at one micro-batch size: seconds per micro-batch, bytes it sends, bytes it owns."""
+    """One stage at one micro-batch size: seconds per micro-batch, bytes it sends, bytes it owns.
+
+    ``backward_input`` is the input-gradient half of ``backward`` (what a
+    zero-bubble schedule's I costs; W costs the rest). Unknown (None), it is
+    taken as half, except on the first stage, which has no input gradient.
+    """
 
     forward: float
     backward: float
     activation_bytes: int = 0
     param_bytes: int = 0
+    backward_input: Optional[float] = None
+
+    def cost(self, kind: Kind, first: bool) -> float:
+        """Seconds of one action of ``kind`` on this stage (``first``: the pipeline's first stage)."""
+        if kind is Kind.F:
+            return self.forward
+        if kind is Kind.B:
+            return self.backward
+        i = self.backward_input if self.backward_input is not None else (0.0 if first else self.backward / 2)
+        i = min(max(i, 0.0), self.backward)
+        return i if kind is Kind.I else self.backward - i
 
 
 @dataclass(frozen=True)
@@ -154,6 +171,16 @@ def play_shared(
 Span = Tuple[float, float]
 
 
+def _last_weight(schedule: Schedule) -> Dict[int, Tuple[int, int]]:
+    """Per stage, (row, position) of its last action that accumulates weight gradients (B or W)."""
+    out: Dict[int, Tuple[int, int]] = {}
+    for r, row in enumerate(schedule):
+        for k, a in enumerate(row):
+            if a.kind is Kind.B or a.kind is Kind.W:
+                out[a.stage] = (r, k)
+    return out
+
+
 def _play_shared(
     schedule: Schedule,
     duration: Callable[[int, Action], float],
@@ -164,85 +191,94 @@ def _play_shared(
     """``play_shared``, optionally with collectives that compete for the same cores.
 
     ``collectives[s]`` lists stage s's reductions as ``(fraction, seconds)``:
-    reduction k may start once the stage's last backward has done ``fraction``
-    of its work and reduction k-1 has finished; ``seconds`` is its duration when
-    only the collectives run (that is how it was measured). A running reduction
-    counts as one more busy worker: with n busy (actions + reductions), an
-    action progresses at 1 / slowdown(n) and a reduction at slowdown(1) /
-    slowdown(n). Returns the actions' events and each stage's reduction spans.
+    reduction k may start once the stage's last weight-gradient action (its
+    last B or W) has done ``fraction`` of its work and reduction k-1 has
+    finished; ``seconds`` is its duration when only the collectives run (that
+    is how it was measured). A running reduction counts as one more busy
+    worker: with n busy (actions + reductions), an action progresses at 1 /
+    slowdown(n) and a reduction at slowdown(1) / slowdown(n). Returns each
+    device row's events and each stage's reduction spans.
     """
+    schedule = normalize(schedule)
+    n_stages = stage_count(schedule)
     p = len(schedule)
-    jobs = [list(j) for j in collectives] if collectives is not None else [[] for _ in range(p)]
-    last_b = [max((k for k, a in enumerate(row) if a.kind == "B"), default=-1) for row in schedule]
-    done: Dict[Tuple[int, str, int], float] = {}
+    jobs = [list(j) for j in collectives] if collectives is not None else [[] for _ in range(n_stages)]
+    last_w = _last_weight(schedule)
+    done: Dict[Tuple[str, int, int], float] = {}
     events: List[List[Tuple[Action, float, float]]] = [[] for _ in range(p)]
-    reduced: List[List[Span]] = [[] for _ in range(p)]
+    reduced: List[List[Span]] = [[] for _ in range(n_stages)]
     pos = [0] * p
     running: List[Optional[List[Any]]] = [None] * p  # [action, start, solo work left, solo work, index in row]
-    comm: List[Optional[List[float]]] = [None] * p  # [start, work left]
-    queued = [0] * p  # next reduction of each stage
+    comm: List[Optional[List[float]]] = [None] * n_stages  # [start, work left]
+    queued = [0] * n_stages  # next reduction of each stage
     total = sum(len(r) for r in schedule) + sum(len(j) for j in jobs)
     finished = 0
     now = 0.0
 
     def progress(s: int) -> Optional[float]:
-        """Share of stage s's last backward done so far (None before it starts)."""
-        if pos[s] <= last_b[s]:
+        """Share of stage s's last weight-gradient action done so far (None before it starts)."""
+        if s not in last_w:
             return None
-        r = running[s]
-        if r is not None and r[4] == last_b[s] and r[3] > 0:
-            return 1.0 - r[2] / r[3]
+        r, k = last_w[s]
+        if pos[r] <= k:
+            return None
+        run = running[r]
+        if run is not None and run[4] == k and run[3] > 0:
+            return 1.0 - run[2] / run[3]
         return 1.0
 
     while finished < total:
         pending: List[float] = []
-        for s in range(p):
-            if running[s] is not None or pos[s] >= len(schedule[s]):
+        for r in range(p):
+            if running[r] is not None or pos[r] >= len(schedule[r]):
                 continue
-            a = schedule[s][pos[s]]
-            ready = ready_time(s, a, p, done, transfer)
+            a = schedule[r][pos[r]]
+            ready = ready_time(a, done, transfer, n_stages)
             if ready is None:
                 continue
             if ready <= now:
-                work = max(duration(s, a), 0.0)
-                running[s] = [a, now, work, work, pos[s]]
-                pos[s] += 1
+                work = max(duration(r, a), 0.0)
+                running[r] = [a, now, work, work, pos[r]]
+                pos[r] += 1
             else:
                 pending.append(ready)
-        for s in range(p):
+        for s in range(n_stages):
             if comm[s] is None and queued[s] < len(jobs[s]):
                 share = progress(s)
                 if share is not None and share >= jobs[s][queued[s]][0] - 1e-12:
                     comm[s] = [now, max(jobs[s][queued[s]][1], 0.0)]
                     queued[s] += 1
-        busy = [s for s in range(p) if running[s] is not None]
-        talking = [s for s in range(p) if comm[s] is not None]
+        busy = [r for r in range(p) if running[r] is not None]
+        talking = [s for s in range(n_stages) if comm[s] is not None]
         n = len(busy) + len(talking)
         factor = slowdown(n) if n else 1.0
         comm_factor = factor / slowdown(1) if n else 1.0
-        ends = {s: now + running[s][2] * factor for s in busy}
+        ends = {r: now + running[r][2] * factor for r in busy}
         comm_ends = {s: now + comm[s][1] * comm_factor for s in talking}
         triggers = []
-        for s in busy:  # a running last backward reaching the share at which the next reduction may start
-            r = running[s]
-            if r[4] == last_b[s] and comm[s] is None and queued[s] < len(jobs[s]):
-                left = r[2] - (1.0 - jobs[s][queued[s]][0]) * r[3]
+        for r in busy:  # a running last weight action reaching the share at which the next reduction may start
+            run = running[r]
+            s = run[0].stage
+            if last_w.get(s) == (r, run[4]) and comm[s] is None and queued[s] < len(jobs[s]):
+                left = run[2] - (1.0 - jobs[s][queued[s]][0]) * run[3]
                 if left > 0:
                     triggers.append(now + left * factor)
         candidates = list(ends.values()) + list(comm_ends.values()) + pending + triggers
         if not candidates:
-            stuck = ", ".join(f"stage {s} at {schedule[s][pos[s]]}" for s in range(p) if pos[s] < len(schedule[s]))
+            stuck = ", ".join(f"device {r} at {schedule[r][pos[r]].label(False)}"
+                              for r in range(p) if pos[r] < len(schedule[r]))
             raise ValueError(f"the schedule deadlocks: no stage can proceed ({stuck})")
         nxt = min(candidates)
-        for s in busy:
-            if ends[s] <= nxt:
-                a, start = running[s][0], running[s][1]
-                events[s].append((a, start, nxt))
-                done[(s, a.kind, a.mb)] = nxt
-                running[s] = None
+        for r in busy:
+            if ends[r] <= nxt:
+                a, start = running[r][0], running[r][1]
+                events[r].append((a, start, nxt))
+                for e in produces(a):
+                    done[e] = nxt
+                running[r] = None
                 finished += 1
             else:
-                running[s][2] -= (nxt - now) / factor
+                running[r][2] -= (nxt - now) / factor
         for s in talking:
             if comm_ends[s] <= nxt:
                 reduced[s].append((comm[s][0], nxt))
@@ -267,41 +303,49 @@ def simulate(
     bucket_bytes: Optional[float] = None,
     collectives_share_cores: bool = False,
     step_overhead: float = 0.0,
+    virtual_stages: int = 1,
 ) -> Prediction:
-    """Predict one training step of ``replicas`` pipelines of ``len(costs)`` stages.
+    """Predict one training step of ``replicas`` pipelines with the stages of ``costs``.
 
     ``costs[s]`` is stage s at the micro-batch size used (``chunks`` micro-batches
-    per replica). ``links`` is the link between neighbouring stages (name from
+    per replica); with ``virtual_stages=v`` there are ``stages * v`` of them and
+    device r runs stages r, r + stages, ... (``stages`` defaults to
+    ``len(costs) // v``). ``links`` is the link between devices (name from
     ``LINKS`` or a ``Link``; default: free), ``allreduce_link`` the one between
     replicas (default: ``links``). Each stage's gradient all-reduce starts with its
-    last backward (DDP reduces buckets as they fill) and ends no earlier than that
-    backward; the step ends when the last stage's all-reduce does.
+    last weight-gradient action (its last B or W: DDP reduces buckets as they
+    fill) and ends no earlier than that action; the step ends when the last
+    all-reduce does.
 
     ``contention`` (slowdown by number of workers computing at once on shared
     cores, replicas included), ``bucket_bytes`` (DDP bucket size: buckets are
-    reduced one after another as the last backward produces them),
+    reduced one after another as the backward produces them),
     ``collectives_share_cores`` (a reduction in flight is one more worker on
     those cores; needs ``contention``) and ``step_overhead`` (seconds added to
     the step) are described in the module docstring; their defaults leave the
     model as above.
     """
-    stages = len(costs) if stages is None else stages
-    if stages != len(costs):
-        raise ValueError(f"{len(costs)} stage costs given for stages={stages}")
+    n_stages = len(costs)
+    rows = n_stages // virtual_stages if stages is None else stages
+    if not isinstance(virtual_stages, int) or virtual_stages < 1 or rows * virtual_stages != n_stages:
+        raise ValueError(f"{n_stages} stage costs given for stages={stages} x virtual_stages={virtual_stages}; "
+                         "give one cost per stage (devices x virtual stages)")
     if contention is not None and (not contention or any(c <= 0 for c in contention)):
         raise ValueError(f"contention must be a non-empty list of positive slowdown factors, got {contention!r}")
     if bucket_bytes is not None and bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes!r}")
     link = resolve_link(links)
     ar_link = resolve_link(allreduce_link) if allreduce_link is not None else link
-    plan = get_schedule(schedule, stages, chunks)
+    plan = get_schedule(schedule, rows, chunks, virtual_stages)
 
-    def duration(s: int, a: Action) -> float:
-        return costs[s].forward if a.kind == "F" else costs[s].backward
+    def duration(row: int, a: Action) -> float:
+        return costs[a.stage].cost(a.kind, a.stage == 0)
 
     def transfer(src: int, dst: int, a: Action) -> float:
+        if row_of(src, rows) == row_of(dst, rows):
+            return 0.0  # consecutive stages on one device: nothing moves
         # an activation leaves stage src forward; its gradient (same size) comes back from src = dst + 1
-        sender = src if a.kind == "F" else dst
+        sender = src if a.kind is Kind.F else dst
         return link.time(costs[sender].activation_bytes)
 
     buckets = [_buckets(c.param_bytes, bucket_bytes) for c in costs]
@@ -315,7 +359,7 @@ def simulate(
             for size in bs:
                 produced += size
                 # a bucket may start once the backward has produced it; one piece (no bucket size) may start
-                # with the last backward, as in the model without sharing
+                # with the last weight-gradient action, as in the model without sharing
                 share = produced / c.param_bytes if bucket_bytes is not None else 0.0
                 row.append((share, ring_allreduce_time(size, replicas, ar_link)))
             jobs.append(row if replicas > 1 else [])
@@ -329,23 +373,27 @@ def simulate(
         else:
             played = play_shared(plan, duration, transfer, lambda n: contention_factor(contention, n * replicas))
         end = played.makespan
-        for s, row in enumerate(played.events):
-            last_b = [(start, stop) for a, start, stop in row if a.kind == "B"]
-            if last_b and reduce[s] > 0:
-                start, stop = last_b[-1]
-                if bucket_bytes is None:
-                    end = max(end, stop, start + reduce[s])
-                    continue
-                clock, produced = start, 0.0
-                for size in buckets[s]:
-                    produced += size
-                    ready = start + (stop - start) * produced / costs[s].param_bytes
-                    clock = max(clock, ready) + ring_allreduce_time(size, replicas, ar_link)
-                end = max(end, stop, clock)
+        last: Dict[int, Tuple[float, float]] = {}
+        for row in played.events:
+            for a, start, stop in row:
+                if a.kind is Kind.B or a.kind is Kind.W:
+                    last[a.stage] = (start, stop)
+        for s, (start, stop) in sorted(last.items()):
+            if reduce[s] <= 0:
+                continue
+            if bucket_bytes is None:
+                end = max(end, stop, start + reduce[s])
+                continue
+            clock, produced = start, 0.0
+            for size in buckets[s]:
+                produced += size
+                ready = start + (stop - start) * produced / costs[s].param_bytes
+                clock = max(clock, ready) + ring_allreduce_time(size, replicas, ar_link)
+            end = max(end, stop, clock)
     return Prediction(
         step_time=end + step_overhead,
         bubble=played.bubble,
-        peak_activations=[played.peak_in_flight(s) for s in range(stages)],
+        peak_activations=[played.peak_in_flight(r) for r in range(rows)],
         allreduce_time=reduce,
         exposed_allreduce=end - played.makespan,
         played=played,
