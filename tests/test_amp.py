@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import pipeddp
-from conftest import reference_training
+from conftest import data, make_mlp, reference_training
 from amp_jobs import (LOSS, SeesDtype, batch, overflow_model, probe_model, stage_autocast_job,
                       stage_scaler_job)
 
@@ -153,3 +153,43 @@ def test_compile_options_reach_torch_compile():
         assert torch.allclose(got[k], v, rtol=1e-5, atol=1e-6), k
     with pytest.raises(ValueError, match="compile must be True, False or a dict"):
         pipeddp.Pipeline(nn.Sequential(nn.Linear(2, 2)), ["cpu"], compile="max-autotune")
+
+
+class GraphCounter:
+    """A torch.compile backend that runs each graph eagerly and counts the graphs dynamo hands it, per stage."""
+
+    def __init__(self):
+        self.graphs = 0
+
+    def __call__(self, gm, example_inputs):  # no annotations: dynamo inspects backends
+        self.graphs += 1
+        return gm.forward
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("n,per_mode", [(8, 1), (10, 2)])
+def test_compiled_stages_keep_one_graph_per_mode(n, per_mode):
+    # 4 stages, each in 3 modes (the forward of the last micro-batch keeps its graph, the others run without grad
+    # and are replayed in backward), then an evaluation forward: 12 (stage, mode) pairs, above dynamo's limit of 8
+    # recompiles for one code object. Each pair is compiled once (even micro-batches, 8 over 4), or once more for
+    # a dynamic batch size (10 over 4: 3 3 2 2), and never again however many steps run.
+    torch._dynamo.reset()
+    counter = GraphCounter()
+    model = make_mlp(depth=4)
+    x, y = data(n)
+    with pipeddp.Pipeline(model, ["cpu"] * 4, chunks=4, checkpoint="except_last", compile={"backend": counter},
+                          schedule="zb") as pipe:
+        counts = []
+        for _ in range(3):
+            pipe.train_step(x, y, LOSS)
+            counts.append(counter.graphs)
+        with torch.no_grad():
+            pipe(x)  # a forward without grad in training mode: the graph the non-kept forwards already use
+        counts.append(counter.graphs)
+        modes = [len(st.call.by_mode) for st in pipe.stages]
+    assert modes == [3, 3, 3, 3]
+    assert len(set(counts)) == 1  # nothing compiled after the first step
+    if per_mode == 1:
+        assert counts[0] == sum(modes)
+    else:  # a mode whose micro-batches come in two sizes compiles twice, the others once
+        assert sum(modes) < counts[0] <= 2 * sum(modes)

@@ -29,6 +29,7 @@ import torch
 __all__ = ["Autocast"]
 
 _DEVICE_TYPES = ("cpu", "cuda")
+_OFF = contextlib.nullcontext()  # reusable: entered around every action of a step without autocast
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ class Autocast:
     def __call__(self) -> ContextManager[None]:
         """Enter the captured regions (nothing when none was enabled)."""
         if not self.regions:
-            return contextlib.nullcontext()
+            return _OFF
         stack = contextlib.ExitStack()
         for device_type, dtype, cache in self.regions:
             stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=cache))

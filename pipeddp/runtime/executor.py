@@ -29,7 +29,6 @@ from __future__ import annotations
 import functools
 import queue
 import threading
-from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
@@ -227,43 +226,60 @@ def _recv(channel: Channel, kind: str, stage: int, mb: int, row: int, trace: Opt
 
 
 class _Worker:
-    def __init__(self, name: str, threads: Optional[int]) -> None:
-        self.jobs: "queue.Queue[Optional[tuple]]" = queue.Queue()
-        self.thread = threading.Thread(target=self._loop, args=(self.jobs, threads), name=name, daemon=True)
+    """One persistent thread: runs the jobs it is given, one at a time, and reports each to ``done``.
+
+    Its setup (the intra-op thread count) can fail; the error is kept and
+    every job, the current and every later one, is answered with it, so a
+    caller never waits for a thread that is gone.
+    """
+
+    def __init__(self, name: str, threads: Optional[int], done: "queue.SimpleQueue[tuple]") -> None:
+        self.jobs: "queue.SimpleQueue[Optional[tuple]]" = queue.SimpleQueue()
+        self.done = done
+        self.fatal: Optional[BaseException] = None
+        self.thread = threading.Thread(target=self._loop, args=(threads,), name=name, daemon=True)
         self.thread.start()
 
-    @staticmethod
-    def _loop(jobs: "queue.Queue[Optional[tuple]]", threads: Optional[int]) -> None:
-        if threads is not None:
-            torch.set_num_threads(threads)
+    def _loop(self, threads: Optional[int]) -> None:
+        try:
+            if threads is not None:
+                torch.set_num_threads(threads)
+        except BaseException as exc:  # noqa: BLE001 - every job is answered with it
+            self.fatal = exc
         while True:
-            job = jobs.get()
+            job = self.jobs.get()
             if job is None:
                 return
-            fn, fut, grad_mode = job
-            if not fut.set_running_or_notify_cancel():
-                continue
+            run, k, fn, grad_mode = job
             try:
+                if self.fatal is not None:
+                    raise RuntimeError(f"pipeddp: the worker thread {self.thread.name} could not start: "
+                                       f"{self.fatal!r}") from self.fatal
                 with torch.set_grad_enabled(grad_mode):
-                    fut.set_result(fn())
+                    result = fn()
+                self.done.put((run, k, True, result))
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                fut.set_exception(exc)
+                self.done.put((run, k, False, exc))
             finally:
-                del fn, fut, job
+                del fn, job
 
 
 class Workers:
-    """A fixed set of worker threads, one per stage.
+    """A fixed set of worker threads, one per device.
 
-    ``run(fns)`` runs ``fns[i]`` on worker ``i`` and waits for all of them. If
-    one fails, ``on_error`` is called (the pipeline aborts its inboxes so
-    waiting stages wake up), the rest are awaited, and the first real error is
-    re-raised in the caller with its original traceback.
+    ``run(fns)`` runs ``fns[i]`` on worker ``i`` and waits for all of them:
+    each reports to one queue, the cheapest wake-up there is. If one fails,
+    ``on_error`` is called (the pipeline aborts its inboxes so waiting devices
+    wake up), the rest are awaited, and the first real error is re-raised in
+    the caller with its original traceback. A worker thread that died is
+    noticed within a second and reported instead of waited for.
     """
 
     def __init__(self, n: int, *, threads: Optional[int] = None, name: str = "pipeddp") -> None:
-        self._workers = [_Worker(f"{name}-stage{i}", threads) for i in range(n)]
+        self._done: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
+        self._workers = [_Worker(f"{name}-stage{i}", threads, self._done) for i in range(n)]
         self._closed = False
+        self._run = 0
 
     def __len__(self) -> int:
         return len(self._workers)
@@ -271,21 +287,40 @@ class Workers:
     def run(self, fns: Sequence[Callable[[], Any]], on_error: Callable[[BaseException], None]) -> List[Any]:
         if self._closed:
             raise RuntimeError("this pipeline was closed; create a new one")
+        self._run += 1
+        run = self._run
         grad_mode = torch.is_grad_enabled()
-        futures: List[Future] = []
-        for worker, fn in zip(self._workers, fns):
-            fut: Future = Future()
-            worker.jobs.put((fn, fut, grad_mode))
-            futures.append(fut)
-        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-        failed = [f.exception() for f in futures if f in done and f.exception() is not None]
-        if failed:
-            on_error(failed[0])
-            wait(futures)
-            errors = [f.exception() for f in futures if f.exception() is not None]
+        for k, (worker, fn) in enumerate(zip(self._workers, fns)):
+            worker.jobs.put((run, k, fn, grad_mode))
+        n = len(fns)
+        results: List[Any] = [None] * n
+        errors: List[BaseException] = []
+        pending = set(range(n))
+        while pending:
+            try:
+                got_run, k, ok, value = self._done.get(timeout=1.0)
+            except queue.Empty:
+                dead = [self._workers[k].thread.name for k in pending if not self._workers[k].thread.is_alive()]
+                if dead:
+                    exc = RuntimeError(f"pipeddp: worker thread(s) {dead} died without finishing the step")
+                    if not errors:
+                        on_error(exc)
+                    errors.append(exc)
+                    pending -= {k for k in pending if not self._workers[k].thread.is_alive()}
+                continue
+            if got_run != run:  # left over from a step its caller stopped waiting for
+                continue
+            pending.discard(k)
+            if ok:
+                results[k] = value
+            else:
+                if not errors:
+                    on_error(value)
+                errors.append(value)
+        if errors:
             real = [e for e in errors if not isinstance(e, PipelineAborted)]
             raise (real[0] if real else errors[0])
-        return [f.result() for f in futures]
+        return results
 
     def close(self) -> None:
         """Stop and join every worker (idempotent)."""
@@ -301,6 +336,10 @@ class Workers:
     @property
     def threads(self) -> List[threading.Thread]:
         return [w.thread for w in self._workers]
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
 
 class ThreadRunner:
@@ -358,10 +397,27 @@ class ThreadRunner:
                 inbox.abort(exc)
 
         try:
+            if self._inline():
+                if self._workers.closed:
+                    raise RuntimeError("this pipeline was closed; create a new one")
+                try:
+                    return [fns[0]()]
+                except BaseException as exc:
+                    abort(exc)
+                    raise
             return self._workers.run(fns, abort)
         finally:
             for d in self.devices:
                 d.first.streams.leave()
+
+    def _inline(self) -> bool:
+        """Whether the step runs on the caller's thread: one device, which wants the caller's intra-op threads.
+
+        With one device nothing runs beside it, and two hand-offs per step (there
+        and back) are saved; the worker thread stays for a device that asks for
+        another thread count than the caller's.
+        """
+        return len(self.devices) == 1 and (self.threads is None or self.threads == torch.get_num_threads())
 
     def close(self) -> None:
         """Stop and join the worker threads (idempotent)."""

@@ -23,7 +23,10 @@ gradient, uneven micro-batches included, and nothing is rescaled afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import threading
+import types
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
@@ -34,7 +37,7 @@ from torch import nn
 from .microbatch import tree_map, tree_tensors
 from .amp import Autocast
 from .batchnorm import batch_norms, frozen_statistics
-from .rng import Replay, recomputing
+from .rng import Replay, is_recomputing, recomputing
 from .split import WeightGrads, backward_input
 from .streams import StageStreams
 from .tied import layers_of, stage_of_layers
@@ -42,6 +45,16 @@ from .tied import layers_of, stage_of_layers
 __all__ = ["Stage", "StepSpec", "Grads", "build_stages", "register_layers"]
 
 Grads = List[Optional[torch.Tensor]]
+
+_NOTHING = contextlib.nullcontext()  # reusable no-op context: entered on every action where nothing is needed
+
+
+def _clone(t: torch.Tensor) -> torch.Tensor:
+    return t.clone()
+
+
+def _detach(t: torch.Tensor) -> torch.Tensor:
+    return t.detach()
 
 
 @dataclass
@@ -103,6 +116,52 @@ def _may_write_its_input(module: nn.Module) -> bool:
     return any(getattr(m, "inplace", False) for m in module.modules())
 
 
+class Compiled:
+    """A stage's layers under ``torch.compile``, compiled once per mode, each mode a cache of its own.
+
+    Dynamo keeps its compiled graphs, and counts recompiles against its limit
+    (8), per *code object*. Every stage is an ``nn.Sequential`` and runs in up
+    to three modes (a forward that keeps the graph, a forward without grad, a
+    recompute replay), which differ in grad mode, in whether the input
+    requires grad and in the BatchNorm flags: one code object for all of them
+    recompiles on every switch and, past the limit, silently falls back to
+    eager. So each (stage, mode) gets a function with a code object of its
+    own, compiled the first time that mode runs::
+
+        mode (grad enabled, recomputing, layers' training flags) -> torch.compile(run_<stage>_<k>)
+    """
+
+    def __init__(self, module: nn.Module, options: Dict[str, Any], index: int) -> None:
+        self.module = module
+        self.options = options
+        self.index = index
+        self.by_mode: Dict[Tuple[Any, ...], Callable[[Any], Any]] = {}
+        self._lock = threading.Lock()
+
+    def mode(self) -> Tuple[Any, ...]:
+        return (torch.is_grad_enabled(), is_recomputing(), tuple(m.training for m in self.module))
+
+    def __call__(self, value: Any) -> Any:
+        key = self.mode()
+        fn = self.by_mode.get(key)
+        if fn is None:
+            with self._lock:
+                fn = self.by_mode.get(key)
+                if fn is None:
+                    fn = self.by_mode[key] = self._compile(len(self.by_mode))
+        return fn(value)
+
+    def _compile(self, k: int) -> Callable[[Any], Any]:
+        module = self.module
+
+        def run(value: Any) -> Any:
+            return module(value)
+
+        code = run.__code__.replace(co_name=f"pipeddp_stage{self.index}_mode{k}")
+        own = types.FunctionType(code, run.__globals__, code.co_name, run.__defaults__, run.__closure__)
+        return torch.compile(own, **self.options)
+
+
 class Stage:
     """A slice of the model (``module``, an ``nn.Sequential``) placed on ``device``."""
 
@@ -110,9 +169,9 @@ class Stage:
                  compile: Optional[Dict[str, Any]] = None) -> None:
         self.index = index
         self.module = module
-        #: what runs the layers: the module itself, or ``torch.compile(module, **compile)`` (compiled lazily,
-        #: on the first call in each mode; it shares the module's parameters)
-        self.call: Callable[[Any], Any] = module if compile is None else torch.compile(module, **compile)
+        #: what runs the layers: the module itself, or ``Compiled`` (one ``torch.compile`` per mode, compiled
+        #: lazily on the first call in that mode; it shares the module's parameters)
+        self.call: Callable[[Any], Any] = module if compile is None else Compiled(module, compile, index)
         self.device = device
         self.last = last
         self.streams = StageStreams(device)
@@ -134,12 +193,16 @@ class Stage:
         return self.replay.may_draw(self._mode())
 
     def _seeded(self, spec: StepSpec, mb: int) -> ContextManager[None]:
-        seed = None if spec.seed is None else spec.seed + 1_000_003 * self.index + mb
-        return self.replay.seeded(seed, self._mode())
+        if spec.seed is None:  # no stage of this step draws: nothing to seed (and no per-action cost)
+            return _NOTHING
+        mode = self._mode()
+        if not self.replay.may_draw(mode):
+            return _NOTHING
+        return self.replay.seeded(spec.seed + 1_000_003 * self.index + mb, mode)
 
     def _run(self, value: Any) -> Any:
         if self.clone_input:
-            value = tree_map(lambda t: t.clone(), value)
+            value = tree_map(_clone, value)
         return self.call(value)
 
     def _root(self, loss: torch.Tensor, spec: StepSpec) -> torch.Tensor:
@@ -162,28 +225,27 @@ class Stage:
         """Run micro-batch ``mb``; return (output detached for sending, weighted loss or None)."""
         target = spec.targets[mb] if spec.targets is not None else None
         weight = spec.weights[mb] if spec.weights is not None else 1.0
+        wants_loss = self.last and spec.loss_fn is not None
         with self.streams.computing(), self._seeded(spec, mb), spec.autocast():
             if not spec.grad:
                 with torch.no_grad():
                     out = self._run(value)
-                    loss = None
-                    if spec.loss_fn is not None and self.last:
-                        loss = self._loss(out, _Saved(value, None, target, weight), spec)
+                    loss = self._loss(out, _Saved(value, None, target, weight), spec) if wants_loss else None
                 return out, loss
 
-            inputs = tree_map(self._leaf, value)
+            inputs = self._leaf(value) if type(value) is torch.Tensor else tree_map(self._leaf, value)
             saved = _Saved(inputs, None, target, weight)
             if spec.recompute(mb):
                 with torch.no_grad():  # on copies: an in-place op must not change what the replay will see
-                    out = self._run(tree_map(lambda t: t.clone(), inputs))
-                    loss = self._loss(out, saved, spec) if (self.last and spec.loss_fn is not None) else None
+                    out = self._run(tree_map(_clone, inputs))
+                    loss = self._loss(out, saved, spec) if wants_loss else None
             else:
-                with torch.enable_grad():
+                with _NOTHING if torch.is_grad_enabled() else torch.enable_grad():
                     out = self._run(inputs)
-                    loss = self._loss(out, saved, spec) if (self.last and spec.loss_fn is not None) else None
+                    loss = self._loss(out, saved, spec) if wants_loss else None
                 saved.roots = self._root(loss, spec) if loss is not None else out
             spec.store(self.index)[mb] = saved
-        detached = tree_map(lambda t: t.detach(), out)
+        detached = out.detach() if type(out) is torch.Tensor else tree_map(_detach, out)
         return detached, (loss.detach() if loss is not None else None)
 
     def _leaf(self, t: torch.Tensor) -> torch.Tensor:

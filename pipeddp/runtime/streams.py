@@ -23,6 +23,8 @@ from .microbatch import tree_map
 
 __all__ = ["StageStreams"]
 
+_NOTHING = contextlib.nullcontext()  # reusable: what the stream contexts are on CPU, entered on every action
+
 
 class StageStreams:
     """The compute and copy streams of one stage (``None`` on CPU)."""
@@ -35,11 +37,11 @@ class StageStreams:
 
     def computing(self) -> ContextManager[Any]:
         """Make the compute stream current on this thread (no-op on CPU)."""
-        return torch.cuda.stream(self.compute) if self.cuda else contextlib.nullcontext()
+        return torch.cuda.stream(self.compute) if self.cuda else _NOTHING
 
     def copying(self) -> ContextManager[Any]:
         """Make the copy stream current on this thread (no-op on CPU)."""
-        return torch.cuda.stream(self.copy) if self.cuda else contextlib.nullcontext()
+        return torch.cuda.stream(self.copy) if self.cuda else _NOTHING
 
     def enter(self) -> None:
         """Called by the caller's thread before a step: compute waits for the caller's stream.
