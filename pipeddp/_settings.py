@@ -15,7 +15,7 @@ from typing import Any, Dict, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from .partitioning.report import Partition, check_model, partition
+from .partitioning.report import METHODS, Partition, check_balance, check_model, partition
 from .partitioning.solve import check_stage_count
 from .runtime.microbatch import batch_size
 from .runtime.schedule import ScheduleFn, accepts_virtual_stages, get_schedule, schedule_name
@@ -62,6 +62,10 @@ def check_settings(
     timeout: Timeout,
     compile: Union[bool, Dict[str, Any]] = False,
     virtual_stages: Optional[int] = None,
+    threads: Optional[int] = None,
+    flags: Optional[Dict[str, Any]] = None,
+    balance: Union[None, str, Sequence[int]] = None,
+    sample: Any = None,
 ) -> Settings:
     """Check everything that does not need a device or a process group; raise naming the fix.
 
@@ -69,10 +73,23 @@ def check_settings(
     two micro-batches per device. ``timeout`` is seconds or a ``timedelta``.
     ``compile``: True or a dict of ``torch.compile`` options.
     ``virtual_stages``: stages per device (default 2 for ``schedule="interleaved"``, else 1).
+    ``threads``: intra-op threads per stage thread (None or an int >= 1). ``flags``: the
+    constructor's on/off arguments by name, each must be a bool. ``balance`` (with ``sample``):
+    a method name or one number of layers per stage.
+
+    Everything here runs before any thread or process starts, so a mistake
+    raises at once, naming the argument, instead of failing in a stage thread.
     """
+    if threads is not None:
+        _positive_int(threads, "threads", "intra-op threads per stage thread, or None for the default")
+    for name, value in (flags or {}).items():
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False, got {value!r}")
     check_model(model)
     check_stage_count(stages, len(model))
     virtual = check_virtual_stages(virtual_stages, schedule)
+    if balance is not None:
+        check_balance_arg(balance, sample, stages, virtual, len(model))
     if virtual > 1 and stages * virtual > len(model):
         raise ValueError(f"cannot cut {len(model)} layers into {stages} devices x {virtual} virtual stages = "
                          f"{stages * virtual} stages: every stage needs at least one layer; use fewer "
@@ -96,6 +113,22 @@ def check_settings(
         raise ValueError(f"compile must be True, False or a dict of torch.compile options, got {compile!r}")
     options = dict(compile) if isinstance(compile, dict) else ({} if compile else None)
     return Settings(chunks, split_size, schedule, checkpoint, float(seconds), options, virtual)
+
+
+def check_balance_arg(balance: Union[str, Sequence[int]], sample: Any, devices: int, virtual: int,
+                      layers: int) -> None:
+    """A balance method that exists (and has the sample it measures), or a list of layers per stage."""
+    if isinstance(balance, str):
+        if balance not in METHODS:
+            raise ValueError(f"unknown balance {balance!r}; choose one of {METHODS} or give a list of layers per stage")
+        if balance in ("time", "memory") and sample is None:
+            raise ValueError(f"balance={balance!r} measures the model on a sample batch: pass sample=<one input "
+                             "batch>, or use balance='params' / 'uniform', which need none")
+        return
+    if virtual > 1 and isinstance(balance, (list, tuple)) and len(balance) != devices * virtual:
+        raise ValueError(f"balance {list(balance)} has {len(balance)} stages but the pipeline has {devices} devices x "
+                         f"{virtual} virtual stages = {devices * virtual} stages; give one entry per stage")
+    check_balance(balance, layers, devices * virtual)
 
 
 def check_virtual_stages(virtual_stages: Optional[int], schedule: Union[str, ScheduleFn]) -> int:

@@ -114,7 +114,11 @@ class HybridParallel(StepModule):
         self.topology = topo = current_topology(stages, mode, layout)
         self.settings = settings = check_settings(model, stages, chunks=chunks, split_size=split_size,
                                                   schedule=schedule, checkpoint=checkpoint, timeout=timeout,
-                                                  compile=compile, virtual_stages=virtual_stages)
+                                                  compile=compile, virtual_stages=virtual_stages, threads=threads,
+                                                  flags={"trace": trace, "deferred_batch_norm": deferred_batch_norm,
+                                                         "sync_batchnorm": sync_batchnorm,
+                                                         "skip_nonfinite": skip_nonfinite},
+                                                  balance=balance, sample=sample)
         n_stages = stages * settings.virtual_stages
         check_ddp_kwargs(ddp_kwargs, comm_hook)
         self.skip_nonfinite = skip_nonfinite

@@ -113,7 +113,9 @@ class Pipeline(StepModule):
         devs = resolve_devices(devices)
         settings = check_settings(model, len(devs), chunks=chunks, split_size=split_size, schedule=schedule,
                                   checkpoint=checkpoint, timeout=timeout, compile=compile,
-                                  virtual_stages=virtual_stages)
+                                  virtual_stages=virtual_stages, threads=threads,
+                                  flags={"trace": trace, "deferred_batch_norm": deferred_batch_norm},
+                                  balance=balance, sample=sample)
         self.devices = devs
         n_stages = len(devs) * settings.virtual_stages
         self.partition: Partition = choose_partition(model, n_stages, balance, sample, settings, devs[0])

@@ -388,3 +388,32 @@ def test_thread_runner_recovers_from_a_failed_step():
         assert max_diff([p.grad for p in ref.parameters()], [p.grad for p in model.parameters()]) < 1e-12
     finally:
         runner.close()
+
+
+def test_a_worker_whose_setup_failed_fails_every_call_at_once():
+    # torch.set_num_threads(0) raises in the worker's setup, outside any action
+    workers = Workers(2, threads=0, name="pipeddp-test")
+    try:
+        for _ in range(2):  # the current call and every later one
+            began = time.monotonic()
+            with pytest.raises(RuntimeError, match="could not start") as info:
+                workers.run([lambda: 1, lambda: 2], lambda exc: None)
+            assert time.monotonic() - began < 2
+            assert info.value.__cause__ is not None
+    finally:
+        workers.close()
+
+
+def test_a_worker_thread_that_died_is_reported_not_waited_for():
+    workers = Workers(2, threads=1, name="pipeddp-test")
+    try:
+        workers._workers[1].jobs.put(None)  # the thread ends, as if it had died outside an action
+        workers._workers[1].thread.join(5)
+        seen = []
+        began = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"worker thread\(s\) \['pipeddp-test-stage1'\] died"):
+            workers.run([lambda: 1, lambda: 2], seen.append)
+        assert time.monotonic() - began < 5
+        assert len(seen) == 1  # the other devices were told to stop waiting
+    finally:
+        workers.close()

@@ -90,3 +90,69 @@ def test_auto_devices_fall_back_to_the_cpu_where_there_is_no_gpu():
     with pipeddp.HybridParallel(make_mlp(), stages=2, devices="auto", chunks=2) as engine:
         assert [d.type for d in engine.devices] == ["cpu", "cpu"] and engine.backend == "gloo"
         assert torch.isfinite(engine.train_step(*data(6), LOSS))
+
+
+# -- no argument hangs: every bad argument is refused at once, naming itself ----------------------------------
+
+BAD_EVERYWHERE = [
+    (dict(threads=False), "threads must be an int >= 1"),
+    (dict(threads=0), "threads must be an int >= 1"),
+    (dict(threads=2.5), "threads must be an int >= 1"),
+    (dict(threads="2"), "threads must be an int >= 1"),
+    (dict(trace="yes"), "trace must be True or False"),
+    (dict(deferred_batch_norm=1), "deferred_batch_norm must be True or False"),
+    (dict(balance="fast"), "unknown balance 'fast'"),
+    (dict(balance="time"), "balance='time' measures the model on a sample batch"),
+    (dict(balance=[5, 5]), "balance .* sums to 10 but the model has 11 layers"),
+    (dict(balance=[2, 3, 3, 3], schedule="interleaved", virtual_stages=3),
+     "has 4 stages but the pipeline has .* virtual stages"),
+    (dict(compile="max-autotune"), "compile must be True, False or a dict"),
+]
+
+BAD_HYBRID = [
+    (dict(skip_nonfinite="no"), "skip_nonfinite must be True or False"),
+    (dict(sync_batchnorm=None), "sync_batchnorm must be True or False"),
+    (dict(ddp_kwargs=[("bucket_cap_mb", 1)]), "ddp_kwargs must be a dict"),
+    (dict(ddp_kwargs={"bucket_size": 1}), r"ddp_kwargs has \['bucket_size'\], which DistributedDataParallel"),
+    (dict(comm_hook=3), "comm_hook must be one of"),
+    (dict(layout="ring"), "layout must be one of"),
+    (dict(backend="mpi"), "backend must be 'nccl' or 'gloo'"),
+]
+
+
+def refused_within_a_second(make, match):
+    began = __import__("time").monotonic()
+    with pytest.raises((ValueError, TypeError), match=match):
+        make()
+    assert __import__("time").monotonic() - began < 1.0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("bad,match", BAD_EVERYWHERE)
+def test_a_bad_argument_is_refused_within_a_second_naming_itself(kind, bad, match):
+    refused_within_a_second(lambda: build(kind, **bad), match)
+
+
+@pytest.mark.parametrize("kind", ["replica", "stage"])
+@pytest.mark.parametrize("bad,match", BAD_HYBRID)
+def test_a_bad_hybrid_argument_is_refused_within_a_second_naming_itself(kind, bad, match):
+    refused_within_a_second(lambda: build(kind, **bad), match)
+
+
+def test_a_bad_mode_is_refused_within_a_second_naming_itself():
+    refused_within_a_second(lambda: pipeddp.HybridParallel(make_mlp(), stages=2, mode="pipeline"),
+                            "mode must be one of")
+
+
+def test_a_sample_the_model_cannot_take_says_what_was_profiled():
+    from pipeddp.partitioning.profile import ProfileError
+
+    wrong = torch.randn(8, 5, dtype=torch.float64)  # the model takes 12 features
+    with pytest.raises(ProfileError) as info:
+        pipeddp.Pipeline(make_mlp(), ["cpu"] * 2, balance="time", sample=wrong, chunks=2)
+    msg = str(info.value)
+    assert "profiling the sample" in msg and "the sample (8, 5) float64, profiled on a micro-batch of it, " \
+        "(4, 5) float64" in msg
+    assert "layer 0 ('0', Linear) raised in its forward on an input of (4, 5) float64" in msg
+    assert "mat1 and mat2 shapes cannot be multiplied" in msg
+    assert isinstance(info.value.__cause__, RuntimeError)  # the layer's own error, with its traceback

@@ -26,6 +26,7 @@ Recompute is safe: it is a plain forward of the bare module, so DDP hooks
 
 from __future__ import annotations
 
+import inspect
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
@@ -82,7 +83,18 @@ def check_ddp_kwargs(ddp_kwargs: Optional[Dict[str, Any]], comm_hook: Optional[C
     """Validate the user's DDP options up front (also in a one-replica job, where no DDP is built)."""
     if isinstance(comm_hook, str) and comm_hook not in COMM_HOOKS:
         raise ValueError(f"unknown comm_hook {comm_hook!r}; choose one of {COMM_HOOKS} or pass a hook function")
+    if comm_hook is not None and not isinstance(comm_hook, str) and not callable(comm_hook):
+        raise TypeError(f"comm_hook must be one of {COMM_HOOKS} or a DDP communication hook function(state, bucket), "
+                        f"got {type(comm_hook).__name__}")
+    if ddp_kwargs is not None and not isinstance(ddp_kwargs, dict):
+        raise TypeError(f"ddp_kwargs must be a dict of DistributedDataParallel options, got "
+                        f"{type(ddp_kwargs).__name__}")
     kwargs = dict(ddp_kwargs or {})
+    known = set(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self"}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise ValueError(f"ddp_kwargs has {unknown}, which DistributedDataParallel does not take; its options are "
+                         f"{sorted(known - {'module', 'process_group', 'device_ids', 'output_device'})}")
     if kwargs.get("static_graph"):
         raise ValueError(
             "ddp_kwargs static_graph=True is not supported: DDP's static-graph mode assumes one forward per "

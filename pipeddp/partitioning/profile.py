@@ -26,7 +26,33 @@ from torch import nn
 from ..runtime.microbatch import batch_size, split, split_sizes, tree_map, tree_tensors
 from ..runtime.tied import layers_of
 
-__all__ = ["LayerCost", "profile_layers", "sample_microbatch"]
+__all__ = ["LayerCost", "ProfileError", "profile_layers", "sample_microbatch", "describe_shapes"]
+
+
+class ProfileError(RuntimeError):
+    """A layer failed while the partitioner profiled it on the sample (the layer's own error is the cause)."""
+
+
+def describe_shapes(value: Any) -> str:
+    """The shapes and dtypes of a tensor tree, for messages: ``(8, 16) float32`` or ``((8, 16) float32, ...)``."""
+    leaves = tree_tensors(value)
+    parts = [f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in leaves]
+    if isinstance(value, torch.Tensor):
+        return parts[0]
+    return f"{type(value).__name__} of [{', '.join(parts)}]" if parts else f"{type(value).__name__} without tensors"
+
+
+def _failed(exc: BaseException, sample: Any, whole: Any, position: int, name: str, layer: nn.Module, value: Any,
+            what: str) -> ProfileError:
+    cut = f"the sample {describe_shapes(whole)}, profiled on a micro-batch of it, {describe_shapes(sample)}" \
+        if whole is not None else f"the sample {describe_shapes(sample)}"
+    return ProfileError(
+        f"profiling the sample (balance='time' or 'memory' measures every layer on it) failed on {cut}: "
+        f"layer {position} ({name!r}, {type(layer).__name__}) raised in its {what} on an input of "
+        f"{describe_shapes(value)}: "
+        f"{type(exc).__name__}: {exc}. Pass a sample batch the model takes (model(sample) must run), or a balance "
+        "that needs no sample ('params', 'uniform' or a list)"
+    )
 
 
 @dataclass
@@ -74,6 +100,7 @@ def profile_layers(
     repeat: int = 3,
     timed: bool = True,
     progress: Optional[Callable[[int, int], None]] = None,
+    whole: Optional[Any] = None,
 ) -> List[LayerCost]:
     """Cost of every layer of ``layers`` (see module docstring).
 
@@ -83,6 +110,7 @@ def profile_layers(
     profiling neither moves the user's model nor touches its gradients.
     ``progress(done, total)`` is called after every layer run, so that a
     command line can show how far a profile of many seconds has come.
+    ``whole``: the batch ``sample`` was cut from, named in the error if a layer fails.
     """
     named = layers_of(layers)  # every position: a module used twice is profiled twice
     costs: List[LayerCost] = []
@@ -109,13 +137,16 @@ def profile_layers(
 
     works, inputs, outs = [], [], []
     x = tree_map(lambda t: t.detach().to(device), sample)
-    for _, layer in named:
+    for pos, (name, layer) in enumerate(named):
         work = copy.deepcopy(layer).to(device)
         work.train(layer.training)
         works.append(work)
         inputs.append(x)
-        with torch.no_grad():
-            x = work(tree_map(lambda t: t.clone(), x))
+        try:
+            with torch.no_grad():
+                x = work(tree_map(lambda t: t.clone(), x))
+        except Exception as exc:
+            raise _failed(exc, sample, whole, pos, name, layer, inputs[-1], "forward") from exc
         outs.append(_bytes(x))
         advance()
     fwd: List[List[float]] = [[] for _ in named]
@@ -129,12 +160,15 @@ def profile_layers(
             inp = tree_map(lambda t: t.clone(), leaf)
             _sync(device)
             start = time.perf_counter()
-            out = work(inp)
-            _sync(device)
-            mid = time.perf_counter()
-            grads = [t for t in tree_tensors(out) if t.requires_grad]
-            if grads:
-                torch.autograd.backward(grads, [torch.ones_like(t) for t in grads])
+            try:
+                out = work(inp)
+                _sync(device)
+                mid = time.perf_counter()
+                grads = [t for t in tree_tensors(out) if t.requires_grad]
+                if grads:
+                    torch.autograd.backward(grads, [torch.ones_like(t) for t in grads])
+            except Exception as exc:
+                raise _failed(exc, sample, whole, i, named[i][0], named[i][1], inputs[i], "forward or backward") from exc
             _sync(device)
             fwd[i].append(mid - start)
             bwd[i].append(time.perf_counter() - mid)

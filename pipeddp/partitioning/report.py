@@ -164,7 +164,7 @@ def partition(
         )
     mb = sample_microbatch(sample, chunks) if sample is not None else None
     layers = profile_layers(model, mb, device=torch.device(device) if device is not None else None,
-                            repeat=repeat, timed=method == "time", progress=progress)
+                            repeat=repeat, timed=method == "time", progress=progress, whole=sample)
     comm = [0.0] * n
     if method == "time":
         costs = [c.time for c in layers]
