@@ -101,8 +101,10 @@ def test_output_tuple_with_a_non_floating_tensor_passes_through():
         h, h2, idx = pipe(xp)
         rh, rh2, ridx = ref(x)
         assert idx.dtype == torch.int64 and not idx.requires_grad
-        assert torch.equal(idx, ridx)
-        assert torch.equal(h, rh) and torch.equal(h2, rh2)
+        # micro-batches against the whole batch: equal to float tolerance (a matrix product over 3 rows and
+        # over 9 may round differently on another CPU), and the index output is that of the pipeline's own h
+        assert (h - rh).abs().max().item() < 1e-12 and (h2 - rh2).abs().max().item() < 1e-12
+        assert torch.equal(idx, h.argmax(dim=1)) and idx.shape == ridx.shape
         # only the first output takes part in the loss: the second one's gradient is absent
         LOSS(h, target).backward()
         xr = x.clone().requires_grad_(True)
