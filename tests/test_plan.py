@@ -28,7 +28,7 @@ def test_ranking_and_shapes():
     assert [c.step_time for c in cands] == sorted(c.step_time for c in cands)
     for c in cands:
         assert c.stages * c.replicas == 8
-        assert sum(c.balance) == len(layers) and len(c.balance) == c.stages
+        assert sum(c.balance) == len(layers) and len(c.balance) == c.stages * c.virtual_stages
         assert c.why
     # with slow replica links, fewer replicas (more stages) win over pure data parallelism
     slow = plan(layers, devices=8, batch=256, link="nvlink", allreduce_link="ethernet", top=1)[0]
@@ -51,3 +51,34 @@ def test_parse_bytes():
     assert parse_bytes(None) is None
     with pytest.raises(ValueError):
         parse_bytes("lots")
+
+
+def test_plan_ranks_the_new_schedules_and_says_how_to_run_its_choice():
+    from torch import nn
+
+    import pipeddp
+
+    layers = synthetic_layers(12)
+    cands = plan(layers, devices=4, batch=64, link="nvlink")
+    assert {c.schedule for c in cands if c.stages > 1} == {"1f1b", "gpipe", "interleaved", "zb"}
+    for c in cands:
+        if c.schedule == "interleaved" and c.stages > 1:
+            assert c.virtual_stages == 2 and len(c.balance) == 2 * c.stages and "(v=2)" in c.schedule_text
+    dp = [c for c in cands if c.stages == 1 and c.replicas == 4]
+    assert len(dp) == len({c.chunks for c in dp})  # one configuration per m: no schedule to choose
+    assert dp[0].kind == "data parallel (DDP)" and dp[0].schedule_text == "-" and dp[0].layout == "4 x 1"
+    assert "plain data parallelism" in dp[0].why
+    # the arguments it prints build the engine it describes (one process: a replica on CPU stages)
+    pipe_choice = next(c for c in cands if c.stages == 2 and c.schedule == "interleaved")
+    text = pipe_choice.arguments()
+    assert text.startswith("pipeddp.HybridParallel(model, stages=2, ") and "virtual_stages=2" in text
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(12)])
+    engine = eval(text.replace("HybridParallel(model, ", "HybridParallel(model, devices=['cpu', 'cpu'], "),
+                  {"pipeddp": pipeddp, "model": model})
+    try:
+        assert list(engine.balance) == list(pipe_choice.balance) and engine.settings.virtual_stages == 2
+        assert engine.settings.chunks == pipe_choice.chunks
+    finally:
+        engine.close()
+    assert dp[0].command(devices_per_node=4) == "torchrun --nproc_per_node=4 train.py"
+    assert dp[0].command(devices_per_node=2).startswith("torchrun --nnodes=2 --nproc_per_node=2 --rdzv-backend=c10d")

@@ -52,12 +52,19 @@ def test_chrome_trace_and_picture(tmp_path):
         assert png == str(tmp_path / "t.png") and (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_timeline_command(tmp_path):
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zb"])
+def test_timeline_command(tmp_path, capsys, schedule):
     from pipeddp.tools.cli import main
 
     out = tmp_path / "tl"
-    assert main(["timeline", "--stages", "2", "--chunks", "4", "--batch", "16", "--steps", "2", "--out", str(out)]) == 0
-    assert json.loads((tmp_path / "tl.json").read_text())["traceEvents"]
+    assert main(["timeline", "--stages", "2", "--chunks", "4", "--batch", "16", "--steps", "2", "--out", str(out),
+                 "--schedule", schedule]) == 0
+    events = json.loads((tmp_path / "tl.json").read_text())["traceEvents"]
+    kinds = {e["cat"] for e in events}
+    assert kinds >= ({"F", "I", "W"} if schedule == "zb" else {"F", "B"})
+    text = capsys.readouterr().out
+    measured, predicted = text.split("per device: measured ")[1].split(", predicted ")
+    assert measured.strip() == predicted.split("\n")[0].strip()  # peak activations held: as the schedule says
     if have_matplotlib():
         assert (tmp_path / "tl.png").exists()
 
@@ -68,7 +75,7 @@ def test_plan_command_respects_memory(capsys):
     assert main(["plan", "--model", "mlp", "--devices", "4", "--batch", "64", "--memory", "300MB",
                  "--profile-batch", "4", "--top", "3"]) == 0
     out = capsys.readouterr().out
-    assert "stages x" in out and "1:" in out
+    assert "replicas x stages" in out and "1:" in out and "first choice:" in out and "torchrun" in out
     assert main(["plan", "--model", "mlp", "--devices", "4", "--memory", "1MB", "--profile-batch", "4"]) == 1
 
 

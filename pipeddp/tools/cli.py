@@ -82,7 +82,7 @@ def _timeline(args: argparse.Namespace, console: Console) -> int:
     with torch.no_grad():
         y = copy.deepcopy(model)(x)
     pipe = Pipeline(model, ["cpu"] * args.stages, chunks=args.chunks, sample=x, schedule=args.schedule,
-                    checkpoint=args.checkpoint, threads=1, trace=True)
+                    checkpoint=args.checkpoint, threads=1, trace=True, virtual_stages=args.virtual_stages)
     with pipe:
         for step in range(args.steps):
             assert pipe.trace is not None
@@ -90,17 +90,20 @@ def _timeline(args: argparse.Namespace, console: Console) -> int:
             pipe.train_step(x, torch.randn_like(y), nn.functional.mse_loss)
         spans = pipe.trace.spans
         pipe.trace.save(args.out + ".json")
-    p, m = args.stages, min(args.chunks, args.batch)
-    bound = (p - 1) / (m + p - 1)
+    p, m, v = args.stages, min(args.chunks, args.batch), pipe.virtual_stages
+    # the schedule's own bubble with equal stages (F = 1, B = 2): (p - 1) / (m + p - 1) for GPipe and 1F1B
+    theory = simulate([StageCost(1.0, 2.0)] * (p * v), args.schedule, stages=p, chunks=m, virtual_stages=v)
+    bound = theory.bubble
     bubble, span = measured_bubble(spans)
-    console.print(f"{args.model}: {p} stages {pipe.balance}, {m} micro-batches, {args.schedule}: step {span * 1e3:.1f} ms, "
-                  f"measured bubble {bubble:.1%} (bound {bound:.1%})")
-    held = [pipe.trace.peak_in_flight.get(s, 0) for s in range(p)]
-    predicted = simulate([StageCost(1.0, 1.0)] * p, args.schedule, chunks=m).peak_activations
-    console.print(f"micro-batches of activations held at peak, per stage: measured {held}, predicted {predicted}")
+    what = f"{args.schedule}" + (f" (virtual_stages={v})" if v > 1 else "")
+    console.print(f"{args.model}: {p} devices {pipe.balance}, {m} micro-batches, {what}: step {span * 1e3:.1f} ms, "
+                  f"measured bubble {bubble:.1%} (equal stages: {bound:.1%})")
+    held = [pipe.trace.peak_in_flight.get(r, 0) for r in range(p)]
+    console.print(f"micro-batches of activations held at peak, per device: measured {held}, predicted "
+                  f"{theory.peak_activations}")
     console.print(f"wrote {args.out}.json (open in ui.perfetto.dev or chrome://tracing)")
     if have_matplotlib():
-        draw(spans, args.out + ".png", title=f"{args.model}, {p} stages, {m} micro-batches, {args.schedule}",
+        draw(spans, args.out + ".png", title=f"{args.model}, {p} devices, {m} micro-batches, {what}",
              bound=bound)
         console.print(f"wrote {args.out}.png")
     else:
@@ -130,16 +133,28 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     table = Table(title=f"{args.model} on {args.devices} devices, global batch {args.batch}, link {args.link}"
                         + (f", replicas over {args.allreduce_link}" if args.allreduce_link else "")
                         + (f", {args.memory} per device" if args.memory else ""))
-    for col in ("#", "stages x replicas", "micro-batches (size)", "schedule", "step ms", "bubble", "memory/device"):
+    for col in ("#", "replicas x stages", "what", "micro-batches (size)", "schedule", "step ms", "bubble",
+                "memory/device"):
         table.add_column(col, justify="right", overflow="fold")
     for i, c in enumerate(found[:args.top]):
-        table.add_row(str(i + 1), f"{c.stages} x {c.replicas}", f"{c.chunks} ({c.micro_batch})", c.schedule,
+        table.add_row(str(i + 1), c.layout, c.kind, f"{c.chunks} ({c.micro_batch})", c.schedule_text,
                       f"{c.step_time * 1e3:.1f}", f"{c.prediction.bubble:.0%}", f"{max(c.memory) / 2**30:.2f} GiB")
     console.print(table)
     for i, c in enumerate(found[:args.top]):
         console.print(f"{i + 1}: cut {c.balance}; {c.why}")
     console.print(f"{len(found)} configurations fit; layer costs were measured on this machine "
                   f"({'cuda' if torch.cuda.is_available() else 'cpu'}), link and all-reduce costs are modelled.")
+    best = found[0]
+    per_node = args.devices_per_node or args.devices
+    batches = f"{best.chunks} micro-batch{'es' if best.chunks > 1 else ''} of {best.micro_batch}"
+    console.print(f"\nfirst choice: {best.layout} ({best.kind}), {batches}"
+                  + (f", {best.schedule_text}" if best.stages > 1 else "")
+                  + f"; each replica takes a local batch of {best.chunks * best.micro_batch} (global {args.batch})")
+    if best.stages == 1 and best.replicas > 1:
+        console.print("plain data parallelism wins: torch.nn.parallel.DistributedDataParallel does this alone; "
+                      "with pipeddp:")
+    console.print(f"  engine = {best.arguments()}")
+    console.print(f"  {best.command(per_node)}")
     return 0
 
 
@@ -153,7 +168,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--chunks", type=int, default=8)
     d.add_argument("--layers", type=int, default=8)
     d.add_argument("--width", type=int, default=512)
-    d.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    d.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "interleaved", "zb"])
     d.add_argument("--replicas", type=int, default=2, help="pipeline replicas (spawned processes, gloo)")
     d.add_argument("--stages", type=int, default=2, help="stages per replica")
     d.add_argument("--mode", default="replica", choices=["replica", "stage"])
@@ -173,7 +188,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--stages", type=int, default=2)
     t.add_argument("--chunks", type=int, default=8)
     t.add_argument("--batch", type=int, default=128)
-    t.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    t.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "interleaved", "zb"])
+    t.add_argument("--virtual-stages", type=int, default=None,
+                   help="stages per device (default: 2 for interleaved, else 1)")
     t.add_argument("--checkpoint", default="never", choices=["never", "except_last", "always"])
     t.add_argument("--steps", type=int, default=3, help="steps to run; the last one is drawn")
     t.add_argument("--out", default="timeline", help="output path without extension")
@@ -190,6 +207,8 @@ def _parser() -> argparse.ArgumentParser:
     n.add_argument("--profile-batch", type=int, default=16, help="largest micro-batch profiled")
     n.add_argument("--threads", type=int, default=1)
     n.add_argument("--top", type=int, default=8)
+    n.add_argument("--devices-per-node", type=int, default=None,
+                   help="devices on each machine, for the torchrun command (default: all on one)")
     n.set_defaults(fn=_plan)
     return p
 

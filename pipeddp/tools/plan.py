@@ -14,6 +14,10 @@ does not fit, and sorts by predicted step time::
 Memory per device is an estimate: parameters x (weights + gradients +
 optimizer slots) + the activations the schedule keeps alive (peak in-flight
 micro-batches x the outputs of the stage's layers for one micro-batch).
+Configurations are written replicas x stages, as everywhere in pipeddp; one
+stage per replica is plain data parallelism and is named so. The first
+choice comes with the ``HybridParallel`` arguments and ``torchrun`` command
+that run it (``Candidate.arguments``, ``Candidate.command``).
 """
 
 from __future__ import annotations
@@ -29,7 +33,10 @@ from ..partitioning.solve import solve
 from ..partitioning.profile import profile_layers
 from .simulate import Link, Prediction, StageCost, resolve_link, simulate
 
-__all__ = ["LayerModel", "fit_layers", "Candidate", "plan", "parse_bytes"]
+__all__ = ["LayerModel", "fit_layers", "Candidate", "plan", "parse_bytes", "SCHEDULES"]
+
+#: The schedules ``plan`` ranks by default (interleaved with ``virtual_stages`` stages per device).
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb")
 
 
 @dataclass(frozen=True)
@@ -82,7 +89,11 @@ def fit_layers(model: nn.Sequential, make_sample: Callable[[int], Any], sizes: S
 
 @dataclass
 class Candidate:
-    """One configuration and what the simulator says about it."""
+    """One configuration and what the simulator says about it.
+
+    ``stages`` devices per replica, each holding ``virtual_stages`` stages
+    (``balance`` lists the layers of all ``stages * virtual_stages`` of them).
+    """
 
     stages: int
     replicas: int
@@ -93,10 +104,48 @@ class Candidate:
     prediction: Prediction
     memory: List[float]
     why: str
+    virtual_stages: int = 1
 
     @property
     def step_time(self) -> float:
         return self.prediction.step_time
+
+    @property
+    def kind(self) -> str:
+        """What a user would call it: the plain model, plain data parallelism, a pipeline, or both."""
+        if self.stages == 1:
+            return "plain model" if self.replicas == 1 else "data parallel (DDP)"
+        return "pipeline" if self.replicas == 1 else "pipeline x DDP"
+
+    @property
+    def layout(self) -> str:
+        """``replicas x stages``, the order every other part of pipeddp writes a layout in."""
+        return f"{self.replicas} x {self.stages}"
+
+    @property
+    def schedule_text(self) -> str:
+        if self.stages == 1:
+            return "-"
+        return self.schedule + (f" (v={self.virtual_stages})" if self.virtual_stages > 1 else "")
+
+    def arguments(self) -> str:
+        """The ``HybridParallel`` call that runs this configuration (``model`` is the user's nn.Sequential)."""
+        args = [f"stages={self.stages}", f"chunks={self.chunks}"]
+        if self.stages > 1:
+            args += [f"schedule={self.schedule!r}"]
+            if self.virtual_stages > 1:
+                args += [f"virtual_stages={self.virtual_stages}"]
+            args += [f"balance={list(self.balance)}"]
+        return f"pipeddp.HybridParallel(model, {', '.join(args)})"
+
+    def command(self, devices_per_node: int, script: str = "train.py") -> str:
+        """The torchrun command: one process per replica (each drives ``stages`` devices, mode="replica")."""
+        per_node = max(1, devices_per_node // self.stages)
+        nodes = math.ceil(self.replicas / per_node)
+        if nodes <= 1:
+            return f"torchrun --nproc_per_node={self.replicas} {script}"
+        return (f"torchrun --nnodes={nodes} --nproc_per_node={per_node} --rdzv-backend=c10d "
+                f"--rdzv-endpoint=HOST:29400 {script}")
 
 
 def parse_bytes(text: Union[str, float, int, None]) -> Optional[float]:
@@ -127,7 +176,8 @@ def plan(
     memory: Optional[float] = None,
     optimizer_slots: int = 2,
     chunks: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
-    schedules: Sequence[str] = ("1f1b", "gpipe"),
+    schedules: Sequence[str] = SCHEDULES,
+    virtual_stages: int = 2,
     top: Optional[int] = None,
 ) -> List[Candidate]:
     """Every configuration of ``devices`` that fits ``memory`` bytes per device, fastest first.
@@ -135,7 +185,9 @@ def plan(
     ``batch`` is the global batch. ``link`` joins neighbouring stages and,
     unless ``allreduce_link`` says otherwise, replicas. ``optimizer_slots`` is
     the optimizer state per parameter in parameter sizes (2 for Adam, 1 for
-    SGD with momentum, 0 for plain SGD).
+    SGD with momentum, 0 for plain SGD). The interleaved schedule is tried with
+    ``virtual_stages`` stages per device; one stage per device (plain data
+    parallelism, or the plain model) is one configuration, whatever the schedule.
     """
     if devices < 1 or batch < 1:
         raise ValueError("devices and batch must be >= 1")
@@ -154,17 +206,24 @@ def plan(
             cost = [layer.forward(b) + layer.backward(b) for layer in layers]
             comm = [stage_link.time(layer.activation_bytes_per_sample * b) for layer in layers] if stages > 1 \
                 else None
-            balance = solve(cost, stages, comm)
-            stage_costs, saved = _stages(layers, balance, b)
-            for schedule in (schedules[:1] if m == 1 else schedules):  # one micro-batch: all schedules agree
-                pred = simulate(stage_costs, schedule, chunks=m, replicas=replicas, links=stage_link,
-                                allreduce_link=ar_link)
-                mem = [c.param_bytes * (2 + optimizer_slots) + peak * act
-                       for c, peak, act in zip(stage_costs, pred.peak_activations, saved)]
+            # one micro-batch, or one stage per replica: every schedule runs the same step
+            for schedule in (schedules[:1] if m == 1 or stages == 1 else schedules):
+                v = virtual_stages if schedule == "interleaved" else 1
+                if stages * v > len(layers):
+                    continue
+                balance = solve(cost, stages * v, comm)
+                stage_costs, saved = _stages(layers, balance, b)
+                pred = simulate(stage_costs, schedule, stages=stages, chunks=m, replicas=replicas, links=stage_link,
+                                allreduce_link=ar_link, virtual_stages=v)
+                mem = []
+                for r in range(stages):  # a device holds its stages' weights and its peak of stage activations
+                    mine = [k for k in range(stages * v) if k % stages == r]
+                    mem.append(sum(stage_costs[k].param_bytes for k in mine) * (2 + optimizer_slots)
+                               + pred.peak_activations[r] * max(saved[k] for k in mine))
                 if memory is not None and max(mem) > memory:
                     continue
                 found.append(Candidate(stages, replicas, m, b, schedule, balance, pred, mem,
-                                       _why(stage_costs, pred, balance)))
+                                       _why(stage_costs, pred, balance, stages, replicas), v))
     found.sort(key=lambda c: (c.step_time, max(c.memory)))
     return found[:top] if top else found
 
@@ -184,9 +243,11 @@ def _stages(layers: Sequence[LayerModel], balance: Sequence[int], b: int) -> tup
     return costs, saved
 
 
-def _why(costs: Sequence[StageCost], pred: Prediction, balance: Sequence[int]) -> str:
+def _why(costs: Sequence[StageCost], pred: Prediction, balance: Sequence[int], stages: int, replicas: int) -> str:
     slowest = max(range(len(costs)), key=lambda s: costs[s].forward + costs[s].backward)
     parts = []
+    if stages == 1 and replicas > 1:
+        parts.append("plain data parallelism: the whole model on every device, no pipeline")
     if len(costs) > 1:
         c = costs[slowest]
         parts.append(f"bottleneck stage {slowest} ({balance[slowest]} layers, "
