@@ -146,29 +146,43 @@ def ddp(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn,
     return step
 
 
+#: torch.distributed.pipelining's schedules by the name of pipeddp's counterpart; the last two run several stages
+#: per rank (round robin, as pipeddp's virtual stages: rank r holds stages r, r + ranks, ...)
+TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
+                   "zb": "ScheduleInterleavedZeroBubble"}
+
+
 def torch_pipelining(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn, *,
                      balance: Sequence[int], schedule: str, chunks: int, group: Any = None,
                      name: str = "torch") -> Step:
-    """``torch.distributed.pipelining``: rank r runs stage r (its ``balance`` slice) as a ``PipelineStage``; shapes
-    inferred at the first step (the check step pays), gradients of the mean of micro-batch mean losses (scale_grads).
-    ``traced`` times the stage's ``forward_one_chunk`` / ``backward_one_chunk`` (with their bookkeeping)."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    """``torch.distributed.pipelining``: rank r runs stages r, r + ranks, ... (their ``balance`` slices) as
+    ``PipelineStage``s; shapes inferred at the first step (the check step pays), gradients of the mean of
+    micro-batch mean losses (scale_grads). ``schedule`` names pipeddp's counterpart (``TORCH_SCHEDULES``).
+    ``traced`` times the stages' ``forward_one_chunk`` / ``backward_one_chunk`` (with their bookkeeping)."""
+    from torch.distributed import pipelining
 
-    rank, stages = dist.get_rank(), len(balance)
-    a = sum(balance[:rank])
+    rank, ranks = dist.get_rank(), dist.get_world_size() if group is None else dist.get_world_size(group)
+    n = len(balance)
     dev = here()
-    sub = layers(model, a, a + balance[rank]).to(dev).train()
-    stage = PipelineStage(sub, rank, stages, dev, group=group)
+    mine = list(range(rank, n, ranks))
+    subs = [layers(model, sum(balance[:k]), sum(balance[:k + 1])).to(dev).train() for k in mine]
+    stages = [pipelining.PipelineStage(sub, k, n, dev, group=group) for sub, k in zip(subs, mine)]
+    # every layer this rank trains, under its name in the plain model (what the gradient check compares by)
+    holder = nn.Sequential(OrderedDict((n, layer) for sub in subs for n, layer in sub.named_children()))
     x, y = x.to(dev), y.to(dev)
-    sched = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](stage, n_microbatches=chunks, loss_fn=loss_fn)
+    cls = getattr(pipelining, TORCH_SCHEDULES[schedule])
+    sched = cls(stages if n > ranks else stages[0], n_microbatches=chunks, loss_fn=loss_fn)
     losses: List[torch.Tensor] = []
+    first, last = 0 in mine, n - 1 in mine
 
     def run() -> Any:
-        sub.zero_grad(set_to_none=True)
+        holder.zero_grad(set_to_none=True)
         losses.clear()
-        if rank == 0:
+        if first and last:
+            return sched.step(x, target=y, losses=losses)
+        if first:
             return sched.step(x)
-        return sched.step(target=y, losses=losses) if rank == stages - 1 else sched.step()
+        return sched.step(target=y, losses=losses) if last else sched.step()
 
     def traced(step: Callable[[], Any]) -> Breakdown:
         acc = {"F": 0.0, "B": 0.0}
@@ -182,24 +196,28 @@ def torch_pipelining(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, los
                     acc[kind] += time.perf_counter() - t0
             return wrapper
 
-        stage.forward_one_chunk = timed("F", stage.forward_one_chunk)  # type: ignore[method-assign]
-        stage.backward_one_chunk = timed("B", stage.backward_one_chunk)  # type: ignore[method-assign]
+        for stage in stages:
+            stage.forward_one_chunk = timed("F", stage.forward_one_chunk)  # type: ignore[method-assign]
+            stage.backward_one_chunk = timed("B", stage.backward_one_chunk)  # type: ignore[method-assign]
         try:
             step()
         finally:
-            del stage.forward_one_chunk, stage.backward_one_chunk
+            for stage in stages:
+                del stage.forward_one_chunk, stage.backward_one_chunk
         return {rank: {"F_ms": acc["F"] * 1e3, "B_ms": acc["B"] * 1e3}}
 
-    return Step(name, run, sub, procs=stages, traced=traced, info={"balance": list(balance), "schedule": schedule})
+    return Step(name, run, holder, procs=ranks, traced=traced,
+                info={"balance": list(balance), "schedule": TORCH_SCHEDULES[schedule]})
 
 
 def stage_breakdown(spans: Sequence[Span]) -> Breakdown:
-    """Per stage of a pipeddp trace: ms inside forward and backward actions, and waiting to receive."""
+    """Per stage of a pipeddp trace: ms inside forward and backward actions (B, or I + W), and waiting to receive."""
     out: Breakdown = {}
     for s in sorted({sp.stage for sp in spans}):
         mine = [sp for sp in spans if sp.stage == s]
         out[s] = {"F_ms": sum(sp.duration for sp in mine if sp.lane == "compute" and sp.kind == "F") * 1e3,
-                  "B_ms": sum(sp.duration for sp in mine if sp.lane == "compute" and sp.kind == "B") * 1e3,
+                  "B_ms": sum(sp.duration for sp in mine if sp.lane == "compute" and sp.kind in ("B", "I", "W"))
+                  * 1e3,
                   "recv_wait_ms": sum(sp.duration for sp in mine if sp.lane == "comm") * 1e3}
     return out
 

@@ -68,13 +68,16 @@ def test_channel_refuses_a_dict_before_sending_anything():
 
 def test_tags_are_unique_per_kind_stage_micro_batch_and_slot():
     max_slots = (_HEADER - 2) // 2 + 1  # a header describes at most 31 tensors: slots 0 (header) .. 31
-    keys = list(itertools.product("FB", (0, 1, 5, 255), range(300), range(max_slots)))
-    tags = [_tag(kind, stage, mb, slot) for kind, stage, mb, slot in keys]
+    keys = list(itertools.product("FB", (0, 1, 5, 255), range(300), range(max_slots), range(4)))
+    tags = [_tag(kind, stage, mb, slot, gen) for kind, stage, mb, slot, gen in keys]
     assert len(set(tags)) == len(keys)
     assert min(tags) >= 0 and max(tags) < 2**31
-    assert _tag("B", 255, 4095, 127) < 2**31  # the largest tag fits gloo's 32 bits
+    assert _tag("B", 255, 2**15 - 1, max_slots - 1, 3) < 2**31  # the largest tag fits gloo's 32 bits
+    assert _tag("F", 0, 0, 0, 4) == _tag("F", 0, 0, 0, 0)  # four generations, then the first again
     with pytest.raises(ValueError, match="at most 256 stages"):
         _tag("F", 256, 0, 0)
+    with pytest.raises(ValueError, match="32768 micro-batches"):
+        _tag("F", 0, 2**15, 0)
 
 
 # -- a real exchange over gloo ----------------------------------------------------------------------------------
@@ -118,6 +121,8 @@ def exchange_job():
     for step, sizes in enumerate(STEPS):
         order = list(range(len(sizes)))
         if rank == 0:  # device 0 holds stages 0 and 2 (virtual stages), device 1 stages 1 and 3
+            for mb in order:  # the gradients of stage 0's outputs: received as soon as each activation is sent
+                ch.expect("B", 0, mb)
             for mb in order:
                 ch.send("F", 1, mb, activation(step, mb, sizes[mb]))
                 ch.send("F", 3, mb, activation(step + 10, mb, sizes[mb]))  # same micro-batch, another stage
@@ -125,6 +130,8 @@ def exchange_job():
                 got.append((step, mb, ch.recv("B", 0, mb)))
                 assert same(ch.recv("B", 2, mb)[0], gradient(step + 10, mb, sizes[mb])[0])
         else:
+            for mb in order:  # received ahead, as a runner asks at the start of a step
+                ch.expect("F", 1, mb)
             for mb in reversed(order):  # consumed in another order than sent: tags, not arrival order, match them
                 other = ch.recv("F", 3, mb)
                 got.append((step, mb, ch.recv("F", 1, mb)))
@@ -133,6 +140,17 @@ def exchange_job():
                 expected = activation(step + 10, mb, sizes[mb])
                 assert type(other) is type(expected)
         ch.flush()
+    # a failed step leaves a receive posted ahead (rank 1); both sides reset, and the next step's message with the
+    # same (kind, stage, micro-batch) goes to the new receive, not to the stale one
+    if rank == 1:
+        ch.expect("F", 1, 50)
+    ch.reset()
+    after_reset = None
+    if rank == 0:
+        ch.send("F", 1, 50, torch.full((2, 2), 7.0))
+    else:
+        after_reset = ch.recv("F", 1, 50)
+    ch.flush()
     # a message that never comes: a PeerError naming both sides (rank 0 stays up meanwhile, sending nothing)
     error = ""
     if rank == 1:
@@ -145,7 +163,7 @@ def exchange_job():
             error = f"{exc} after {time.monotonic() - began:.1f} s"
     else:
         time.sleep(2.5)
-    return {"got": got, "error": error}
+    return {"got": got, "error": error, "after_reset": after_reset}
 
 
 def same(a, b):
@@ -183,6 +201,7 @@ def test_activations_and_gradients_cross_between_processes_intact():
             else:
                 assert same(g, want)
     assert sent_back["error"] == ""
+    assert torch.equal(received["after_reset"], torch.full((2, 2), 7.0))
     assert received["error"].startswith("rank 1 (stage 1) got no activation of micro-batch 99 for stage 1 from rank 0 "
                                         "(stage 0) within 1 s")
     assert 0.9 <= float(received["error"].split(" after ")[-1][:-2]) < 2.5  # it waited its timeout, not longer

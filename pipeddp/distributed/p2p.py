@@ -17,12 +17,24 @@ so nothing depends on the order in which messages arrive.
 Sends are asynchronous (``isend``): a stage does not wait for its neighbour to
 take an activation before it starts the next micro-batch. ``flush`` waits
 for the sends still in flight at the end of a step.
+
+Receives are posted ahead, so that what a stage waits for is already there
+when it needs it: at the start of a step the runner says which messages its
+device will take (``expect``); the header of every activation is received
+from then on, the tensors as soon as their header is in, and the receive of
+a gradient as soon as the activation it belongs to is sent (its shapes are
+known then)::
+
+    step starts:   irecv header F1  irecv header F2 ...        (expect)
+    F0 sent:       irecv gradient B0 (shapes of F0)            (send)
+    header F1 in:  irecv tensors of F1                          (any later call)
+    F1 needed:     wait (usually done)                          (recv)
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -43,16 +55,21 @@ class PeerError(RuntimeError):
     """A neighbouring process did not deliver (it died, stalled or timed out)."""
 
 
-_SLOTS = 7  # bits: a header and up to 127 tensors per message
+_SLOTS = 5  # bits: the header (slot 0) and up to 31 tensors (as many as a header can describe)
 _STAGES = 8  # bits: up to 256 stages
+_GENERATIONS = 2  # bits: a failed step moves both sides to the next generation of tags
+_MBS = 31 - _SLOTS - 1 - _STAGES - _GENERATIONS  # bits left for the micro-batch
 
 
-def _tag(kind: str, stage: int, mb: int, slot: int) -> int:
-    """A message's tag: unique per (kind, receiving stage, micro-batch, tensor slot); fits gloo's 32 bits."""
-    if not 0 <= stage < 1 << _STAGES or not 0 <= mb < 1 << (31 - _STAGES - 1 - _SLOTS):
+def _tag(kind: str, stage: int, mb: int, slot: int, generation: int = 0) -> int:
+    """A message's tag: unique per (kind, receiving stage, micro-batch, tensor slot, generation); fits gloo's
+    32 bits. The generation changes when a step fails, so a receive posted ahead for the failed step never takes a
+    message of a later one."""
+    if not 0 <= stage < 1 << _STAGES or not 0 <= mb < 1 << _MBS:
         raise ValueError(f"cannot tag a message of stage {stage}, micro-batch {mb} between processes: at most "
-                         f"{1 << _STAGES} stages and {1 << (31 - _STAGES - 1 - _SLOTS)} micro-batches per step")
-    return ((((mb << _STAGES) | stage) << 1 | (kind == "B")) << _SLOTS) + slot
+                         f"{1 << _STAGES} stages and {1 << _MBS} micro-batches per step")
+    gen = generation % (1 << _GENERATIONS)
+    return (((((mb << _GENERATIONS | gen) << _STAGES) | stage) << 1 | (kind == "B")) << _SLOTS) + slot
 
 
 def _activation(kind: str, stage: int, mb: int) -> Tuple[int, int]:
@@ -101,8 +118,18 @@ def _wants_grad(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point or dtype.is_complex
 
 
+class _Pending:
+    """A receive posted ahead: the header of an activation, then its tensors; or a gradient's tensors."""
+
+    def __init__(self, header: Optional[Tuple[Any, torch.Tensor]] = None) -> None:
+        self.header = header
+        self.meta: Optional[Meta] = None
+        self.works: List[Any] = []
+        self.bufs: List[torch.Tensor] = []
+
+
 class P2PChannel:
-    """Messages to and from the stage held by ``peer`` (a global rank)."""
+    """Messages to and from the stages held by ``peer`` (a global rank), both ways."""
 
     def __init__(self, peer: int, *, rank: int, stage: int, peer_stage: int, device: torch.device,
                  comm_device: torch.device, timeout: timedelta) -> None:
@@ -114,15 +141,21 @@ class P2PChannel:
         self.device = device
         self.comm_device = comm_device
         self.timeout = timeout
+        self.generation = 0
         self._meta: Dict[Tuple[int, int], Meta] = {}
         self._inflight: List[Tuple[Any, List[torch.Tensor]]] = []
+        self._pending: Dict[Tuple[str, int, int], _Pending] = {}
+        self._want_grads: set = set()
+
+    def _tag(self, kind: str, stage: int, mb: int, slot: int) -> int:
+        return _tag(kind, stage, mb, slot, self.generation)
 
     # -- sending -----------------------------------------------------------------------------------
 
     def _isend(self, tensors: List[torch.Tensor], kind: str, stage: int, mb: int, first_slot: int) -> None:
         out = [t.detach().to(self.comm_device).contiguous() for t in tensors]
         for i, t in enumerate(out):
-            work = dist.isend(t, self.peer, tag=_tag(kind, stage, mb, first_slot + i))
+            work = dist.isend(t, self.peer, tag=self._tag(kind, stage, mb, first_slot + i))
             self._inflight.append((work, [t]))
         self._prune()
 
@@ -131,8 +164,12 @@ class P2PChannel:
         if kind == "F":
             container, tensors = _flatten(value)
             header = _encode(container, tensors)
-            self._meta[_activation(kind, stage, mb)] = _decode(header)
+            key = _activation(kind, stage, mb)
+            self._meta[key] = _decode(header)
             self._isend([header] + tensors, kind, stage, mb, 0)
+            if ("B", stage - 1, mb) in self._want_grads:
+                self._post_gradient(stage - 1, mb)
+            self._advance()
             return
         # Gradients of the activation this process received: one per floating tensor, zeros where unused.
         _, metas = self._meta.pop(_activation(kind, stage, mb))
@@ -141,6 +178,7 @@ class P2PChannel:
             if _wants_grad(dtype):
                 grads.append(g if g is not None else torch.zeros(shape, dtype=dtype, device=self.device))
         self._isend(grads, kind, stage, mb, 1)
+        self._advance()
 
     def _prune(self) -> None:
         self._inflight = [(w, ts) for w, ts in self._inflight if not w.is_completed()]
@@ -157,30 +195,74 @@ class P2PChannel:
 
     # -- receiving ---------------------------------------------------------------------------------
 
-    def _irecv(self, shapes: List[Tuple[torch.dtype, Tuple[int, ...]]], kind: str, stage: int, mb: int,
-               first_slot: int) -> List[torch.Tensor]:
-        bufs = [torch.empty(shape, dtype=dtype, device=self.comm_device) for dtype, shape in shapes]
+    def expect(self, kind: str, stage: int, mb: int) -> None:
+        """This step will take the message ``(kind, stage, mb)`` from the peer: receive it as early as possible."""
+        if kind == "F":
+            if ("F", stage, mb) not in self._pending:
+                buf = torch.empty((_HEADER,), dtype=torch.int64, device=self.comm_device)
+                self._pending[("F", stage, mb)] = _Pending((dist.irecv(buf, self.peer, tag=self._tag("F", stage, mb, 0)),
+                                                            buf))
+            return
+        self._want_grads.add(("B", stage, mb))
+        if _activation("B", stage, mb) in self._meta:  # its activation was sent already (a backward-only call)
+            self._post_gradient(stage, mb)
+
+    def _post(self, pending: _Pending, metas: List[Tuple[torch.dtype, Tuple[int, ...]]], kind: str, stage: int,
+              mb: int) -> None:
+        pending.bufs = [torch.empty(shape, dtype=dtype, device=self.comm_device) for dtype, shape in metas]
+        pending.works = [dist.irecv(b, self.peer, tag=self._tag(kind, stage, mb, 1 + i))
+                         for i, b in enumerate(pending.bufs)]
+
+    def _post_gradient(self, stage: int, mb: int) -> None:
+        self._want_grads.discard(("B", stage, mb))
+        _, metas = self._meta[_activation("B", stage, mb)]
+        pending = _Pending()
+        self._post(pending, [(d, s) for d, s in metas if _wants_grad(d)], "B", stage, mb)
+        self._pending[("B", stage, mb)] = pending
+
+    def _advance(self) -> None:
+        """Post the tensors of every activation whose header is in (cheap: one completion check per header)."""
+        for (kind, stage, mb), pending in self._pending.items():
+            if pending.header is not None and pending.meta is None and pending.header[0].is_completed():
+                self._read_header(pending, stage, mb)
+
+    def _read_header(self, pending: _Pending, stage: int, mb: int) -> None:
+        work, buf = pending.header  # type: ignore[misc]
+        self._wait([work], "F", stage, mb)
+        pending.meta = _decode(buf.cpu())
+        self._meta[_activation("F", stage, mb)] = pending.meta
+        self._post(pending, pending.meta[1], "F", stage, mb)
+
+    def _wait(self, works: List[Any], kind: str, stage: int, mb: int) -> None:
         try:
-            works = [dist.irecv(buf, self.peer, tag=_tag(kind, stage, mb, first_slot + i)) for i, buf in enumerate(bufs)]
             for work in works:
                 work.wait(self.timeout)
         except RuntimeError as exc:
             raise self._error(f"got no {describe(kind)} of micro-batch {mb} for stage {stage} from", exc) from exc
-        return [b.to(self.device) for b in bufs]
 
     def recv(self, kind: str, stage: int, mb: int) -> Any:
         """``stage``'s input (``"F"``) or the gradient of its output (``"B"``) for micro-batch ``mb``."""
+        pending = self._pending.pop((kind, stage, mb), None)
         if kind == "F":
-            (header,) = self._irecv([(torch.int64, (_HEADER,))], kind, stage, mb, 0)
-            container, metas = _decode(header.cpu())
-            self._meta[_activation(kind, stage, mb)] = (container, metas)
-            tensors = self._irecv(metas, kind, stage, mb, 1)
+            if pending is None:
+                self.expect("F", stage, mb)
+                pending = self._pending.pop(("F", stage, mb))
+            if pending.meta is None:
+                self._read_header(pending, stage, mb)
+            self._wait(pending.works, kind, stage, mb)
+            self._advance()
+            tensors = [b.to(self.device) for b in pending.bufs]
+            container = pending.meta[0]  # type: ignore[index]
             if container == 0:
                 return tensors[0]
             return tuple(tensors) if container == 1 else list(tensors)
+        if pending is None:
+            self._post_gradient(stage, mb)
+            pending = self._pending.pop(("B", stage, mb))
         _, metas = self._meta.pop(_activation(kind, stage, mb))
-        wanted = [(d, s) for d, s in metas if _wants_grad(d)]
-        got = iter(self._irecv(wanted, kind, stage, mb, 1))
+        self._wait(pending.works, kind, stage, mb)
+        self._advance()
+        got = iter(b.to(self.device) for b in pending.bufs)
         return [next(got) if _wants_grad(d) else None for d, _ in metas]
 
     def _error(self, what: str, exc: BaseException) -> PeerError:
@@ -190,6 +272,15 @@ class P2PChannel:
         )
 
     def reset(self) -> None:
-        """Forget per-step state (after a failed step)."""
+        """Forget per-step state after a failed step, and move to the next generation of tags.
+
+        Receives posted for the failed step may still be waiting inside the
+        process group; with another generation in their tags they can never
+        take a message of a later step (both sides of a failed step fail it,
+        the other one within its timeout, so both move on together).
+        """
         self._meta.clear()
         self._inflight = []
+        self._pending.clear()
+        self._want_grads.clear()
+        self.generation += 1

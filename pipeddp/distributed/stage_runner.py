@@ -24,7 +24,7 @@ import torch
 
 from ..runtime.channels import Channel, Inbox, LocalChannel
 from ..runtime.executor import Device, StageResults, group_rows, run_actions
-from ..runtime.schedule import Action, row_of
+from ..runtime.schedule import Action, Kind, row_of
 from ..runtime.stage import Grads, Stage, StepSpec
 from ..runtime.trace import Trace
 from .p2p import P2PChannel
@@ -76,6 +76,7 @@ class ProcessRunner:
         streams = self.device.first.streams
         if self._own is not None:
             self._own.reset()
+        self._expect(actions)
         streams.enter()
         try:
             return [run_actions(self.device, actions, spec, links=self.links, inputs=inputs,
@@ -88,6 +89,20 @@ class ProcessRunner:
             for ch in self.channels:
                 ch.flush()
             streams.leave()
+
+    def _expect(self, actions: Sequence[Action]) -> None:
+        """Tell each channel, before the step, which messages this device will take from it (received ahead)."""
+        rows, last = self.device.rows, self.device.n_stages - 1
+        for a in actions:
+            kind = Kind(a.kind)
+            if kind is Kind.F and a.stage > 0:
+                peer = row_of(a.stage - 1, rows)
+                if peer != self.device.row:
+                    self.links[peer].expect("F", a.stage, a.mb)  # type: ignore[attr-defined]
+            elif (kind is Kind.B or kind is Kind.I) and a.stage < last:
+                peer = row_of(a.stage + 1, rows)
+                if peer != self.device.row:
+                    self.links[peer].expect("B", a.stage, a.mb)  # type: ignore[attr-defined]
 
     def close(self) -> None:
         """Nothing to stop: the stages run on the caller's thread."""

@@ -1,0 +1,247 @@
+"""pipeddp's schedules against each other, accumulation and torch.distributed.pipelining, on 2 CPU processes.
+
+One spawned 2-process gloo job (one stage device per process, mode="stage"; 1 intra-op thread each) times, for
+every model and number of micro-batches m, interleaved round by round between barriers:
+
+* ``accum``: the plain model accumulating over the same m micro-batches (rank 0; rank 1 waits);
+* pipeddp ``gpipe``, ``1f1b``, ``zb`` on pipeddp's 2-stage cut, and ``interleaved`` and ``zb`` with 2 virtual
+  stages per process on its 4-stage cut (``zb-v2``: interleaved zero-bubble);
+* torch's ``ScheduleGPipe`` and ``Schedule1F1B`` on the same 2-stage cut, ``ScheduleInterleaved1F1B`` and
+  ``ScheduleInterleavedZeroBubble`` on the same 4-stage cut (2 stages per rank, placed as pipeddp places them);
+* ``1f1b`` and ``interleaved`` in replica mode (one process, a thread per device; rank 1 waits), for "stage mode
+  within 5% of replica mode".
+
+Every configuration's gradients are checked against accumulation before timing. After timing, one traced step of
+each pipeddp configuration gives the measured bubble (idle share of the devices' time), set beside the schedule's
+bubble with equal stages (F = 1, B = 2) and beside the schedule replayed with the step's measured action times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # started as a script
+import pipeddp  # noqa: E402
+from benchmarks import baselines  # noqa: E402
+from benchmarks.common import (BARRIER, LossFn, Run, barrier_rounds, barrier_timed, check_same, gather,  # noqa: E402
+                               init_job, log0, median_ratio, parser)
+from benchmarks.workloads import WORKLOADS  # noqa: E402
+from pipeddp.runtime.schedule import get_schedule, play  # noqa: E402
+from pipeddp.tools.simulate import StageCost, simulate  # noqa: E402
+from pipeddp.tools.timeline import WORK, measured_bubble  # noqa: E402
+
+SCRIPT = "schedules"
+DEVICES = 2
+#: pipeddp configurations in stage mode: name -> (schedule, virtual stages)
+PIPEDDP = {"gpipe": ("gpipe", 1), "1f1b": ("1f1b", 1), "zb": ("zb", 1), "interleaved": ("interleaved", 2),
+           "zb-v2": ("zb", 2)}
+#: torch configurations: name -> (pipeddp's name for the schedule, stages per rank)
+TORCH = {"torch-gpipe": ("gpipe", 1), "torch-1f1b": ("1f1b", 1), "torch-interleaved": ("interleaved", 2),
+         "torch-zb-v2": ("zb", 2)}
+#: replica-mode twins of stage-mode configurations
+REPLICA = {"1f1b-replica": ("1f1b", 1), "interleaved-replica": ("interleaved", 2)}
+#: (pipeddp, torch) pairs on the same cut and schedule
+SAME = [("gpipe", "torch-gpipe"), ("1f1b", "torch-1f1b"), ("interleaved", "torch-interleaved"),
+        ("zb-v2", "torch-zb-v2")]
+BATCH = {"mlp": 256, "resnet50": 64}
+ROUNDS = {"mlp": 8, "resnet50": 4}
+
+
+def cuts(rank: int, model: nn.Sequential, x: torch.Tensor, m: int) -> Dict[int, List[int]]:
+    """pipeddp's cuts into 2 and 4 stages, profiled on rank 0 at micro-batch size and sent to rank 1."""
+    plan: List[Any] = [None]
+    if rank == 0:
+        plan = [{n: list(pipeddp.partition(model, n, method="time", sample=x, chunks=m).balance)
+                 for n in (DEVICES, 2 * DEVICES)}]
+    dist.broadcast_object_list(plan, src=0)
+    return plan[0]
+
+
+def guarded_torch(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn,
+                  balance: List[int], schedule: str, m: int, name: str, timeout: float) -> Tuple[Any, str]:
+    """torch's schedule on its own group (a failing rank tears it down, so the peer fails instead of hanging),
+    built and run once (its shapes are inferred on the first step); the step, or None and the errors."""
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=timeout))
+    err = ""
+    step = None
+    try:
+        step = baselines.torch_pipelining(model, x, y, loss_fn, balance=balance, schedule=schedule, chunks=m,
+                                          group=group, name=name)
+        step.run()
+    except Exception as exc:  # noqa: BLE001 - recorded, the benchmark goes on without this configuration
+        err = f"rank {rank}: {type(exc).__name__}: {str(exc).strip()[-800:]}"
+        for teardown in (group.abort, lambda: dist.destroy_process_group(group)):
+            with contextlib.suppress(Exception):
+                teardown()
+    errors: List[Any] = [None] * DEVICES
+    dist.all_gather_object(errors, err)
+    failed = [e for e in errors if e]
+    return (None, " | ".join(failed)) if failed else (step, "")
+
+
+def steps_at(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, m: int, loss_fn: LossFn,
+             balance: Dict[int, List[int]], torch_timeout: float) -> Tuple[List[baselines.Step], Dict[str, str]]:
+    steps = [baselines.accumulate(model, x, y, loss_fn, m) if rank == 0 else baselines.idle("accum")]
+    for name, (schedule, v) in PIPEDDP.items():
+        steps.append(baselines.hybrid(model, x, y, loss_fn, stages=DEVICES, mode="stage", chunks=m, name=name,
+                                      schedule=schedule, virtual_stages=v, balance=balance[DEVICES * v]))
+    for name, (schedule, v) in REPLICA.items():
+        steps.append(baselines.pipeline(model, x, y, loss_fn, stages=DEVICES, chunks=m, name=name, schedule=schedule,
+                                        virtual_stages=v, balance=balance[DEVICES * v]) if rank == 0
+                     else baselines.idle(name))
+    failed: Dict[str, str] = {}
+    for name, (schedule, v) in TORCH.items():
+        step, err = guarded_torch(rank, model, x, y, loss_fn, balance[DEVICES * v], schedule, m, name, torch_timeout)
+        if step is None:
+            failed[name] = err
+            log0(f"    {name}: failed ({err.splitlines()[0][:200]})")
+        else:
+            steps.append(step)
+    return steps, failed
+
+
+def traced_bubbles(steps: Sequence[baselines.Step], rank: int) -> Dict[str, Dict[str, Any]]:
+    """One traced step per pipeddp configuration: measured bubble, and the schedule's with equal stages and
+    replayed with the measured action times (rank 0's result)."""
+    out: Dict[str, Dict[str, Any]] = {}
+    for step in steps:
+        base = step.name.replace("-replica", "")
+        if base not in PIPEDDP:
+            continue
+        run = step.run
+        # every rank meets in the barriers, also the one that sits a single-process configuration out
+        _, spans = barrier_timed(None if run is None else (lambda: baselines.record(step.module, run, rank)))
+        parts = gather(spans or [])
+        if parts is None:
+            continue
+        every = [s for p in parts for s in p]
+        bubble, makespan = measured_bubble(every)
+        schedule, v = PIPEDDP[base]
+        m = max(s.mb for s in every if s.kind in WORK) + 1
+        plan = get_schedule(schedule, DEVICES, m, v)
+        work = {(s.stage, s.kind, s.mb): s.duration for s in every if s.kind in WORK}
+        replayed = play(plan, lambda row, a: work.get((a.stage, a.kind.value, a.mb), 0.0))
+        equal = simulate([StageCost(1.0, 2.0)] * (DEVICES * v), schedule, stages=DEVICES, chunks=m, virtual_stages=v)
+        out[step.name] = {"measured_bubble": bubble, "traced_step_ms": makespan * 1e3,
+                          "equal_stages_bubble": equal.bubble, "replayed_bubble": replayed.bubble,
+                          "replayed_step_ms": replayed.makespan * 1e3}
+    return out
+
+
+def run_m(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, m: int, loss_fn: LossFn,
+          opts: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    balance = cuts(rank, model, x, m)
+    log0(f"  m={m}: cuts {balance[DEVICES]} (2 stages), {balance[2 * DEVICES]} (4 stages)")
+    steps, failed = steps_at(rank, model, x, y, m, loss_fn, balance, opts["group_timeout"])
+    checked = baselines.check_grads(steps, "accum", "accum")
+    times, _ = barrier_rounds({s.name: s.run for s in steps}, opts["rounds"], opts["warmup"])
+    bubbles = traced_bubbles(steps, rank)
+    for s in steps:
+        s.close()
+    dist.barrier()
+    if rank != 0:
+        return None
+    walls = {k: [t.wall for t in v] for k, v in times.items()}
+    speed = {name: median_ratio(walls["accum"], walls[name]) for name in walls if name != "accum"}
+    return {"m": m, "balance": balance, "check": checked, "torch_failed": failed, "times_s": walls,
+            "step_ms": {k: statistics.median(v) * 1e3 for k, v in walls.items()},
+            "vs_accum": speed,
+            "vs_torch_same_cut": {a: median_ratio(walls[b], walls[a]) for a, b in SAME if b in walls},
+            "vs_own_1f1b": {a: median_ratio(walls["1f1b"], walls[a]) for a in ("gpipe", "zb", "interleaved", "zb-v2")},
+            "stage_vs_replica": {a: median_ratio(walls[a + "-replica"], walls[a]) for a in ("1f1b", "interleaved")},
+            "bubbles": bubbles}
+
+
+def job(settings: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    rank = init_job(settings["timeout"], settings["device"])
+    out: Dict[str, Any] = {}
+    for name in settings["models"]:
+        work = WORKLOADS[name]
+        model, x, y = work.seeded(settings["batch"][name], settings["seed"])
+        check_same(model, x, y)
+        rounds = settings["rounds"] or (1 if settings["quick"] else ROUNDS[name])
+        log0(f"{name}: {work.describe(x.shape[0])}; {rounds} rounds")
+        t0 = time.perf_counter()
+        rows = [run_m(rank, model, x, y, m, work.loss_fn, {**settings, "rounds": rounds}) for m in settings["ms"]]
+        if rank == 0:
+            out[name] = {"workload": work.describe(x.shape[0]), "rounds": rounds, "elapsed_s": time.perf_counter() - t0,
+                         "by_m": rows}
+    dist.barrier()
+    return out if rank == 0 else None
+
+
+def report(res: Dict[str, Any], run: Run) -> Dict[str, Any]:
+    targets: Dict[str, Any] = {}
+    for name, doc in res.items():
+        rows = doc["by_m"]
+        names = ["gpipe", "1f1b", "zb", "interleaved", "zb-v2", "1f1b-replica", "interleaved-replica"]
+        run.table(f"{doc['workload']}: speedup over accumulation (medians of per-round ratios)",
+                  ["m"] + names + [t for t in TORCH], [[r["m"]] + [r["vs_accum"].get(n) for n in names]
+                                                      + [r["vs_accum"].get(t) for t in TORCH] for r in rows])
+        run.table(f"{name}: pipeddp against torch.distributed.pipelining on the same cut and schedule, and against "
+                  "its own 1F1B", ["m"] + [f"{a} / {b}" for a, b in SAME] + [f"{a} / 1f1b" for a in rows[0]["vs_own_1f1b"]]
+                  + ["stage / replica 1f1b", "stage / replica interleaved"],
+                  [[r["m"]] + [r["vs_torch_same_cut"].get(a) for a, _ in SAME] + list(r["vs_own_1f1b"].values())
+                   + [r["stage_vs_replica"]["1f1b"], r["stage_vs_replica"]["interleaved"]] for r in rows])
+        run.table(f"{name}: bubble (idle share of the devices' time) of one traced step",
+                  ["m / schedule", "measured", "replayed (measured actions)", "equal stages (F=1, B=2)"],
+                  [[f"{r['m']} / {k}", v["measured_bubble"], v["replayed_bubble"], v["equal_stages_bubble"]]
+                   for r in rows for k, v in r["bubbles"].items()])
+        t = {"same_cut_min": min(min(r["vs_torch_same_cut"].values()) for r in rows if r["vs_torch_same_cut"]),
+             "counterpart_min": min(min(r["vs_torch_same_cut"].get(a, 9) for a in ("interleaved", "zb-v2"))
+                                    for r in rows),
+             "stage_vs_replica_min": min(min(r["stage_vs_replica"].values()) for r in rows)}
+        at4 = [r for r in rows if r["m"] == 4]
+        if at4:
+            t["m4_best_new_vs_1f1b"] = max(at4[0]["vs_own_1f1b"][a] for a in ("zb", "interleaved", "zb-v2"))
+        targets[name] = t
+        run.table(f"{name}: against the targets", ["target", "measured", "goal"], [
+            ["pipeddp vs torch, same cut and schedule, worst m", t["same_cut_min"], ">= 1.05"],
+            ["interleaved / zb-v2 vs torch's counterpart, worst m", t["counterpart_min"], ">= 1.00"],
+            ["stage mode vs replica mode, worst", t["stage_vs_replica_min"], ">= 0.95"],
+        ] + ([["interleaved or zero-bubble vs pipeddp's 1F1B at m=4", t["m4_best_new_vs_1f1b"], ">= 1.08"]]
+             if at4 else []))
+    return targets
+
+
+def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    p = parser(__doc__, "mlp, m = 4, 1 round", "results/schedules.json", spawns=True)
+    p.add_argument("--models", nargs="+", default=None, choices=list(BATCH), help="default: mlp resnet50")
+    p.add_argument("--ms", nargs="+", type=int, default=None, help="micro-batch counts (default 2 4 8)")
+    p.add_argument("--rounds", type=int, default=None, help="timed rounds (default: mlp 8, resnet50 4)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed rounds before them")
+    p.add_argument("--group-timeout", type=float, default=120.0, help="seconds a torch pipelining rank awaits its peer")
+    args = p.parse_args(argv)
+    args.models = args.models or (["mlp"] if args.quick else list(BATCH))
+    args.ms = args.ms or ([4] if args.quick else [2, 4, 8])
+    args.batch = {k: (32 if args.quick and k == "mlp" else v) for k, v in BATCH.items()}
+    if any(m < DEVICES or args.batch[k] % m for m in args.ms for k in args.models):
+        p.error(f"every m must be >= {DEVICES} and divide the batch {args.batch} (torch's schedules need equal "
+                "micro-batches)")
+    if args.quick:
+        args.warmup = 0
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse(argv)
+    run = Run(SCRIPT, args, BARRIER)
+    res = pipeddp.spawn(job, DEVICES, args=(vars(args),), timeout=args.timeout, threads=1)[0]
+    targets = report(res, run)
+    run.finish({"devices": DEVICES, "threads_per_process": 1}, targets=targets, models=res)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
