@@ -15,6 +15,7 @@ from torch import nn
 
 import pipeddp
 from conftest import data, max_diff
+from pipeddp.distributed import catalog
 from pipeddp.distributed import checkpoint as ckpt
 
 LOSS = nn.functional.mse_loss
@@ -115,7 +116,7 @@ def test_checkpoint_opens_with_plain_torch_load_and_resumes_exactly(tmp_path):
         train(engine, opt, batches[2:])
         uninterrupted = engine.state_dict()
     # a fresh interpreter opens the file with torch's defaults and loads it into the plain model
-    path = ckpt.step_path(directory, 2)
+    path = catalog.step_path(directory, 2)
     script = (
         "import sys, torch\n"
         "from torch import nn\n"
