@@ -176,12 +176,12 @@ def load(path: str) -> Dict[str, Any]:
     Raises ``UnsafeCheckpointError`` (nothing from the file was run) when the
     safe loader refused the file because it references Python objects, and
     ``DamagedCheckpointError`` when it is damaged or not a pipeddp checkpoint
-    (random bytes, a truncated file, another program's file). ``OSError``
-    (a missing file, no permission) passes through unchanged.
+    (random bytes, a truncated file, another program's file). A missing file,
+    a directory or a file without read permission raises as ``open`` would.
     """
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
-    except OSError:
+    except (FileNotFoundError, PermissionError, IsADirectoryError):
         raise
     except pickle.UnpicklingError as exc:
         refused = _refused_globals(path)

@@ -417,7 +417,8 @@ def resume(engine: Engine, directory: str, optimizer: Optional[torch.optim.Optim
 
         def skip(path: str, why: str) -> None:
             skipped.append(path)
-            _warn(f"resume skips {path}: {why}")
+            why = why[len(path):].lstrip() if why.startswith(path) else why
+            _warn(f"resume skips {path}, which {why}" if why.startswith("is ") else f"resume skips {path}: {why}")
 
         try:
             found = catalog.newest(directory, skip)
