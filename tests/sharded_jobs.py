@@ -192,3 +192,16 @@ def other_model() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(12, 12), nn.Linear(12, 12), nn.ReLU(), nn.Linear(12, 12)).double()
 
+
+
+def replica_mode_job(directory: str) -> Dict[str, Any]:
+    """2 replicas x 2 stages in replica mode (each process holds every stage): one step, a sharded save."""
+    init()
+    engine = pipeddp.HybridParallel(make_mlp(), stages=2, mode="replica", chunks=2)
+    opt = adam(engine)
+    train(engine, global_batches(2, 1), local=10, optimizer=opt)
+    engine.save(os.path.join(directory, "sharded"), optimizer=opt, sharded=True)
+    engine.save(os.path.join(directory, "one.pt"), optimizer=opt)
+    state = engine.state_dict()
+    engine.close()
+    return state

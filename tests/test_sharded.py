@@ -18,7 +18,7 @@ from pipeddp.distributed import catalog, checkpoint as ckpt, sharded
 from pipeddp.distributed.optim_state import named_optimizer_state
 from pipeddp.tools.cli import main as cli
 from sharded_jobs import (EXTRA, LR, adam, async_overlap_job, killed_writer_job, load_and_train_job, refusals_job,
-                          save_both_job, other_model)
+                          replica_mode_job, save_both_job, other_model)
 
 
 def plain_adam(model, batches):
@@ -51,6 +51,17 @@ def assert_same(a, b, tol=0.0, what=""):
     assert a == b, (what, a, b)
 
 
+def assert_written_once(shards):
+    """Every process wrote a part, and nothing in the files is written twice: the files hold exactly the entries
+    the metadata indexes, one per key, so replicas' equal copies were written by one of them only."""
+    sizes = {n: os.path.getsize(os.path.join(shards, n)) for n in os.listdir(shards) if n.endswith(".distcp")}
+    assert all(size > 0 for size in sizes.values()), sizes
+    indexed = {}
+    for info in sharded.read_metadata(shards).storage_data.values():
+        indexed[info.relative_path] = indexed.get(info.relative_path, 0) + info.length
+    assert indexed == sizes
+
+
 def same_extra(got):
     assert {k: v for k, v in got.items() if k != "mask"} == {k: v for k, v in EXTRA.items() if k != "mask"}
     assert torch.equal(got["mask"], EXTRA["mask"])
@@ -60,8 +71,9 @@ def same_extra(got):
 def test_a_sharded_stage_mode_checkpoint_loads_into_other_layouts_a_pipeline_and_the_plain_model(tmp_path):
     pipeddp.spawn(save_both_job, 4, args=(str(tmp_path),), timeout=200)
     one, shards = str(tmp_path / "one.pt"), str(tmp_path / "sharded")
-    # every process wrote its own file, in parallel; DCP's metadata last
+    # every process wrote its own file, in parallel; DCP's metadata last; replicas' equal copies written once
     assert sorted(os.listdir(shards)) == [".metadata"] + [f"__{r}_0.distcp" for r in range(4)]
+    assert_written_once(shards)
     ref = torch.load(one)  # the consolidated path: what the same state is, as one file
     batches = global_batches(2, 4)
     expect_model, expect_opt = plain_adam(make_mlp(), batches)
@@ -119,6 +131,19 @@ def test_a_sharded_stage_mode_checkpoint_loads_into_other_layouts_a_pipeline_and
         opt = adam(engine)
         engine.load(out, opt)
         assert_same(engine.state_dict(), ref["model"], 0.0, "converted into an engine")
+
+
+@pytest.mark.timeout(120)
+def test_replica_mode_writes_each_tensor_once_and_loads_into_one_process(tmp_path):
+    state = pipeddp.spawn(replica_mode_job, 2, args=(str(tmp_path),), timeout=100)[0]
+    shards = str(tmp_path / "sharded")
+    assert_written_once(shards)
+    ref = torch.load(str(tmp_path / "one.pt"))
+    with pipeddp.HybridParallel(make_mlp(seed=4), stages=3) as engine:
+        opt = adam(engine)
+        engine.load(shards, opt)
+        assert_same(engine.state_dict(), state, 0.0, "model")
+        assert_same(named_optimizer_state(engine, opt)["state"], ref["optimizer"]["state"], 0.0, "optimizer")
 
 
 @pytest.mark.timeout(120)
