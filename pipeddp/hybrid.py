@@ -300,12 +300,12 @@ class HybridParallel(StepModule):
     def close(self) -> None:
         """Wait for a save in flight, stop stage threads and, if this engine started it, the process group."""
         try:
-            self._saver.close()
+            self._saver.close()  # a failed background save raises here, after everything below is stopped
         finally:
             self._finalizer()
-        if self._owns_group and dist.is_initialized():
-            dist.destroy_process_group()
-            self._owns_group = False
+            if self._owns_group and dist.is_initialized():
+                dist.destroy_process_group()
+                self._owns_group = False
 
 
     def extra_repr(self) -> str:

@@ -7,7 +7,7 @@ import os
 import signal
 import time
 from datetime import timedelta
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List
 
 import torch
 from torch import nn

@@ -324,13 +324,11 @@ def _load_file(scope: _Scope, payload: Dict[str, Any], path: str, optimizer: Opt
         optim_state.load_named_optimizer_state(scope.module, optimizer, payload["optimizer"])
 
 
-def _load_sharded(scope: _Scope, path: str, optimizer: Optional[torch.optim.Optimizer], rng: bool,
-                  engine: Optional[Engine]) -> Dict[str, Any]:
+def _load_sharded(scope: _Scope, path: str, optimizer: Optional[torch.optim.Optimizer], rng: bool) -> Dict[str, Any]:
     """Read this process's share of a sharded checkpoint; returns its ``extra``.
 
-    The checks use the metadata alone and come out the same on every rank;
-    reading is each process's own (its keys only) and any rank's failure is
-    every rank's.
+    The checks (keys, shapes, the optimizer's class) use the metadata alone,
+    before anything changes; then each process reads its own keys only.
     """
     metadata = sharded.read_metadata(path)
     head = sharded.header(path, metadata)
@@ -338,31 +336,44 @@ def _load_sharded(scope: _Scope, path: str, optimizer: Optional[torch.optim.Opti
     files.check_model_keys(path, shapes, scope.keys)
     if optimizer is not None:
         optim_state.check_optimizer(path, head["meta"].get("optimizer"), sharded.has_optimizer(metadata), optimizer)
+    wrong = [f"{k}: checkpoint {list(shapes[k])}, model {list(v.shape)}" for k, v in scope.own.items()
+             if tuple(shapes[k]) != tuple(v.shape)]
+    if wrong:
+        raise ValueError(f"{path} holds tensors of other shapes than the model's: {wrong[:5]}")
+    target: Dict[str, Any] = {"model": dict(scope.own)}
+    if optimizer is not None:
+        target["optimizer"] = optim_state.flat_optimizer_state(scope.module, optimizer)
+        missing = sorted(set(target["optimizer"]) - set(sharded.optimizer_keys(metadata)))
+        if missing:
+            raise ValueError(f"{path} lacks optimizer state the optimizer has ({missing[:5]}): was it saved with "
+                             "other parameter groups, or before every parameter had a gradient?")
     rng = rng and int(head["meta"].get("world_size", -1)) == scope.world_size
-
-    def read() -> None:
-        wrong = [f"{k}: checkpoint {list(shapes[k])}, model {list(v.shape)}" for k, v in scope.own.items()
-                 if tuple(shapes[k]) != tuple(v.shape)]
-        if wrong:
-            raise ValueError(f"{path} holds tensors of other shapes than the model's: {wrong[:5]}")
-        target: Dict[str, Any] = {"model": dict(scope.own)}
-        if optimizer is not None:
-            target["optimizer"] = optim_state.flat_optimizer_state(scope.module, optimizer)
-            missing = sorted(set(target["optimizer"]) - set(sharded.optimizer_keys(metadata)))
-            if missing:
-                raise ValueError(f"{path} lacks optimizer state the optimizer has ({missing[:5]}): was it saved "
-                                 "with other parameter groups, or before every parameter had a gradient?")
-        if rng:
-            target["rng"] = {str(scope.rank): None}
-        sharded.read(path, target)
-        scope.load(target["model"])
-        if optimizer is not None:
-            optim_state.load_flat_optimizer_state(scope.module, optimizer, target["optimizer"])
-        if rng:
-            files.set_rng_state(target["rng"][str(scope.rank)][0])
-
-    _together(engine, read)
+    if rng:
+        target["rng"] = {str(scope.rank): None}
+    sharded.read(path, target)
+    scope.load(target["model"])
+    if optimizer is not None:
+        optim_state.load_flat_optimizer_state(scope.module, optimizer, target["optimizer"])
+    if rng:
+        files.set_rng_state(target["rng"][str(scope.rank)][0])
     return head["extra"]
+
+
+def _load_any(engine: Optional[Engine], scope: _Scope, path: str, optimizer: Optional[torch.optim.Optimizer], *,
+              rng: bool, payload: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """Load ``path`` (either format) into ``scope`` on every rank; any rank's failure is every rank's."""
+
+    def load_here() -> Dict[str, Any]:
+        if os.path.isdir(path):
+            return _load_sharded(scope, path, optimizer, rng)
+        contents = payload if payload is not None else files.load(path)
+        _load_file(scope, contents, path, optimizer)
+        rngs = contents.get("rng") or []
+        if rng and len(rngs) == scope.world_size:
+            files.set_rng_state(rngs[scope.rank])
+        return contents.get("extra", {})
+
+    return _together(engine, load_here)
 
 
 def load(engine: Engine, path: str, optimizer: Optional[torch.optim.Optimizer] = None, *,
@@ -370,23 +381,13 @@ def load(engine: Engine, path: str, optimizer: Optional[torch.optim.Optimizer] =
     """Load a checkpoint (a file or a sharded directory, any layout) into this process's share; its ``extra``."""
     if saver is not None:
         saver.wait()
-    scope = _scope(engine)
-    if os.path.isdir(path):
-        return _load_sharded(scope, path, optimizer, rng=False, engine=engine)
-    payload = files.load(path)
-    _load_file(scope, payload, path, optimizer)
-    return payload.get("extra", {})
+    return _load_any(engine, _scope(engine), path, optimizer, rng=False)
 
 
 def load_into(module: nn.Module, path: str, optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, Any]:
     """``load`` for a module that holds the whole model in this process (``Pipeline``); returns ``extra``."""
     own = module.state_dict()
-    scope = _Scope(module, own, set(own), module.load_state_dict, 0, 1)
-    if os.path.isdir(path):
-        return _load_sharded(scope, path, optimizer, rng=False, engine=None)
-    payload = files.load(path)
-    _load_file(scope, payload, path, optimizer)
-    return payload.get("extra", {})
+    return _load_any(None, _Scope(module, own, set(own), module.load_state_dict, 0, 1), path, optimizer, rng=False)
 
 
 def _warn(message: str) -> None:
@@ -438,13 +439,4 @@ def resume(engine: Engine, directory: str, optimizer: Optional[torch.optim.Optim
         raise files.UnsafeCheckpointError(f"rank {topo.rank}: {error}")
     if path is None:
         return None
-    scope = _scope(engine)
-    if os.path.isdir(path):
-        return _load_sharded(scope, path, optimizer, rng=True, engine=engine)
-    payload = read.get(path) or files.load(path)
-    _load_file(scope, payload, path, optimizer)
-    rngs = payload.get("rng") or []
-    if len(rngs) == topo.world_size:
-        files.set_rng_state(rngs[topo.rank])
-    return payload.get("extra", {})
-
+    return _load_any(engine, _scope(engine), path, optimizer, rng=True, payload=read.get(path))
