@@ -9,10 +9,11 @@ import warnings
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
 import pipeddp
-from conftest import make_mlp
+from conftest import data, make_mlp
 from hybrid_jobs import LOSS, global_batches
 from pipeddp.distributed import catalog, checkpoint as ckpt, sharded
 from pipeddp.distributed.optim_state import named_optimizer_state
@@ -225,6 +226,37 @@ def test_a_sharded_save_replaces_an_older_one_at_the_same_path_and_keeps_keep(tm
     with pipeddp.HybridParallel(make_mlp(seed=2), stages=1) as engine:
         engine.load(catalog.step_path(run, 4, True))
         assert_same(engine.state_dict(), weights, 0.0, "rewritten step 4")
+
+
+@pytest.mark.timeout(120)
+def test_resuming_a_sharded_checkpoint_restores_the_generators_and_continues_exactly(tmp_path):
+    """Dropout draws from the generators: a resume that did not restore them (or the optimizer) would differ."""
+    run = str(tmp_path / "run")
+    batches = [data(8, seed=30 + i) for i in range(4)]
+
+    def model(seed):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Dropout(0.25), nn.Linear(16, 12)).double()
+
+    def steps(engine, opt, part):
+        for x, y in part:
+            opt.zero_grad()
+            engine.train_step(x, y, LOSS)
+            opt.step()
+
+    torch.manual_seed(1)
+    with pipeddp.HybridParallel(model(0), stages=2, chunks=2, checkpoint="always") as engine:
+        opt = adam(engine)
+        steps(engine, opt, batches[:2])
+        engine.save_checkpoint(run, 2, opt, sharded=True, async_save=True, extra={"batch": 2})
+        steps(engine, opt, batches[2:])
+        uninterrupted = engine.state_dict()
+    torch.manual_seed(99)
+    with pipeddp.HybridParallel(model(5), stages=2, chunks=2, checkpoint="always") as engine:
+        opt = adam(engine)
+        assert pipeddp.resume(engine, run, opt) == {"batch": 2, "step": 2}
+        steps(engine, opt, batches[2:])
+        assert_same(engine.state_dict(), uninterrupted, 0.0, "resumed against uninterrupted")
 
 
 # -- safe to open ----------------------------------------------------------------------------------------------

@@ -191,9 +191,14 @@ def read_metadata(path: str) -> Metadata:
         raise DamagedCheckpointError(f"{path} is not a pipeddp sharded checkpoint: its {METADATA} lacks the key "
                                      "mapping pipeddp's writer records")
     needed: Dict[str, int] = {}
-    for info in metadata.storage_data.values():
-        name = str(info.relative_path)
-        needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
+    try:
+        for info in metadata.storage_data.values():
+            name, end = info.relative_path, int(info.offset) + int(info.length)
+            if not isinstance(name, str) or os.path.basename(name) != name or not _OWN_FILES.match(name):
+                raise ValueError(f"a data file named {name!r}")  # only files of the directory itself are read
+            needed[name] = max(needed.get(name, 0), end)
+    except Exception as exc:  # noqa: BLE001 - a crafted or damaged index
+        raise DamagedCheckpointError(f"{path} is damaged: its {METADATA} indexes {first_line(exc)}") from None
     for name, size in sorted(needed.items()):
         file = os.path.join(path, name)
         have = os.path.getsize(file) if os.path.isfile(file) else -1
