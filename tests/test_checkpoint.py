@@ -215,6 +215,7 @@ def test_a_file_that_is_not_a_checkpoint_is_called_damaged_never_unsafe(tmp_path
     assert not isinstance(info.value, ckpt.UnsafeCheckpointError) and "unsafe" not in str(info.value)
 
 
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
 def test_a_plain_pickle_that_would_run_code_is_still_unsafe(tmp_path):
     marker = tmp_path / "pwned"
     path = tmp_path / "c.pt"
