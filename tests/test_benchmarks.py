@@ -1,4 +1,4 @@
-"""The harness every benchmark's figures rest on (benchmarks/common.py, baselines.py), and two scripts in miniature."""
+"""The harness every benchmark's figures rest on (benchmarks/common.py, baselines.py), and three scripts in miniature."""
 
 import ast
 import json
