@@ -162,7 +162,8 @@ def analyse(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
             per_rank.append({"rank": r["rank"], "shard_mb": r["shard_bytes"] / 2**20,
                              "rss_before_mb": max(row["rss_before"] for row in r["rows"][name]) / 2**20,
                              "rss_peak_mb": max(row["rss_peak"] for row in r["rows"][name]) / 2**20,
-                             "peak_above_before_mb": extra / 2**20, "peak_above_before_share": extra / r["shard_bytes"]})
+                             "peak_above_before_mb": extra / 2**20,
+                             "peak_above_before_share": extra / r["shard_bytes"]})
         out["configs"][name] = {"blocked_s": blocked, "durable_s": durable,
                                 "blocked_median_s": statistics.median(blocked),
                                 "durable_median_s": statistics.median(durable), "ranks": per_rank,
@@ -175,7 +176,8 @@ def analyse(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
         "sharded_peak_met": worst_share <= PEAK_TARGET,
         "async_blocked_over_consolidated": block_ratio, "blocked_target": BLOCK_TARGET,
         "blocked_met": block_ratio <= BLOCK_TARGET,
-        "sharded_sync_blocked_over_consolidated": median_ratio(c["sharded"]["blocked_s"], c["consolidated"]["blocked_s"]),
+        "sharded_sync_blocked_over_consolidated": median_ratio(c["sharded"]["blocked_s"],
+                                                               c["consolidated"]["blocked_s"]),
         "hwm_reset": all(row["hwm_reset"] for r in ranks for rows in r["rows"].values() for row in rows),
     }
     return out
@@ -183,7 +185,8 @@ def analyse(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
 
 def report(res: Dict[str, Any], run: Run, settings: Dict[str, Any]) -> None:
     c, t = res["configs"], res["targets"]
-    rows = [[name, f"{c[name]['blocked_median_s']:.2f}", f"{c[name]['durable_median_s']:.2f}", f"{c[name]['disk_mb']:.0f}"]
+    rows = [[name, f"{c[name]['blocked_median_s']:.2f}", f"{c[name]['durable_median_s']:.2f}",
+             f"{c[name]['disk_mb']:.0f}"]
             + [f"{p['peak_above_before_mb']:.0f} ({p['peak_above_before_share']:.0%})" for p in c[name]["ranks"]]
             for name in CONFIGS]
     shards = " / ".join(f"{p['shard_mb']:.0f}" for p in c["consolidated"]["ranks"])

@@ -162,12 +162,14 @@ def _refused_globals(path: str) -> List[str]:
     return _pickle_globals(data) or []
 
 
-def _why_unreadable(path: str, exc: BaseException) -> str:
+def _damaged(path: str, exc: BaseException) -> DamagedCheckpointError:
     if os.path.getsize(path) == 0:
-        return "the file is empty"
-    if not zipfile.is_zipfile(path):
-        return "not a whole torch.save file: no complete zip archive, so truncated or another kind of file"
-    return first_line(exc)
+        why = "the file is empty"
+    elif not zipfile.is_zipfile(path):
+        why = "not a whole torch.save file: no complete zip archive, so truncated or another kind of file"
+    else:
+        why = first_line(exc)
+    return DamagedCheckpointError(f"{path} is damaged or is not a checkpoint ({why})")
 
 
 def load(path: str) -> Dict[str, Any]:
@@ -193,9 +195,9 @@ def load(path: str) -> Dict[str, Any]:
                 "and nothing in it was run. If you wrote it yourself with an older pipeddp and trust it, convert it "
                 "once as the README's 'Checkpoints' section shows."
             ) from None
-        raise DamagedCheckpointError(f"{path} is damaged or is not a checkpoint ({_why_unreadable(path, exc)})") from None
+        raise _damaged(path, exc) from None
     except Exception as exc:  # noqa: BLE001 - a truncated zip, an empty or a foreign file
-        raise DamagedCheckpointError(f"{path} is damaged or is not a checkpoint ({_why_unreadable(path, exc)})") from None
+        raise _damaged(path, exc) from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT or "model" not in payload:
         found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
         raise DamagedCheckpointError(f"{path} is not a pipeddp checkpoint of format {FORMAT!r} (found {found!r}); "

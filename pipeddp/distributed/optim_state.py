@@ -147,6 +147,7 @@ def check_optimizer(path: str, saved_class: Optional[str], has_state: bool,
                          "optimizer= to take the model's weights only")
     given = optimizer_class(optimizer)
     if saved_class is not None and saved_class != given:
+        short = saved_class.rsplit(".", 1)[-1]
         raise ValueError(f"{path} holds the state of a {saved_class} optimizer, but the optimizer given is a "
-                         f"{given}; resume with the optimizer it was saved with ({saved_class.rsplit('.', 1)[-1]}, the same "
-                         "parameter groups), or load without optimizer= to take the model's weights only")
+                         f"{given}; resume with the optimizer it was saved with ({short}, the same parameter "
+                         "groups), or load without optimizer= to take the model's weights only")

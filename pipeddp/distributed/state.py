@@ -176,7 +176,8 @@ def _merge_dicts(parts: List[Dict[str, Any]]) -> Dict[str, Any]:
     return whole
 
 
-def _payload(engine: Engine, optimizer: Optional[torch.optim.Optimizer], extra: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+def _payload(engine: Engine, optimizer: Optional[torch.optim.Optimizer],
+             extra: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     """Everything a one-file checkpoint holds, on rank 0 (None on the other ranks)."""
     local = {k: v.detach().cpu() for k, v in engine.local_state_dict().items()}
     model = _whole_on_rank0(engine, local, _merge_dicts)
