@@ -160,6 +160,7 @@ class HybridParallel(StepModule):
         step.before_forward.append(exchange.refresh)
         step.after_backward.append(exchange.fold)
         self._finalizer = weakref.finalize(self, runner.close)
+        self._saver = state.Saver(topo, settings.timeout_delta)
         self.trace = Trace(topo.rank) if trace else None
         self._ddps = attach_stages(local, self._groups.stage, ddp_kwargs=ddp_kwargs, comm_hook=comm_hook,
                                    trace=self.trace) if topo.replicas > 1 else []
@@ -275,31 +276,50 @@ class HybridParallel(StepModule):
                                        strict=strict, assign=assign)
 
     def save(self, path: str, optimizer: Optional[torch.optim.Optimizer] = None,
-             extra: Optional[Dict[str, Any]] = None) -> None:
-        """One consolidated checkpoint (rank 0 writes it atomically; call on every rank). ``extra``: plain values."""
-        state.save(self, path, optimizer, extra)
+             extra: Optional[Dict[str, Any]] = None, *, sharded: bool = False, async_save: bool = False) -> None:
+        """One checkpoint (call on every rank). ``extra``: plain values.
+
+        By default one file, gathered on rank 0 and written there atomically.
+        ``sharded=True``: ``path`` is a directory that every process writes its
+        own share into, in parallel (torch.distributed.checkpoint), nothing
+        gathered; ``async_save=True`` then returns once the share is copied and
+        writes it in the background (the next save, load or ``close`` waits).
+        """
+        state.save(self, path, optimizer, extra, sharded=sharded, async_save=async_save, saver=self._saver)
 
     def save_checkpoint(self, directory: str, step: int, optimizer: Optional[torch.optim.Optimizer] = None, *,
-                        keep: int = 3, extra: Optional[Dict[str, Any]] = None) -> str:
-        """``directory/step-<step>.pt`` (atomic), keeping the newest ``keep``, with every rank's RNG states."""
-        return state.save_checkpoint(self, directory, step, optimizer, keep=keep, extra=extra)
+                        keep: int = 3, extra: Optional[Dict[str, Any]] = None, sharded: bool = False,
+                        async_save: bool = False) -> str:
+        """``directory/step-<step>.pt`` (atomic; with ``sharded=True`` the directory ``step-<step>``), keeping the
+        newest ``keep`` complete ones, with every rank's RNG states; ``sharded`` and ``async_save`` as in ``save``."""
+        return state.save_checkpoint(self, directory, step, optimizer, keep=keep, extra=extra, sharded=sharded,
+                                     async_save=async_save, saver=self._saver)
+
+    def wait_for_save(self) -> Optional[str]:
+        """Wait until the asynchronous save in flight is complete; returns its path (None if there was none)."""
+        return self._saver.wait()
 
     def load(self, path: str, optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, Any]:
-        """Load a checkpoint written by ``save`` (any stages/replicas layout); returns its ``extra``."""
-        return state.load(self, path, optimizer)
+        """Load a checkpoint, a file or a sharded directory, written by any stages/replicas layout; returns its
+        ``extra``."""
+        return state.load(self, path, optimizer, saver=self._saver)
 
     def resume(self, directory: str, optimizer: Optional[torch.optim.Optimizer] = None) -> Optional[Dict[str, Any]]:
-        """Load the newest complete checkpoint of ``directory``; returns its ``extra`` (with ``step``) or None."""
-        return state.resume(self, directory, optimizer)
+        """Load the newest complete checkpoint of ``directory`` (either format); returns its ``extra`` (with
+        ``step``), or None, with a warning, when there is none."""
+        return state.resume(self, directory, optimizer, saver=self._saver)
 
     # -- life cycle --------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop stage threads and, if this engine started it, the process group."""
-        self._finalizer()
-        if self._owns_group and dist.is_initialized():
-            dist.destroy_process_group()
-            self._owns_group = False
+        """Wait for a save in flight, stop stage threads and, if this engine started it, the process group."""
+        try:
+            self._saver.close()  # a failed background save raises here, after everything below is stopped
+        finally:
+            self._finalizer()
+            if self._owns_group and dist.is_initialized():
+                dist.destroy_process_group()
+                self._owns_group = False
 
 
     def extra_repr(self) -> str:

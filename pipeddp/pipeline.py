@@ -27,6 +27,7 @@ from torch import nn
 
 from ._engine import StepModule
 from ._settings import check_settings, choose_partition
+from .distributed import state
 from .partitioning.report import Partition
 from .runtime.devices import DeviceLike, resolve_devices
 from .runtime.executor import ThreadRunner
@@ -186,6 +187,14 @@ class Pipeline(StepModule):
     def close(self) -> None:
         """Stop and join the stage threads. The pipeline cannot run afterwards."""
         self._finalizer()
+
+    def load(self, path: str, optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, Any]:
+        """Load a checkpoint of ``HybridParallel`` (a file or a sharded directory, any layout); returns its ``extra``.
+
+        The model's keys and the optimizer's class are checked first; the
+        optimizer state is matched by parameter name.
+        """
+        return state.load_into(self, path, optimizer)
 
 
     @property

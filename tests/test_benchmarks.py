@@ -1,4 +1,4 @@
-"""The harness every benchmark's figures rest on (benchmarks/common.py, baselines.py), and two scripts in miniature."""
+"""The harness every benchmark's figures rest on (benchmarks/common.py, baselines.py), and three scripts in miniature."""
 
 import ast
 import json
@@ -123,3 +123,17 @@ def test_split_sizes_script_times_pipelines_that_compute_the_plain_gradients(tmp
     for name in ("naive-mp", "split=16", "split=24"):
         assert doc["check"][name]["grad_rel_diff_vs_plain"] < 1e-5, name
     assert doc["best"]["split_size"] in (16, 24)
+
+
+@pytest.mark.timeout(300)
+def test_checkpoint_scale_script_measures_every_save_on_every_rank(tmp_path):
+    doc = _run_script("checkpoint_scale", "--quick", tmp_path=tmp_path)
+    assert set(doc["configs"]) == {"consolidated", "sharded", "sharded-async"}
+    for name, c in doc["configs"].items():
+        assert [r["rank"] for r in c["ranks"]] == [0, 1, 2, 3], name
+        assert all(d >= b > 0 for b, d in zip(c["blocked_s"], c["durable_s"])), name
+        assert all(r["rss_peak_mb"] >= r["rss_before_mb"] > 0 and r["shard_mb"] > 0 for r in c["ranks"]), name
+    sizes = [doc["configs"][n]["disk_mb"] for n in ("consolidated", "sharded")]
+    assert 0.5 < sizes[0] / sizes[1] < 2  # the same state in both formats
+    assert set(doc["targets"]) >= {"sharded_peak_met", "blocked_met", "async_blocked_over_consolidated"}
+    assert not (tmp_path / "checkpoint_scale.tmp").exists()  # the checkpoints were removed

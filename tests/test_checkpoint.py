@@ -3,10 +3,12 @@
 import copy
 import glob
 import os
+import pickle
 import random
 import subprocess
 import sys
 import tempfile
+import warnings
 
 import numpy as np
 import pytest
@@ -15,6 +17,7 @@ from torch import nn
 
 import pipeddp
 from conftest import data, max_diff
+from pipeddp.distributed import catalog
 from pipeddp.distributed import checkpoint as ckpt
 
 LOSS = nn.functional.mse_loss
@@ -115,7 +118,7 @@ def test_checkpoint_opens_with_plain_torch_load_and_resumes_exactly(tmp_path):
         train(engine, opt, batches[2:])
         uninterrupted = engine.state_dict()
     # a fresh interpreter opens the file with torch's defaults and loads it into the plain model
-    path = ckpt.step_path(directory, 2)
+    path = catalog.step_path(directory, 2)
     script = (
         "import sys, torch\n"
         "from torch import nn\n"
@@ -150,3 +153,85 @@ def child_sees_private_directories(_: int) -> list:
 def test_spawn_keeps_its_argument_files_in_a_private_directory():
     modes = pipeddp.spawn(child_sees_private_directories, 1, args=(0,), timeout=50)[0]
     assert modes and all(m == 0o700 for m in modes), [oct(m) for m in modes]
+
+
+# -- checkpoints never fail quietly ------------------------------------------------------------------------------
+
+
+def resume_warnings(engine, directory, opt=None):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        extra = engine.resume(str(directory), opt)
+    return extra, [str(w.message) for w in caught if "pipeddp" in str(w.message)]
+
+
+def test_resume_says_once_that_it_found_no_checkpoint_and_starts_from_scratch(tmp_path):
+    with pipeddp.HybridParallel(dropout_model(), stages=2) as engine:
+        before = [p.detach().clone() for p in engine.parameters()]
+        extra, said = resume_warnings(engine, tmp_path / "typo")
+        assert extra is None and len(said) == 1, said
+        assert str(tmp_path / "typo") in said[0] and "does not exist" in said[0] and "from scratch" in said[0]
+        (tmp_path / "empty").mkdir()
+        extra, said = resume_warnings(engine, tmp_path / "empty")
+        assert extra is None and len(said) == 1 and str(tmp_path / "empty") in said[0] and "is empty" in said[0]
+        assert all(torch.equal(a, b) for a, b in zip(before, engine.parameters()))
+
+
+def test_resume_names_every_file_it_skips_and_why_and_takes_the_newest_that_reads(tmp_path):
+    run = tmp_path / "run"
+    with pipeddp.HybridParallel(dropout_model(), stages=2) as engine:
+        opt = torch.optim.Adam(engine.parameters())
+        engine.save_checkpoint(str(run), 1, opt, keep=10)
+        good = engine.state_dict()
+        engine.save_checkpoint(str(run), 2, opt, keep=10, sharded=True)
+    shard = run / "step-000000002" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])                                    # a damaged shard
+    (run / "step-000000003").mkdir()                                               # a killed sharded writer
+    (run / "step-000000003" / "__0_0.distcp").write_bytes(b"\0" * 64)
+    whole = (run / "step-000000001.pt").read_bytes()
+    (run / "step-000000004.pt").write_bytes(whole[: len(whole) // 2])               # a truncated zip
+    (run / "step-000000005.pt").write_bytes(np.random.default_rng(0).bytes(4096))   # random bytes
+    torch.save({"0.weight": torch.zeros(2)}, str(run / "step-000000006.pt"))       # another program's file
+    with pipeddp.HybridParallel(dropout_model(seed=4), stages=1) as engine:
+        extra, said = resume_warnings(engine, run, torch.optim.Adam(engine.parameters()))
+        assert extra == {"step": 1}
+        assert max_diff(good.values(), engine.state_dict().values()) == 0
+    expect = {6: "is not a pipeddp checkpoint", 5: "is damaged or is not a checkpoint",
+              4: "is damaged or is not a checkpoint", 3: "incomplete sharded checkpoint",
+              2: "its shard file __0_0.distcp holds 100 bytes"}
+    assert len(said) == len(expect), said
+    for (step, why), message in zip(sorted(expect.items(), reverse=True), said):
+        path = str(run / f"step-{step:09d}") + (".pt" if step != 2 and step != 3 else "")
+        assert f"resume skips {path}, which " in message and why in message, (step, message)
+        assert "unsafe" not in message and "run code" not in message
+
+
+@pytest.mark.parametrize("content", [b"", b"hello\n", bytes(range(256)) * 16])
+def test_a_file_that_is_not_a_checkpoint_is_called_damaged_never_unsafe(tmp_path, content):
+    path = tmp_path / "c.pt"
+    path.write_bytes(content)
+    with pytest.raises(ckpt.DamagedCheckpointError, match=r"c.pt is damaged or is not a checkpoint") as info:
+        ckpt.load(str(path))
+    assert not isinstance(info.value, ckpt.UnsafeCheckpointError) and "unsafe" not in str(info.value)
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
+def test_a_plain_pickle_that_would_run_code_is_still_unsafe(tmp_path):
+    marker = tmp_path / "pwned"
+    path = tmp_path / "c.pt"
+    with open(path, "wb") as f:
+        pickle.dump({"model": CreatesAFile(str(marker))}, f)  # not torch.save's format, but code all the same
+    with pytest.raises(ckpt.UnsafeCheckpointError, match=r"references Python objects \(.*pathlib"):
+        ckpt.load(str(path))
+    assert not marker.exists()
+
+
+def test_an_optimizer_of_another_class_is_refused_naming_both(tmp_path):
+    with pipeddp.HybridParallel(dropout_model(), stages=2) as engine:
+        engine.save(str(tmp_path / "c.pt"), optimizer=torch.optim.Adam(engine.parameters()))
+        with pytest.raises(ValueError, match=r"c.pt holds the state of a torch.optim.adam.Adam optimizer, but the "
+                                             r"optimizer given is a torch.optim.sgd.SGD"):
+            engine.load(str(tmp_path / "c.pt"), torch.optim.SGD(engine.parameters(), lr=0.1, momentum=0.9))
+        engine.save(str(tmp_path / "none.pt"))
+        with pytest.raises(ValueError, match=r"none.pt holds no optimizer state"):
+            engine.load(str(tmp_path / "none.pt"), torch.optim.Adam(engine.parameters()))

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import pipeddp
+from pipeddp.distributed import catalog
 from pipeddp.distributed import checkpoint as ckpt
 from pipeddp.distributed.launch import free_port
 
@@ -116,7 +117,7 @@ def test_killed_writers_never_lose_or_corrupt_a_checkpoint(tmp_path):
                 p.add_(1.0)  # a visible change per step
         step += 1
         weights_at[step] = engine.state_dict()["0.weight"].clone()
-        size = size or os.path.getsize(ckpt.step_path(directory, 0))
+        size = size or os.path.getsize(catalog.step_path(directory, 0))
         mode = rng.choice(["bytes", "bytes", "bytes", "before-rename", "after-rename"])
         limit = rng.randint(0, size)
         pid = os.fork()
@@ -134,7 +135,7 @@ def test_killed_writers_never_lose_or_corrupt_a_checkpoint(tmp_path):
                 os._exit(0)
         _, status = os.waitpid(pid, 0)
         killed += os.WIFSIGNALED(status)
-        found = ckpt.newest(directory)
+        found = catalog.newest(directory)
         assert found is not None, "the last complete checkpoint was lost"
         path, payload = found
         got_step = payload["extra"]["step"]
@@ -145,7 +146,7 @@ def test_killed_writers_never_lose_or_corrupt_a_checkpoint(tmp_path):
         # the checkpoint holds exactly the weights of its step
         assert torch.equal(payload["model"]["0.weight"], weights_at[got_step])
         # no partial file is taken for a checkpoint: every step file loads completely
-        for _, p in ckpt.list_checkpoints(directory):
+        for _, p in catalog.list_checkpoints(directory):
             torch.load(p)
         if got_step != step:
             with torch.no_grad():  # roll the model back to the saved step, as a restart would
@@ -158,6 +159,6 @@ def test_killed_writers_never_lose_or_corrupt_a_checkpoint(tmp_path):
     engine2 = pipeddp.HybridParallel(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4)), stages=1)
     engine2.resume(directory)
     engine2.save_checkpoint(directory, step + 1, keep=2)
-    assert len(ckpt.list_checkpoints(directory)) == 2
+    assert len(catalog.list_checkpoints(directory)) == 2
     assert not [n for n in os.listdir(directory) if n.startswith(".tmp-")]
     engine2.close()

@@ -13,4 +13,7 @@
     launch         ``spawn``: a local multi-process job with torchrun's environment
     state          the whole model's state dict and checkpoints across processes
     checkpoint     the checkpoint file: plain values, atomic writes, safe loading
+    sharded        the sharded checkpoint: a DCP directory every process writes its share of, read safely
+    catalog        a directory of checkpoints: step names, the newest complete one, pruning
+    optim_state    an optimizer's state by parameter name, and its class
 """

@@ -9,7 +9,8 @@ nothing in it can run code when it is read::
      "optimizer": {"state": {"0.weight": {...}}, "param_groups": [...]} or None,
      "extra": {...},                         # the caller's own values (step, epoch, ...)
      "rng": [{"torch": ..., "python": ..., "numpy": {...}, "cuda": [...]}, ...],   # one per rank
-     "meta": {"stages": 2, "replicas": 2, "world_size": 4, "balance": [...], "mode": "replica"}}
+     "meta": {"stages": 2, "replicas": 2, "world_size": 4, "balance": [...], "mode": "replica",
+              "optimizer": "torch.optim.adam.Adam"}}
 
     ck = torch.load("ckpt.pt")               # weights_only=True, PyTorch's default
     plain_model.load_state_dict(ck["model"])
@@ -18,46 +19,45 @@ pipeddp reads checkpoints only with ``weights_only=True`` (``load``): a file
 that needs anything else (a pickled object that would run code, or a file
 written by another program) is refused with an error naming it.
 
-Optimizer state is keyed by parameter *name* (via
-``torch.distributed.checkpoint.state_dict``), not by position, so it can be
-loaded by any partition of the model: each process takes the entries of the
-parameters it holds.
+Optimizer state is keyed by parameter *name* (``optim_state.py``), not by
+position, so it can be loaded by any partition of the model: each process
+takes the entries of the parameters it holds. ``meta["optimizer"]`` names
+the optimizer's class.
 
 Writes are atomic: the file is written under a temporary name in the same
 directory, flushed to disk (``fsync``), and renamed over the target, so a
 crash leaves either the old checkpoint or the new one, never half a file.
 
-A checkpoint *directory* holds ``step-000000123.pt`` files, newest kept last
-K. Temporary files start with ``.tmp-`` and never match that pattern, so a
-writer killed mid-save leaves debris that is never taken for a checkpoint
-(and is swept up by the next save). ``newest`` returns the newest file that
-loads completely, skipping any that do not.
+Reading tells three cases apart, because a user acts differently on each:
+a pipeddp checkpoint; a file that is damaged or is not a checkpoint at all
+(random bytes, a truncated zip, another program's file:
+``DamagedCheckpointError``, which ``resume`` skips, saying so); and a pickle
+that references Python objects the safe loader refuses
+(``UnsafeCheckpointError``: it would run code if loaded the unsafe way, so
+``resume`` never falls back past it silently). The directory of
+``save_checkpoint`` is ``catalog.py``'s, the sharded format ``sharded.py``'s.
 """
 
 from __future__ import annotations
 
-import glob
 import numbers
 import os
 import pickle
+import pickletools
 import random
-import re
 import tempfile
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+import zipfile
+from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 import numpy as np
 
 import torch
-from torch import nn
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-__all__ = ["atomic_save", "named_optimizer_state", "load_named_optimizer_state", "merge_optimizer_states", "FORMAT",
-           "step_path", "list_checkpoints", "newest", "prune", "rng_state", "set_rng_state", "load", "check_plain",
-           "UnsafeCheckpointError"]
+__all__ = ["atomic_save", "FORMAT", "rng_state", "set_rng_state", "load", "check_plain", "check_model_keys",
+           "UnsafeCheckpointError", "DamagedCheckpointError", "first_line"]
 
 #: ``pipeddp/1`` files held NumPy objects in their RNG states; see the README for a one-time conversion.
 FORMAT = "pipeddp/2"
-_STEP = re.compile(r"^step-(\d+)\.pt$")
 
 
 def _open_for_write(fd: int) -> Any:
@@ -88,30 +88,120 @@ def atomic_save(obj: Any, path: str) -> None:
 
 
 class UnsafeCheckpointError(ValueError):
-    """A file that PyTorch's safe loader refuses: it would need to run pickled code to be read."""
+    """A file PyTorch's safe loader refuses because it references Python objects: loading it would run code."""
+
+
+class DamagedCheckpointError(ValueError):
+    """A file (or sharded directory) that is damaged, or is not a pipeddp checkpoint at all."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The gist of an error for a one-line message (torch's are paragraphs)."""
+    lines = str(exc).strip().splitlines()
+    return (lines[0] if lines else type(exc).__name__)[:200]
+
+
+def _pickle_globals(data: bytes) -> Optional[List[str]]:
+    """The ``module.name`` globals the pickles at the start of ``data`` reference; None if none parses.
+
+    A legacy ``torch.save`` file is several pickles followed by raw storage
+    bytes, so the scan stops at the first stream that is not a pickle. Names
+    reached through the memo are followed; one that cannot be told is "?".
+    Nothing is unpickled: ``pickletools`` only reads the opcodes.
+    """
+    found: List[str] = []
+    pos, parsed = 0, 0
+    while pos < len(data):
+        pushed: List[Optional[str]] = []
+        memo: Dict[int, Optional[str]] = {}
+        names: List[str] = []
+        try:
+            for op, arg, at in pickletools.genops(data[pos:]):
+                if op.name in ("GLOBAL", "INST"):
+                    names.append(str(arg).replace(" ", "."))
+                elif op.name == "STACK_GLOBAL":
+                    mod, name = pushed[-2:] if len(pushed) >= 2 else (None, None)
+                    names.append(f"{mod}.{name}" if mod and name else "?")
+                elif op.name in ("SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE"):
+                    pushed.append(str(arg))
+                elif op.name == "MEMOIZE":
+                    memo[len(memo)] = pushed[-1] if pushed else None
+                elif op.name in ("PUT", "BINPUT", "LONG_BINPUT"):
+                    memo[int(arg)] = pushed[-1] if pushed else None
+                elif op.name in ("GET", "BINGET", "LONG_BINGET"):
+                    pushed.append(memo.get(int(arg)))
+                elif op.name == "STOP":
+                    pos += at + 1
+                elif op.name not in ("FRAME", "PROTO"):
+                    pushed.append(None)
+        except ValueError:  # not (or no longer) a pickle stream
+            break
+        parsed += 1
+        found += names
+    return found if parsed else None
+
+
+def _refused_globals(path: str) -> List[str]:
+    """The globals that made the safe loader refuse ``path`` (empty when it refused it for another reason).
+
+    For ``torch.save``'s zip format this is PyTorch's own answer
+    (``torch.serialization.get_unsafe_globals_in_checkpoint``). Any other file
+    (a legacy ``torch.save``, a plain pickle) that parses as pickles and
+    references globals is counted as unsafe too.
+    """
+    if zipfile.is_zipfile(path):
+        try:
+            return list(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+        except Exception:  # noqa: BLE001 - an archive torch cannot read is damaged, not unsafe
+            return []
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return []
+    return _pickle_globals(data) or []
+
+
+def _damaged(path: str, exc: BaseException) -> DamagedCheckpointError:
+    if os.path.getsize(path) == 0:
+        why = "the file is empty"
+    elif not zipfile.is_zipfile(path):
+        why = "not a whole torch.save file: no complete zip archive, so truncated or another kind of file"
+    else:
+        why = first_line(exc)
+    return DamagedCheckpointError(f"{path} is damaged or is not a checkpoint ({why})")
 
 
 def load(path: str) -> Dict[str, Any]:
     """Read a pipeddp checkpoint with ``torch.load(weights_only=True)``, onto the CPU.
 
-    Raises ``UnsafeCheckpointError`` (nothing from the file is run) when the
-    file holds anything but plain values, and ``ValueError`` when it is a safe
-    file but not a pipeddp checkpoint. Other errors (a truncated file) pass
-    through unchanged.
+    Raises ``UnsafeCheckpointError`` (nothing from the file was run) when the
+    safe loader refused the file because it references Python objects, and
+    ``DamagedCheckpointError`` when it is damaged or not a pipeddp checkpoint
+    (random bytes, a truncated file, another program's file). A missing file,
+    a directory or a file without read permission raises as ``open`` would.
     """
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
+    except (FileNotFoundError, PermissionError, IsADirectoryError):
+        raise
     except pickle.UnpicklingError as exc:
-        raise UnsafeCheckpointError(
-            f"{path} was refused by PyTorch's safe loader (weights_only=True): it holds pickled objects that "
-            "would run code when loaded, so it is not a pipeddp checkpoint of this version and nothing in it was "
-            "run. If you wrote it yourself with an older pipeddp and trust it, convert it once as the README's "
-            f"'Checkpoints' section shows. ({str(exc).splitlines()[0]})"
-        ) from None
+        refused = _refused_globals(path)
+        if refused:
+            shown = ", ".join(refused[:5]) + (" ..." if len(refused) > 5 else "")
+            raise UnsafeCheckpointError(
+                f"{path} was refused by PyTorch's safe loader (weights_only=True): it references Python objects "
+                f"({shown}) that would run code when loaded, so it is not a pipeddp checkpoint of this version, "
+                "and nothing in it was run. If you wrote it yourself with an older pipeddp and trust it, convert it "
+                "once as the README's 'Checkpoints' section shows."
+            ) from None
+        raise _damaged(path, exc) from None
+    except Exception as exc:  # noqa: BLE001 - a truncated zip, an empty or a foreign file
+        raise _damaged(path, exc) from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT or "model" not in payload:
         found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
-        raise ValueError(f"{path} is not a pipeddp checkpoint of format {FORMAT!r} (found {found!r}); "
-                         "write one with HybridParallel.save or save_checkpoint")
+        raise DamagedCheckpointError(f"{path} is not a pipeddp checkpoint of format {FORMAT!r} (found {found!r}); "
+                                     "write one with HybridParallel.save or save_checkpoint")
     return payload
 
 
@@ -140,84 +230,26 @@ def check_plain(value: Any, where: str) -> None:
                     "torch.load(weights_only=True): convert it (e.g. int(x), x.tolist(), torch.as_tensor(x))")
 
 
-def _to_cpu(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_cpu(v) for v in value)
-    return value
+def _listing(keys: Sequence[str], limit: int = 8) -> str:
+    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
+    return f"{list(keys)[:limit]}{more}" if keys else "none"
 
 
-def named_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
-    """The optimizer's state keyed by ``module``'s parameter names, on CPU."""
-    return _to_cpu(get_optimizer_state_dict(module, optimizer))
+def check_model_keys(path: str, saved: Iterable[str], model: Iterable[str]) -> None:
+    """Raise ``ValueError`` naming ``path`` and the missing and unexpected keys, when the two sets differ.
 
-
-def merge_optimizer_states(parts: Iterable[Optional[Dict[str, Any]]]) -> Optional[Dict[str, Any]]:
-    """Join the named optimizer states of several stages into one (group by group)."""
-    merged: Optional[Dict[str, Any]] = None
-    for part in parts:
-        if part is None:
-            continue
-        if merged is None:
-            merged = {"state": dict(part["state"]), "param_groups": [dict(g, params=list(g["params"]))
-                                                                     for g in part["param_groups"]]}
-            continue
-        merged["state"].update(part["state"])
-        if len(part["param_groups"]) != len(merged["param_groups"]):
-            raise ValueError("the stages' optimizers have different numbers of param groups")
-        for into, group in zip(merged["param_groups"], part["param_groups"]):
-            into["params"] += [p for p in group["params"] if p not in into["params"]]
-    return merged
-
-
-def load_named_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: Dict[str, Any]) -> None:
-    """Load the entries of ``state`` that belong to ``module``'s parameters into ``optimizer``."""
-    names = {n for n, _ in module.named_parameters()}
-    groups = []
-    for g in state["param_groups"]:
-        groups.append(dict(g, params=[p for p in g["params"] if p in names]))
-    own = {"state": {k: v for k, v in state["state"].items() if k in names}, "param_groups": groups}
-    set_optimizer_state_dict(module, optimizer, own)
-
-
-def step_path(directory: str, step: int) -> str:
-    return os.path.join(directory, f"step-{step:09d}.pt")
-
-
-def list_checkpoints(directory: str) -> List[Tuple[int, str]]:
-    """``(step, path)`` of every checkpoint file in ``directory``, newest first."""
-    found = []
-    for path in glob.glob(os.path.join(glob.escape(directory), "step-*.pt")):
-        m = _STEP.match(os.path.basename(path))
-        if m:
-            found.append((int(m.group(1)), path))
-    return sorted(found, reverse=True)
-
-
-def newest(directory: str) -> Optional[Tuple[str, Dict[str, Any]]]:
-    """The newest checkpoint of ``directory`` that loads completely, with its contents (or None)."""
-    for _, path in list_checkpoints(directory):
-        try:
-            return path, load(path)
-        except UnsafeCheckpointError:
-            raise  # not damaged but refused: resuming from an older file instead would hide it
-        except Exception:  # noqa: BLE001 - a damaged file is skipped, an older one is used
-            continue
-    return None
-
-
-def prune(directory: str, keep: int) -> None:
-    """Delete all but the newest ``keep`` checkpoints, and temporary files left by killed writers."""
-    for _, path in list_checkpoints(directory)[keep:]:
-        os.unlink(path)
-    for path in glob.glob(os.path.join(glob.escape(directory), ".tmp-*")):
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+    ``model`` is the whole model's keys (every stage's), so every rank of a
+    job raises the same error, before any state changes.
+    """
+    saved, model = set(saved), set(model)
+    missing, unexpected = sorted(model - saved), sorted(saved - model)
+    if missing or unexpected:
+        raise ValueError(
+            f"{path} is a checkpoint of another model: missing keys (the model has them, the checkpoint does not): "
+            f"{_listing(missing)}; unexpected keys (in the checkpoint, not in the model): {_listing(unexpected)}. "
+            "Load it into the model it was saved from (the same layers under the same names; the stages, replicas "
+            "and mode may differ)"
+        )
 
 
 def rng_state() -> Dict[str, Any]:

@@ -4,6 +4,7 @@
     pipeddp partition --model resnet50 --stages 4
     pipeddp timeline --stages 2 --chunks 8        a traced step as Chrome trace JSON and a PNG
     pipeddp plan --model resnet50 --devices 8 --link nvlink --memory 80GB
+    pipeddp convert run/step-000000042 model.pt   a sharded checkpoint as one file (torch.load opens it)
 """
 
 from __future__ import annotations
@@ -158,6 +159,15 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _convert(args: argparse.Namespace, console: Console) -> int:
+    from ..distributed.sharded import to_file
+
+    meta = to_file(args.directory, args.out)
+    console.print(f"wrote {args.out} (format pipeddp/2) from {args.directory}, saved by {meta['stages']} stage(s) x "
+                  f"{meta['replicas']} replica(s); open it with torch.load: its 'model' loads into the plain model")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pipeddp", description="pipeline + data parallel training for nn.Sequential")
     sub = p.add_subparsers(dest="command", required=True)
@@ -210,6 +220,11 @@ def _parser() -> argparse.ArgumentParser:
     n.add_argument("--devices-per-node", type=int, default=None,
                    help="devices on each machine, for the torchrun command (default: all on one)")
     n.set_defaults(fn=_plan)
+
+    c = sub.add_parser("convert", help="write a sharded checkpoint (a directory) as one file that torch.load opens")
+    c.add_argument("directory", help="the sharded checkpoint, e.g. run/step-000000042")
+    c.add_argument("out", help="the file to write, e.g. model.pt")
+    c.set_defaults(fn=_convert)
     return p
 
 

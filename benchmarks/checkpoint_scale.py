@@ -1,0 +1,243 @@
+"""Checkpoints at scale: one file gathered on rank 0, against sharded (every rank its own share), sync and async.
+
+A model of 16 x Linear(4096, 4096) (1.07 GB of float32 parameters, 2.15 GB more of Adam state) in 4 stages, one
+CPU process each (``mode="stage"``, gloo). See benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import re
+import shutil
+import statistics
+import sys
+import threading
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # started as a script
+import pipeddp  # noqa: E402
+from benchmarks.common import Run, init_job, log0, median_ratio, parser  # noqa: E402
+from benchmarks.workloads import mlp_workload  # noqa: E402
+
+STAGES = 4
+CONFIGS = ("consolidated", "sharded", "sharded-async")
+#: the targets: the sharded save's peak resident memory above what the rank held before it, as a share of the
+#: rank's own shard (parameters + optimizer state); the async save's blocking time against the one file's
+PEAK_TARGET, BLOCK_TARGET = 0.25, 0.25
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        m = re.search(rf"^{field}:\s+(\d+) kB", f.read(), flags=re.M)
+    return int(m.group(1)) if m else 0
+
+
+class PeakRSS:
+    """This process's peak resident memory over a ``with`` block (bytes): the kernel's high-water mark, reset at
+    the start through /proc/self/clear_refs where that is allowed, and RSS sampled every ``interval`` s in a
+    thread (which is all there is where the reset is not allowed; a sample can miss a short peak)."""
+
+    def __init__(self, interval: float = 0.002) -> None:
+        self.interval, self.peak, self.hwm_reset = interval, 0, False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="rss-sampler", daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _status_kb("VmRSS") * 1024)
+            time.sleep(self.interval)
+
+    def __enter__(self) -> "PeakRSS":
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current RSS
+            self.hwm_reset = True
+        except OSError:
+            pass
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _status_kb("VmRSS") * 1024)
+        if self.hwm_reset:
+            self.peak = max(self.peak, _status_kb("VmHWM") * 1024)
+
+
+def _bytes(values: Any) -> int:
+    if isinstance(values, torch.Tensor):
+        return values.numel() * values.element_size()
+    if isinstance(values, dict):
+        return sum(_bytes(v) for v in values.values())
+    if isinstance(values, (list, tuple)):
+        return sum(_bytes(v) for v in values)
+    return 0
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    elif os.path.exists(path):
+        os.unlink(path)
+
+
+def _disk_bytes(path: str) -> int:
+    if os.path.isdir(path):
+        return sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path))
+    return os.path.getsize(path)
+
+
+def job(settings: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """Every rank: train one step (Adam state exists), then each configuration once per round, rotating order."""
+    rank = init_job(settings["timeout"])
+    work = mlp_workload(settings["layers"], settings["width"])
+    model, x, y = work.seeded(settings["batch"], settings["seed"])
+    engine = pipeddp.HybridParallel(model, stages=STAGES, mode="stage", chunks=2, devices=["cpu"], backend="gloo")
+    del model
+    gc.collect()
+    opt = torch.optim.Adam(engine.parameters(), lr=1e-4)
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        engine.train_step(x if engine.is_first else None, y if engine.is_last else None, work.loss_fn)
+        opt.step()
+        opt.zero_grad(set_to_none=True)  # a loop's gradients are gone by the time it saves
+        return time.perf_counter() - t0
+
+    step_s = step()
+    shard = _bytes(engine.local_state_dict()) + _bytes(opt.state_dict()["state"])
+    out_dir = settings["dir"]
+    rows: Dict[str, List[Dict[str, float]]] = {name: [] for name in CONFIGS}
+    sizes: Dict[str, int] = {}
+    for r in range(settings["rounds"]):
+        k = r % len(CONFIGS)
+        for name in CONFIGS[k:] + CONFIGS[:k]:
+            path = os.path.join(out_dir, "one.pt" if name == "consolidated" else name)
+            gc.collect()
+            dist.barrier()
+            before = _status_kb("VmRSS") * 1024
+            with PeakRSS() as peak:
+                t0 = time.perf_counter()
+                if name == "consolidated":
+                    engine.save(path, optimizer=opt)
+                else:
+                    engine.save(path, optimizer=opt, sharded=True, async_save=name == "sharded-async")
+                blocked = time.perf_counter() - t0
+                engine.wait_for_save()
+                durable = time.perf_counter() - t0
+            dist.barrier()
+            rows[name].append({"blocked_s": blocked, "durable_s": durable, "rss_before": before, "rss_peak": peak.peak,
+                               "hwm_reset": peak.hwm_reset})
+            if rank == 0:
+                sizes[name] = _disk_bytes(path)
+                _remove(path)
+            dist.barrier()
+        log0(f"    round {r + 1}/{settings['rounds']} done")
+    result = {"rank": rank, "shard_bytes": shard, "rows": rows, "step_s": step_s, "sizes": sizes,
+              "balance": list(engine.balance)}
+    engine.close()
+    everyone: Optional[List[Any]] = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(result, everyone, dst=0)
+    dist.barrier()
+    return {"ranks": everyone} if rank == 0 else None
+
+
+def analyse(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Per configuration: the loop's blocking time and time to durable (the slowest rank, median over rounds), each
+    rank's peak above its resident memory before the save, against its shard; the targets."""
+    rounds = len(ranks[0]["rows"][CONFIGS[0]])
+    out: Dict[str, Any] = {"configs": {}}
+    for name in CONFIGS:
+        blocked = [max(r["rows"][name][i]["blocked_s"] for r in ranks) for i in range(rounds)]
+        durable = [max(r["rows"][name][i]["durable_s"] for r in ranks) for i in range(rounds)]
+        per_rank = []
+        for r in ranks:
+            extra = max(row["rss_peak"] - row["rss_before"] for row in r["rows"][name])
+            per_rank.append({"rank": r["rank"], "shard_mb": r["shard_bytes"] / 2**20,
+                             "rss_before_mb": max(row["rss_before"] for row in r["rows"][name]) / 2**20,
+                             "rss_peak_mb": max(row["rss_peak"] for row in r["rows"][name]) / 2**20,
+                             "peak_above_before_mb": extra / 2**20,
+                             "peak_above_before_share": extra / r["shard_bytes"]})
+        out["configs"][name] = {"blocked_s": blocked, "durable_s": durable,
+                                "blocked_median_s": statistics.median(blocked),
+                                "durable_median_s": statistics.median(durable), "ranks": per_rank,
+                                "disk_mb": ranks[0]["sizes"].get(name, 0) / 2**20}
+    c = out["configs"]
+    worst_share = max(p["peak_above_before_share"] for p in c["sharded"]["ranks"])
+    block_ratio = median_ratio(c["sharded-async"]["blocked_s"], c["consolidated"]["blocked_s"])
+    out["targets"] = {
+        "sharded_peak_above_before_share_worst_rank": worst_share, "sharded_peak_target": PEAK_TARGET,
+        "sharded_peak_met": worst_share <= PEAK_TARGET,
+        "async_blocked_over_consolidated": block_ratio, "blocked_target": BLOCK_TARGET,
+        "blocked_met": block_ratio <= BLOCK_TARGET,
+        "sharded_sync_blocked_over_consolidated": median_ratio(c["sharded"]["blocked_s"],
+                                                               c["consolidated"]["blocked_s"]),
+        "hwm_reset": all(row["hwm_reset"] for r in ranks for rows in r["rows"].values() for row in rows),
+    }
+    return out
+
+
+def report(res: Dict[str, Any], run: Run, settings: Dict[str, Any]) -> None:
+    c, t = res["configs"], res["targets"]
+    rows = [[name, f"{c[name]['blocked_median_s']:.2f}", f"{c[name]['durable_median_s']:.2f}",
+             f"{c[name]['disk_mb']:.0f}"]
+            + [f"{p['peak_above_before_mb']:.0f} ({p['peak_above_before_share']:.0%})" for p in c[name]["ranks"]]
+            for name in CONFIGS]
+    shards = " / ".join(f"{p['shard_mb']:.0f}" for p in c["consolidated"]["ranks"])
+    run.table(f"checkpoint of {settings['model_text']} + Adam, {STAGES} stages x 1 replica (stage mode, gloo), "
+              f"{settings['rounds']} round(s)",
+              ["save", "loop blocked s", "durable s", "on disk MB"]
+              + [f"rank {p['rank']} peak above before MB (of shard)" for p in c["consolidated"]["ranks"]], rows,
+              caption=f"medians over rounds of the slowest rank; shard (parameters + Adam state) per rank MB: "
+                      f"{shards}; peak: VmHWM reset by clear_refs {'yes' if t['hwm_reset'] else 'no (RSS sampled)'}")
+    run.console.print(f"targets: sharded save's peak above what a rank held before, worst rank "
+                      f"{t['sharded_peak_above_before_share_worst_rank']:.0%} of its shard (target <= "
+                      f"{PEAK_TARGET:.0%}: {'met' if t['sharded_peak_met'] else 'NOT met'}); loop blocked by the async "
+                      f"save / by the one file {t['async_blocked_over_consolidated']:.3f} (target <= {BLOCK_TARGET}: "
+                      f"{'met' if t['blocked_met'] else 'NOT met'}); sharded sync / one file "
+                      f"{t['sharded_sync_blocked_over_consolidated']:.3f}")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = parser(__doc__, "4 x Linear(256, 256), 1 round", None, "results/checkpoint_scale[_quick].json", spawns=True)
+    p.add_argument("--layers", type=int, default=None, help="Linear layers (default 16; 4 with --quick)")
+    p.add_argument("--width", type=int, default=None, help="their width (default 4096; 256 with --quick)")
+    p.add_argument("--rounds", type=int, default=None, help="rounds of the 3 saves (default 3; 1 with --quick)")
+    p.add_argument("--batch", type=int, default=4, help="batch of the one training step that creates Adam's state")
+    p.add_argument("--dir", default=None, help="where the checkpoints are written (and removed); default "
+                                               "results/checkpoint_scale.tmp")
+    args = p.parse_args(argv)
+    if args.device != "cpu":
+        p.error("runs on the CPU only: it measures the resident memory of CPU processes")
+    args.layers = args.layers or (4 if args.quick else 16)
+    args.width = args.width or (256 if args.quick else 4096)
+    args.rounds = args.rounds or (1 if args.quick else 3)
+    args.out = args.out or f"results/checkpoint_scale{'_quick' if args.quick else ''}.json"
+    args.dir = args.dir or os.path.join(os.path.dirname(os.path.abspath(args.out)), "checkpoint_scale.tmp")
+    os.makedirs(args.dir, exist_ok=True)
+    work = mlp_workload(args.layers, args.width)
+    settings = {**vars(args), "model_text": work.model_text}
+    params = args.layers * (args.width * args.width + args.width) * 4
+    run = Run("checkpoint_scale", args, "one spawned gloo job of 4 stage processes; the 3 saves once per round, "
+                                        "rotating order; blocked/durable: the slowest rank")
+    run.console.print(f"checkpoint_scale: {work.model_text}: {params / 1e9:.2f} GB of float32 parameters, "
+                      f"{2 * params / 1e9:.2f} GB of Adam state, {STAGES} stage processes; checkpoints in {args.dir}")
+    try:
+        res = pipeddp.spawn(job, STAGES, args=(settings,), timeout=args.timeout, threads=1)[0]
+    finally:
+        shutil.rmtree(args.dir, ignore_errors=True)
+    analysed = analyse(res["ranks"])
+    report(analysed, run, settings)
+    run.finish({"stages": STAGES, "mode": "stage", "optimizer": "Adam", "parameter_bytes": params},
+               targets=analysed["targets"], configs=analysed["configs"], ranks=res["ranks"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

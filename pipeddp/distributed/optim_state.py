@@ -1,0 +1,153 @@
+"""An optimizer's state by parameter *name*, in the two forms checkpoints hold, and which class it belongs to.
+
+Positions (``state[0]``) mean nothing to another partition of the model, so
+every checkpoint keys the optimizer state by the names of the parameters
+(``torch.distributed.checkpoint.state_dict`` does the naming)::
+
+    named (the one-file format)                  flat (the sharded format, PyTorch's per-parameter form)
+    {"state": {"0.weight": {"exp_avg": ...}},    {"state.0.weight.exp_avg": ...,
+     "param_groups": [{"lr": 0.1, ...,             "param_groups.0.weight.lr": 0.1, ...}
+                       "params": ["0.weight"]}]}
+
+In the flat form every entry belongs to one parameter, so the processes of
+different stages never write the same key and replicas write equal ones.
+A process loads either form by taking the entries of the parameters it
+holds. A checkpoint records the optimizer's class too: an SGD would take
+Adam's hyper-parameters without complaint and fail later in ``step()``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, List, Optional
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                     set_optimizer_state_dict)
+
+__all__ = ["named_optimizer_state", "merge_optimizer_states", "load_named_optimizer_state", "flat_optimizer_state",
+           "load_flat_optimizer_state", "unflatten_optimizer_state", "optimizer_class", "check_optimizer"]
+
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+def named_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+    """The optimizer's state keyed by ``module``'s parameter names, on CPU."""
+    return _to_cpu(get_optimizer_state_dict(module, optimizer))
+
+
+def merge_optimizer_states(parts: Iterable[Optional[Dict[str, Any]]]) -> Optional[Dict[str, Any]]:
+    """Join the named optimizer states of several stages into one (group by group)."""
+    merged: Optional[Dict[str, Any]] = None
+    for part in parts:
+        if part is None:
+            continue
+        if merged is None:
+            merged = {"state": dict(part["state"]), "param_groups": [dict(g, params=list(g["params"]))
+                                                                     for g in part["param_groups"]]}
+            continue
+        merged["state"].update(part["state"])
+        if len(part["param_groups"]) != len(merged["param_groups"]):
+            raise ValueError("the stages' optimizers have different numbers of param groups")
+        for into, group in zip(merged["param_groups"], part["param_groups"]):
+            into["params"] += [p for p in group["params"] if p not in into["params"]]
+    return merged
+
+
+def load_named_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: Dict[str, Any]) -> None:
+    """Load the entries of ``state`` that belong to ``module``'s parameters into ``optimizer``."""
+    names = {n for n, _ in module.named_parameters()}
+    groups = []
+    for g in state["param_groups"]:
+        groups.append(dict(g, params=[p for p in g["params"] if p in names]))
+    own = {"state": {k: v for k, v in state["state"].items() if k in names}, "param_groups": groups}
+    set_optimizer_state_dict(module, optimizer, own)
+
+
+def flat_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+    """The optimizer's state in the flat form, keyed by ``module``'s parameter names.
+
+    The tensors are the optimizer's own, not copies. An optimizer that has not
+    stepped yet first gets its state created (by PyTorch, with a zero-gradient,
+    zero-learning-rate step), so that a loader has tensors to read into.
+    """
+    return get_optimizer_state_dict(module, optimizer, options=_FLAT)
+
+
+def load_flat_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: Dict[str, Any]) -> None:
+    """Load a flat state (``flat_optimizer_state``'s keys, values read back) into ``optimizer``."""
+    set_optimizer_state_dict(module, optimizer, state, options=_FLAT)
+
+
+def unflatten_optimizer_state(flat: Dict[str, Any]) -> Dict[str, Any]:
+    """The named form of a flat optimizer state (for the one-file format).
+
+    State keys and hyper-parameter names hold no dots (``exp_avg``, ``lr``),
+    so a parameter's name is what lies between the section and the last dot.
+    Parameters with equal hyper-parameters form one group, in order of first
+    appearance: a loader matches groups by the names they hold.
+    """
+    state: Dict[str, Dict[str, Any]] = {}
+    hyper: Dict[str, Dict[str, Any]] = {}
+    for key, value in flat.items():
+        section, _, rest = key.partition(".")
+        name, _, field = rest.rpartition(".")
+        if section == "state":
+            state.setdefault(name, {})[field] = value
+        elif section == "param_groups":
+            hyper.setdefault(name, {})[field] = value
+    groups: List[Dict[str, Any]] = []
+    for name, values in hyper.items():
+        group = next((g for g in groups if _same(g, values)), None)
+        if group is None:
+            group = dict(values, params=[])
+            groups.append(group)
+        group["params"].append(name)
+    return {"state": state, "param_groups": groups}
+
+
+def _same(group: Dict[str, Any], values: Dict[str, Any]) -> bool:
+    """Whether a group's hyper-parameters are ``values`` (tensors compared by value)."""
+    if set(group) - {"params"} != set(values):
+        return False
+    for k, v in values.items():
+        g = group[k]
+        if isinstance(v, torch.Tensor) or isinstance(g, torch.Tensor):
+            if not (isinstance(v, torch.Tensor) and isinstance(g, torch.Tensor) and torch.equal(v, g)):
+                return False
+        elif g != v:
+            return False
+    return True
+
+
+def optimizer_class(optimizer: Optional[torch.optim.Optimizer]) -> Optional[str]:
+    """What a checkpoint records of the optimizer whose state it holds, e.g. ``"torch.optim.adam.Adam"``."""
+    return None if optimizer is None else f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+
+
+def check_optimizer(path: str, saved_class: Optional[str], has_state: bool,
+                    optimizer: torch.optim.Optimizer) -> None:
+    """Refuse ``path``'s optimizer state for ``optimizer`` when it holds none, or another class's.
+
+    Checked before anything is loaded. Files written before the class was
+    recorded (``saved_class`` None) are not compared.
+    """
+    if not has_state:
+        raise ValueError(f"{path} holds no optimizer state (it was saved without optimizer=); load it without "
+                         "optimizer= to take the model's weights only")
+    given = optimizer_class(optimizer)
+    if saved_class is not None and saved_class != given:
+        short = saved_class.rsplit(".", 1)[-1]
+        raise ValueError(f"{path} holds the state of a {saved_class} optimizer, but the optimizer given is a "
+                         f"{given}; resume with the optimizer it was saved with ({short}, the same parameter "
+                         "groups), or load without optimizer= to take the model's weights only")
