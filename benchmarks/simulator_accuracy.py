@@ -1,7 +1,9 @@
 """How well does ``pipeddp.simulate`` predict a training step on 2 CPU cores? Predict, then measure.
 
-Configurations of the MLP are predicted from calibration alone (simulator_calibration.py), then measured in
-interleaved rounds; targets: median |error| <= 10 %, worst <= 20 %. See benchmarks/README.md.
+Configurations of the MLP, every schedule included, are predicted from calibration alone
+(simulator_calibration.py; the contention of the two cores is fitted to real 2-stage pipeline steps that are not
+among the configurations measured), then measured in interleaved rounds; targets: median |error| <= 10 %, worst
+<= 15 %. See benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -42,17 +44,35 @@ def build(spec: Spec, model: torch.nn.Sequential, x: torch.Tensor, y: torch.Tens
     if spec.layout == "1x1":
         return baselines.accumulate(model, x, y, loss, spec.m, name=name)
     if spec.layout == "1x2":
-        return baselines.pipeline(model, x, y, loss, chunks=spec.m, balance=balance, schedule=spec.schedule, name=name)
+        return baselines.pipeline(model, x, y, loss, chunks=spec.m, balance=balance, schedule=spec.schedule, name=name,
+                                  virtual_stages=spec.virtual)
     if spec.layout == "2x1":
         return baselines.hybrid(model, x, y, loss, stages=1, chunks=spec.m, balance=[len(model)], name=name)
     return baselines.hybrid(model, x, y, loss, mode="stage", chunks=spec.m, balance=balance, schedule=spec.schedule,
-                            name=name)
+                            name=name, virtual_stages=spec.virtual)
+
+
+def calibrators(rank: int, model: torch.nn.Sequential, x: torch.Tensor, y: torch.Tensor,
+                balance_of: Dict[int, List[int]]) -> Dict[int, Any]:
+    """Rank 0's calibration pipelines, one per micro-batch size b: 2 stages on the 2-stage cut, GPipe over 2
+    micro-batches of b (none of them is a measured configuration: those take the whole batch)."""
+    if rank != 0:
+        return {}
+    out = {}
+    for b, balance in balance_of.items():
+        step = baselines.pipeline(model, x[:2 * b], y[:2 * b], WORK.loss_fn, chunks=2, balance=balance,
+                                  schedule="gpipe", name=f"calibration mb={b}")
+        step.run()  # warm-up
+        out[b] = (step.run, step.module, balance, 2, step.close)
+    return out
 
 
 def prior(rank: int, model: torch.nn.Sequential, halves: List[torch.nn.Sequential], x: torch.Tensor,
-          sizes: List[int], quick: bool, reps: int) -> Tuple[Calib, Dict[int, List[int]]]:
-    """Phase 0, before anything of any configuration runs: links, compute samples, and the cuts (``solve``'s
-    optimal cut of the profiled costs at each micro-batch size, made on rank 0 and sent to rank 1)."""
+          y: torch.Tensor, sizes: List[int], quick: bool, reps: int) -> Tuple[Calib, Dict[int, List[int]],
+                                                                              Dict[int, Any]]:
+    """Phase 0, before anything of any configuration runs: links, compute samples, the cuts (``solve``'s
+    optimal cut of the profiled costs at each micro-batch size, made on rank 0 and sent to rank 1), and a
+    sample at every micro-batch size with the contention fitted to a real pipeline step on that cut."""
     calib = Calib(p2p=calibrate_p2p(rank, reps), allreduce=calibrate_allreduce(max(3, reps // 4)),
                   engine_collectives=calibrate_engine_collectives(reps),
                   thread_latency=calibrate_threads(reps * 10) if rank == 0 else 0.0)
@@ -68,7 +88,16 @@ def prior(rank: int, model: torch.nn.Sequential, halves: List[torch.nn.Sequentia
         calib.probe.append(probe_sample(rank))  # None on rank 1, which never predicts
     balances: List[Any] = [{b: solve(layer_costs(calib, b), 2) for b in sizes} if rank == 0 else None]
     dist.broadcast_object_list(balances, src=0)
-    return calib, balances[0]
+    pipes = calibrators(rank, model, x, y, balances[0])
+    for b in sizes:
+        sample = compute_sample(rank, model, halves, x, b, repeat=1, loss_reps=reps, pipeline=_cal(pipes, b))
+        if rank == 0:
+            calib.add(b, dict(sample, when="before, with a pipeline step"))
+    return calib, balances[0], pipes
+
+
+def _cal(pipes: Dict[int, Any], b: int) -> Optional[Any]:
+    return pipes[b][:4] if b in pipes else None
 
 
 def measure(rank: int, steps: List[Step], specs: List[Spec], calib: Calib, model: torch.nn.Sequential,
@@ -84,7 +113,8 @@ def measure(rank: int, steps: List[Step], specs: List[Spec], calib: Calib, model
         sample = None
         if not settings["no_recalibrate"]:
             b = spec_of[name].micro_batch
-            sample = compute_sample(rank, model, halves, x, b, repeat=1, loss_reps=max(3, reps // 4))
+            sample = compute_sample(rank, model, halves, x, b, repeat=1, loss_reps=max(3, reps // 4),
+                                    pipeline=_cal(settings["pipes"], b))
             if rank == 0:
                 calib.add(b, dict(sample, when=f"round {rounds_done[0]}"))
         paired[name].append(sample)
@@ -141,10 +171,15 @@ def job(settings: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     sizes = sorted({s.micro_batch for s in specs}, reverse=True)
     reps = 5 if settings["quick"] else 20
     t0 = time.perf_counter()
-    calib, balance_of = prior(rank, model, halves, x, sizes, settings["quick"], reps)
+    calib, balance_of, pipes = prior(rank, model, halves, x, y, sizes, settings["quick"], reps)
+    settings = dict(settings, pipes=pipes)
+    cuts4: List[Any] = [{b: solve(layer_costs(calib, b), 4) for b in sizes} if rank == 0 else None]
+    dist.broadcast_object_list(cuts4, src=0)
 
     def balance(spec: Spec) -> List[int]:
-        return balance_of[spec.micro_batch] if spec.stages == 2 else [len(model)]
+        if spec.cut == 4:
+            return cuts4[0][spec.micro_batch]
+        return balance_of[spec.micro_batch] if spec.cut == 2 else [len(model)]
 
     before: Dict[str, Any] = {}
     if rank == 0:
@@ -164,10 +199,13 @@ def job(settings: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     everyone = gather(times)
     for step in steps:
         step.close()
+    for *_, close in pipes.values():
+        close()
     dist.barrier()
     if rank != 0:
         return None
-    sizes_info = {b: {"median": calib.contention(b), "samples": calib.ratios(b),
+    sizes_info = {b: {"median": calib.contention(b), "pipeline_samples": calib.pipeline_ratios(b),
+                      "samples": calib.ratios(b),
                       "profile_median": statistics.median(calib.profile_ratios(b)),
                       "profile_samples": calib.profile_ratios(b)} for b in sizes}
     return {"rows": rows_of(specs, times, everyone[1], calib, balance, before, paired, grads), "sizes": sizes,
@@ -208,10 +246,10 @@ def report(res: Dict[str, Any], run: Run) -> Dict[str, Any]:
             errs = [abs(r[key]) for r in rows]
             summary[key] = {"median_abs": statistics.median(errs), "worst_abs": max(errs),
                             "worst": max(rows, key=lambda r: abs(r[key]))["name"],
-                            "met": statistics.median(errs) <= 0.10 and max(errs) <= 0.20}
+                            "met": statistics.median(errs) <= 0.10 and max(errs) <= 0.15}
     labels = {"error": "final (judged)", "prior_error": "a-priori", "paired_error": "paired by round",
               "plain_error": "plain simulator"}
-    run.table("accuracy against the issue's targets (median |error| <= 10 %, worst <= 20 %)",
+    run.table("accuracy against the targets (median |error| <= 10 %, worst <= 15 %)",
               ["prediction", "median |error|", "worst |error|", "worst configuration", "targets"],
               [[labels[k], f"{v['median_abs']:.1%}", f"{v['worst_abs']:.1%}", v["worst"], ("NOT met", "met")[v["met"]]]
                for k, v in summary.items()])

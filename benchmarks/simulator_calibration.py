@@ -35,11 +35,13 @@ SHAPES = {"1x1": (1, 1, 1), "1x2": (1, 2, 1), "2x1": (2, 1, 2), "1x2-stage": (1,
 
 @dataclass(frozen=True)
 class Spec:
-    """One configuration: ``layout`` (replicas x stages; "-stage": one process per stage), m, schedule."""
+    """One configuration: ``layout`` (replicas x stages; "-stage": one process per stage), m, schedule, and the
+    stages per device (``virtual``: 2 for the interleaved schedule)."""
 
     layout: str
     m: int
     schedule: str = "1f1b"
+    virtual: int = 1
     replicas = property(lambda self: SHAPES[self.layout][0])
     stages = property(lambda self: SHAPES[self.layout][1])
     procs = property(lambda self: SHAPES[self.layout][2])
@@ -47,7 +49,12 @@ class Spec:
     @property
     def name(self) -> str:
         sched = "" if self.layout in ("1x1", "2x1") else f" {self.schedule}"
-        return f"{self.layout}{sched} m={self.m}"
+        return f"{self.layout}{sched}{f' v={self.virtual}' if self.virtual > 1 else ''} m={self.m}"
+
+    @property
+    def cut(self) -> int:
+        """How many stages the model is cut into."""
+        return self.stages * self.virtual
 
     @property
     def micro_batch(self) -> int:
@@ -55,8 +62,10 @@ class Spec:
 
 
 SPECS: List[Spec] = [Spec("1x1", 1), Spec("1x1", 4), Spec("1x1", 16), Spec("1x2", 2, "gpipe"), Spec("1x2", 4),
-                     Spec("1x2", 8), Spec("1x2", 16, "gpipe"), Spec("2x1", 1), Spec("2x1", 4), Spec("1x2-stage", 2),
-                     Spec("1x2-stage", 4, "gpipe"), Spec("1x2-stage", 8, "gpipe"), Spec("1x2-stage", 16)]
+                     Spec("1x2", 8), Spec("1x2", 16, "gpipe"), Spec("1x2", 4, "zb"), Spec("1x2", 4, "interleaved", 2),
+                     Spec("2x1", 1), Spec("2x1", 4), Spec("1x2-stage", 2), Spec("1x2-stage", 4, "gpipe"),
+                     Spec("1x2-stage", 8, "gpipe"), Spec("1x2-stage", 16), Spec("1x2-stage", 8, "zb"),
+                     Spec("1x2-stage", 8, "interleaved", 2)]
 
 
 def _fit(sizes: Sequence[float], times: Sequence[float]) -> Tuple[float, float]:
@@ -175,11 +184,17 @@ def stream(part: nn.Sequential, x: torch.Tensor, grad_input: bool, reps: int) ->
     return (time.perf_counter() - t0) / reps
 
 
+#: A calibration pipeline on rank 0: (its step, the engine, its cut, its micro-batches)
+Calibrator = Tuple[Callable[[], Any], Any, List[int], int]
+
+
 def compute_sample(rank: int, model: nn.Sequential, halves: Sequence[nn.Sequential], x: torch.Tensor, b: int,
-                   repeat: int, loss_reps: int) -> Optional[Dict[str, Any]]:
+                   repeat: int, loss_reps: int, pipeline: Optional[Calibrator] = None) -> Optional[Dict[str, Any]]:
     """One calibration sample of compute at micro-batch ``b`` (on rank 0): the layer profile alone (``solo``) and
     on both ranks at once (``together``), the loss's seconds, and rank 0 running its half of the model as a stage
-    does, alone then while rank 1 runs the other half (``stream_solo`` / ``stream_together``: the contention)."""
+    does, alone then while rank 1 runs the other half (``stream_solo`` / ``stream_together``: the contention);
+    with ``pipeline`` (rank 0's calibration pipeline at this micro-batch size) also the contention fitted to one
+    of its real steps (``pipeline``)."""
     reps = max(2, 64 // b)
     mine = halves[rank]
     dist.barrier()
@@ -194,11 +209,48 @@ def compute_sample(rank: int, model: nn.Sequential, halves: Sequence[nn.Sequenti
     stream_together = stream(mine, x[:b], rank > 0, reps)
     dist.barrier()
     together = profile_layers(model, x[:b], repeat=repeat)
+    fitted = None
+    if rank == 0 and pipeline is not None:
+        step, engine, balance, chunks = pipeline
+        fitted = pipeline_contention(step, engine, _costs(_layer_dicts(solo), loss, balance), chunks)
     dist.barrier()
     if rank != 0:
         return None
     return {"solo": solo, "together": together, "loss": loss, "stream_solo": stream_solo,
-            "stream_together": stream_together}
+            "stream_together": stream_together, "pipeline": fitted}
+
+
+def _layer_dicts(costs: Sequence[LayerCost]) -> List[Dict[str, float]]:
+    return [{"name": c.name, "forward": c.forward, "backward": c.backward, "activation_bytes": c.activation_bytes,
+             "param_bytes": c.param_bytes} for c in costs]
+
+
+def pipeline_contention(step: Callable[[], Any], engine: Any, costs: Sequence[StageCost], chunks: int) -> float:
+    """How much slower compute runs while both stages compute, from a real pipeline step.
+
+    One traced step of a 2-stage ``Pipeline`` (GPipe): the sum of its actions' measured durations is matched by
+    the simulator's, played with the solo costs of the same stages under contention ``[1, sigma]`` (compute alone
+    in the fill and the drain, slowed where both stages run); ``sigma`` is found by bisection.
+    """
+    from pipeddp.runtime.trace import Trace
+    from pipeddp.tools.timeline import WORK as KINDS
+
+    engine.trace = Trace()
+    try:
+        step()
+        busy = sum(sp.duration for sp in engine.trace.spans if sp.kind in KINDS)
+    finally:
+        engine.trace = None
+
+    def simulated(sigma: float) -> float:
+        pred = simulate(list(costs), "gpipe", chunks=chunks, contention=[1.0, sigma])
+        return sum(pred.played.busy(r) for r in range(len(costs)))
+
+    lo, hi = 0.5, 4.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if simulated(mid) < busy else (lo, mid)
+    return (lo + hi) / 2
 
 
 def probe_sample(rank: int, reps: int = 3) -> Optional[float]:
@@ -249,8 +301,14 @@ class Calib:
         """Per sample: (sum of profiled layer times, both cores profiling) / (sum, alone)."""
         return [sum(l.time for l in c["together"]) / sum(l.time for l in c["solo"]) for c in self.samples[b]]
 
+    def pipeline_ratios(self, b: int) -> List[float]:
+        """Per sample: the contention fitted to a real 2-stage pipeline step at micro-batch ``b``."""
+        return [c["pipeline"] for c in self.samples[b] if c.get("pipeline") is not None]
+
     def contention(self, b: int) -> float:
-        return statistics.median(self.ratios(b))
+        """From real pipeline steps where there are samples of them, else from the streamed halves."""
+        fitted = self.pipeline_ratios(b)
+        return statistics.median(fitted) if fitted else statistics.median(self.ratios(b))
 
 
 def _link(fit: Dict[str, Any]) -> Link:
@@ -267,7 +325,11 @@ def layer_costs(calib: Calib, b: int) -> List[float]:
 
 def stage_costs(calib: Calib, b: int, balance: Sequence[int]) -> List[StageCost]:
     """The simulator's per-stage costs of ``balance`` at micro-batch ``b`` (the loss on the last stage)."""
-    layers, (lf, lb) = calib.layers(b), calib.loss(b)
+    return _costs(calib.layers(b), calib.loss(b), balance)
+
+
+def _costs(layers: Sequence[Dict[str, float]], loss: Tuple[float, float], balance: Sequence[int]) -> List[StageCost]:
+    lf, lb = loss
     out, start = [], 0
     for s, count in enumerate(balance):
         chunk, last = layers[start:start + count], s == len(balance) - 1
@@ -289,8 +351,9 @@ def predict(spec: Spec, calib: Calib, balance: Sequence[int], *, plain: bool = F
         extra.update(bucket_bytes=DDP_BUCKET, collectives_share_cores=True)
     if not plain and spec.procs > 1:
         extra["step_overhead"] = calib.engine_collectives
-    pred = simulate(costs, spec.schedule, chunks=spec.m, replicas=spec.replicas, links=links.get(spec.layout),
-                    allreduce_link=_link(calib.allreduce) if spec.layout == "2x1" else None, **extra)
+    pred = simulate(costs, spec.schedule, stages=spec.stages, chunks=spec.m, replicas=spec.replicas,
+                    links=links.get(spec.layout), allreduce_link=_link(calib.allreduce) if spec.layout == "2x1" else None,
+                    virtual_stages=spec.virtual, **extra)
     return {"step_s": pred.step_time, "bubble": pred.bubble, "exposed_allreduce_s": pred.exposed_allreduce,
             "allreduce_s": max(pred.allreduce_time), "contention": None if plain else sigma,
             "stage_ms": [round((c.forward + c.backward) * 1e3, 3) for c in costs]}

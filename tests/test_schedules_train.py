@@ -106,3 +106,89 @@ def test_hybrid_trains_the_plain_model_with_one_all_reduce_per_stage_and_step(mo
                 # one DDP per stage, and its one bucket all-reduced once per step: 3 steps
                 assert r["ddp"] == local
                 assert r["hook_calls"] == [3] * local, (combo, r["hook_calls"])
+
+
+# -- with tied weights, deferred BatchNorm, autocast and the GradScaler ------------------------------------------
+
+from tied_jobs import global_batches as tied_batches, reference_state, shared_model, shared_tie_job  # noqa: E402
+
+
+@pytest.mark.parametrize("schedule,virtual", NEW)
+def test_a_weight_used_on_three_stages_of_two_devices(schedule, virtual):
+    expect = reference_state(shared_model(), tied_batches())
+    balance = [1, 2, 1, 2] if virtual == 2 else [3, 3]
+    with pipeddp.Pipeline(shared_model(), ["cpu"] * 2, chunks=3, schedule=schedule, virtual_stages=virtual,
+                          balance=balance) as pipe:
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+        for x, y in tied_batches():
+            opt.zero_grad()
+            pipe.train_step(x, y, nn.functional.mse_loss)
+            opt.step()
+        state = pipe.state_dict()
+        uses = [st.module._modules[name].weight for st in pipe.stages for name in ("0", "3", "5")
+                if name in st.module._modules]
+    assert sorted(state) == sorted(expect) and max_diff([state[k] for k in expect], expect.values()) < 1e-12
+    assert len(uses) == 3 and all(torch.equal(uses[0], u) for u in uses[1:])  # still one weight
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("schedule,virtual", [("interleaved", 2), ("zb", 2)])
+def test_a_weight_used_on_three_stages_across_processes(schedule, virtual):
+    """Stage mode, 2 replicas x 2 devices: two uses in one process (stages 0 and 2), the third in another."""
+    results = pipeddp.spawn(shared_tie_job, 4, args=("stage", schedule, virtual), timeout=200)
+    expect = reference_state(shared_model(), tied_batches())
+    for res in results:
+        assert sorted(res["state"]) == sorted(expect)
+        assert max_diff([res["state"][k] for k in expect], expect.values()) < 1e-12, res["rank"]
+    copies = [v for res in results for k, v in res["local"].items() if k in ("0.weight", "3.weight", "5.weight")]
+    assert len(copies) == 6 and all(torch.equal(copies[0], c) for c in copies[1:])
+
+
+@pytest.mark.parametrize("schedule,virtual", NEW)
+def test_deferred_batch_norm_with_the_new_schedules(schedule, virtual):
+    from test_batchnorm import bn_model, plain_statistics, statistics
+
+    model = bn_model()
+    batches = [data(10, seed=3), data(10, seed=4)]
+    expect = plain_statistics(model, batches, "1.")
+    with pipeddp.Pipeline(copy.deepcopy(model), ["cpu", "cpu"], chunks=4, schedule=schedule, virtual_stages=virtual,
+                          balance="params", deferred_batch_norm=True, checkpoint="except_last") as pipe:
+        for x, y in batches:
+            pipe.train_step(x, y, LOSS)
+        got = statistics(pipe, "1.")
+    for k in expect:
+        assert (got[k].double() - expect[k].double()).abs().max().item() < 1e-9, k
+
+
+@pytest.mark.parametrize("schedule,virtual", NEW)
+def test_autocast_and_the_grad_scaler_with_the_new_schedules(schedule, virtual):
+    from amp_jobs import Overflows, batch, probe_model
+    from test_amp import close, plain_under_autocast, seen
+
+    x, y = batch()
+    ref, _, ref_loss = plain_under_autocast(torch.bfloat16, x, y)
+    model = probe_model()
+    with pipeddp.Pipeline(model, ["cpu"] * 2, chunks=2, schedule=schedule, virtual_stages=virtual,
+                          balance="params", checkpoint="except_last") as pipe:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = pipe.train_step(x, y, LOSS)
+        assert seen(model) == {torch.bfloat16} and close(loss, ref_loss)
+        for p, q in zip(pipe.parameters(), ref.parameters()):
+            assert close(p.grad, q.grad)
+    # an overflow in one step's gradients (the last stage's, in its W half under zero-bubble) skips that step
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), Overflows(8))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    with pipeddp.Pipeline(model, ["cpu", "cpu"], chunks=2, schedule=schedule, virtual_stages=virtual,
+                          balance=[1, 1, 1, 1] if virtual == 2 else [2, 2]) as pipe:
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        for step in range(3):
+            model[3].armed = step == 1
+            xs, ys = batch(seed=10 + step, width=8)
+            before = [p.detach().clone() for p in pipe.parameters()]
+            opt.zero_grad()
+            pipe.train_step(xs, ys, LOSS, scaler=scaler)
+            scaler.step(opt)
+            scaler.update()
+            changed = [not torch.equal(a, b) for a, b in zip(before, pipe.parameters())]
+            assert (not any(changed)) if step == 1 else all(changed), step

@@ -112,3 +112,30 @@ def stage_unet_job() -> Dict[str, Any]:
     grads = {name: p.grad.clone() for name, p in engine.named_parameters()}
     engine.close()
     return {"grads": grads, "rank": int(os.environ["RANK"])}
+
+
+def shared_model(seed: int = 0) -> nn.Sequential:
+    """One Linear used at three positions: cut [1, 2, 1, 2] over 2 devices x 2 virtual stages, its uses fall on
+    stages 0 and 2 (the same device) and stage 3 (the other device)."""
+    torch.manual_seed(seed)
+    shared = nn.Linear(6, 6, bias=False)
+    return nn.Sequential(shared, nn.Tanh(), nn.Linear(6, 6), shared, nn.Tanh(), shared).double()
+
+
+def shared_tie_job(mode: str, schedule: str, virtual: int) -> Dict[str, Any]:
+    """2 replicas x 2 devices x ``virtual`` stages of ``shared_model``, 3 steps of SGD with momentum."""
+    balance = [1, 2, 1, 2] if virtual == 2 else [3, 3]
+    engine = pipeddp.HybridParallel(shared_model(), stages=2, mode=mode, chunks=3, balance=balance,
+                                    schedule=schedule, virtual_stages=virtual)
+    opt = torch.optim.SGD(engine.parameters(), lr=0.1, momentum=0.9)
+    replicas, r = engine.topology.replicas, engine.topology.replica
+    for x, y in global_batches():
+        local = x.shape[0] // replicas
+        x, y = x[r * local:(r + 1) * local], y[r * local:(r + 1) * local]
+        opt.zero_grad()
+        engine.train_step(x if engine.is_first else None, y if engine.is_last else None, LOSS)
+        opt.step()
+    engine.check_replicas()
+    out = {"state": engine.state_dict(), "local": engine.local_state_dict(), "rank": engine.topology.rank}
+    engine.close()
+    return out
