@@ -192,3 +192,36 @@ def test_autocast_and_the_grad_scaler_with_the_new_schedules(schedule, virtual):
             scaler.update()
             changed = [not torch.equal(a, b) for a, b in zip(before, pipe.parameters())]
             assert (not any(changed)) if step == 1 else all(changed), step
+
+
+# -- nothing waits for the garbage collector ----------------------------------------------------------------------
+
+import gc  # noqa: E402
+
+
+def tensors_in_cycles():
+    """The tensors a full collection finds unreachable (kept alive only by reference cycles until it ran)."""
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        gc.collect()
+        return [o for o in gc.garbage if isinstance(o, torch.Tensor)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+
+
+@pytest.mark.parametrize("schedule,virtual", [("gpipe", 1), ("1f1b", 1)] + NEW)
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_activations_are_freed_without_the_garbage_collector(schedule, virtual, checkpoint):
+    # a closure over a saved tensor, an error or a mailbox entry pointing back at its holder would keep a step's
+    # activations alive until the collector runs: after a few steps, a collection must find no tensor
+    x, y = data(10)
+    with pipeddp.Pipeline(make_mlp(), ["cpu"] * 2, chunks=4, schedule=schedule, virtual_stages=virtual,
+                          checkpoint=checkpoint) as pipe:
+        tensors_in_cycles()
+        for _ in range(3):
+            pipe.train_step(x, y, LOSS)
+        LOSS(pipe(x), y).backward()
+        with torch.no_grad():
+            pipe(x)
+        assert tensors_in_cycles() == []
