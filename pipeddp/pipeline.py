@@ -232,7 +232,8 @@ class Pipeline(StepModule):
         if n != ny:
             raise ValueError(f"x has {n} samples but y has {ny}; inputs and targets must have the same batch size")
         loss = self._step.train(x, y, loss_fn, n, loss_scale=scaler.scale if scaler is not None else None)
-        assert loss is not None  # this process runs the last stage
+        if loss is None:  # cannot happen: a Pipeline runs every stage, the last one included
+            raise RuntimeError("the pipeline's last stage returned no loss")
         return loss
 
     def extra_repr(self) -> str:

@@ -87,7 +87,6 @@ def split_sizes(total: int, chunks: Optional[int] = None, split_size: Optional[i
         n = min(chunks, total)
         base, extra = divmod(total, n)
         return [base + 1 if i < extra else base for i in range(n)]
-    assert split_size is not None
     if not isinstance(split_size, int) or isinstance(split_size, bool) or split_size < 1:
         raise ValueError(f"split_size must be an int >= 1, got {split_size!r}")
     full, rest = divmod(total, split_size)

@@ -210,7 +210,8 @@ class Stage:
         return spec.loss_scale(loss) if spec.loss_scale is not None else loss
 
     def _loss(self, out: Any, saved: _Saved, spec: StepSpec) -> torch.Tensor:
-        assert spec.loss_fn is not None
+        if spec.loss_fn is None:
+            raise RuntimeError(f"stage {self.index} was asked for a loss without a loss_fn")
         loss = spec.loss_fn(out, saved.target)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise ValueError(
