@@ -25,6 +25,8 @@ sees micro-batches, so by default it folds in one update per micro-batch
 from __future__ import annotations
 
 import contextlib
+import functools
+import weakref
 from typing import Any, Iterator, List, Optional
 
 import torch
@@ -70,6 +72,21 @@ class _Sums:
         self.count += flat.shape[1]
 
 
+def _before(layer: _BatchNorm, args: Any) -> None:
+    if layer.training and layer.track_running_stats:
+        layer.track_running_stats = False  # normalise with the micro-batch's statistics, update nothing
+        layer.pipeddp_deferred = True  # type: ignore[attr-defined]
+
+
+def _after(owner: "weakref.ReferenceType[DeferredStatistics]", layer: _BatchNorm, args: Any, output: Any) -> None:
+    if getattr(layer, "pipeddp_deferred", False):
+        layer.track_running_stats = True
+        layer.pipeddp_deferred = False  # type: ignore[attr-defined]
+        held = owner()
+        if held is not None and not is_recomputing():
+            held.add(layer, args[0])
+
+
 class DeferredStatistics:
     """Hold back the running-statistics updates of every BatchNorm in ``module``; ``commit`` applies one per batch."""
 
@@ -77,21 +94,16 @@ class DeferredStatistics:
         self.layers = batch_norms(module)
         self._sums = {id(m): _Sums() for m in self.layers}
         self._handles = []
+        # the hooks reach this object through a weak reference: a layer holding its hook, the hook holding this
+        # object and this object holding the layer would be a cycle, and a dropped pipeline's layers would wait
+        # for the garbage collector
+        me = weakref.ref(self)
         for m in self.layers:
-            self._handles.append(m.register_forward_pre_hook(self._before))
-            self._handles.append(m.register_forward_hook(self._after))
+            self._handles.append(m.register_forward_pre_hook(_before))
+            self._handles.append(m.register_forward_hook(functools.partial(_after, me)))
 
-    def _before(self, layer: _BatchNorm, args: Any) -> None:
-        if layer.training and layer.track_running_stats:
-            layer.track_running_stats = False  # normalise with the micro-batch's statistics, update nothing
-            layer.pipeddp_deferred = True  # type: ignore[attr-defined]
-
-    def _after(self, layer: _BatchNorm, args: Any, output: Any) -> None:
-        if getattr(layer, "pipeddp_deferred", False):
-            layer.track_running_stats = True
-            layer.pipeddp_deferred = False  # type: ignore[attr-defined]
-            if not is_recomputing():
-                self._sums[id(layer)].add(args[0])
+    def add(self, layer: _BatchNorm, x: torch.Tensor) -> None:
+        self._sums[id(layer)].add(x)
 
     def reset(self) -> None:
         """Forget the sums of a step that did not finish (and undo a hold-back its failure interrupted)."""

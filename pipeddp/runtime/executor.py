@@ -26,11 +26,12 @@ call from ``close()``, ``__exit__`` and a ``weakref.finalize`` hook.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, ContextManager, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
@@ -157,7 +158,7 @@ def _run(
 ) -> StageResults:
     results = StageResults()
     rows, last_stage = device.rows, device.n_stages - 1
-    arm = {k for s, k in last_weight_actions(actions).items()} if spec.sync else set()
+    arm = set(last_weight_actions(actions).values()) if spec.sync else set()
     stages = device.stages
     first = device.first
     stream = first.streams.compute if (trace is not None and first.streams.cuda) else None
@@ -178,10 +179,7 @@ def _run(
                 value = inputs[mb]
             else:
                 value = _recv(links[row_of(s - 1, rows)], "F", s, mb, device.row, trace)
-            if trace is not None:
-                with trace.span(s, "F", mb, stream, row=device.row):
-                    out, loss = st.forward(mb, value, spec)
-            else:
+            with _timed(trace, s, "F", mb, stream, device.row):
                 out, loss = st.forward(mb, value, spec)
             if s < last_stage:
                 links[row_of(s + 1, rows)].send("F", s + 1, mb, out)
@@ -194,11 +192,7 @@ def _run(
                 grads = output_grads[mb] if output_grads is not None else None
             else:
                 grads = _recv(links[row_of(s + 1, rows)], "B", s, mb, device.row, trace)
-            if trace is not None:
-                with trace.span(s, kind.value, mb, stream, row=device.row):
-                    gin = st.backward(mb, grads, spec, sync=k in arm) if kind is Kind.B \
-                        else st.backward_input(mb, grads, spec)
-            else:
+            with _timed(trace, s, kind.value, mb, stream, device.row):
                 gin = st.backward(mb, grads, spec, sync=k in arm) if kind is Kind.B \
                     else st.backward_input(mb, grads, spec)
             if s > 0:
@@ -206,10 +200,7 @@ def _run(
             else:
                 results.input_grads[mb] = gin
         elif kind is Kind.W:
-            if trace is not None:
-                with trace.span(s, "W", mb, stream, row=device.row):
-                    st.backward_weight(mb, spec, sync=k in arm)
-            else:
+            with _timed(trace, s, "W", mb, stream, device.row):
                 st.backward_weight(mb, spec, sync=k in arm)
         else:
             raise ValueError(f"device {device.row}: unknown action kind {kind!r} in {a!r}")
@@ -219,10 +210,17 @@ def _run(
 
 
 def _recv(channel: Channel, kind: str, stage: int, mb: int, row: int, trace: Optional[Trace]) -> Any:
-    if trace is None:
+    with _timed(trace, stage, "recv", mb, None, row, lane="comm"):
         return channel.recv(kind, stage, mb)
-    with trace.span(stage, "recv", mb, lane="comm", row=row):
-        return channel.recv(kind, stage, mb)
+
+
+_UNTIMED = contextlib.nullcontext()  # reusable: what an action runs in when the step is not traced
+
+
+def _timed(trace: Optional[Trace], stage: int, kind: str, mb: int, stream: Any, row: int,
+           lane: str = "compute") -> ContextManager[Any]:
+    """A span of the trace around the body, or nothing when the step is not traced."""
+    return _UNTIMED if trace is None else trace.span(stage, kind, mb, stream, lane=lane, row=row)
 
 
 class _Worker:
