@@ -29,7 +29,7 @@ from torch import nn
 from .profile import LayerCost, profile_layers, sample_microbatch
 from .solve import check_stage_count, solve, stage_costs
 
-__all__ = ["Partition", "partition", "check_balance", "check_model", "METHODS", "NOT_MEASURED"]
+__all__ = ["Partition", "partition", "check_balance", "check_model", "METHODS"]
 
 METHODS = ("time", "params", "memory", "uniform")
 #: what the table shows in a column the partitioner did not measure
