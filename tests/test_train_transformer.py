@@ -66,3 +66,18 @@ def test_defaults_learn(corpus, capsys):  # noqa: F811
     last = got.losses[-8:]
     assert got.losses[0] > 4.0 and sum(last) / len(last) < 0.8 * got.losses[0], out[-2000:]
     assert got.held_after < 0.8 * got.held_before, out[-2000:]
+
+
+@pytest.mark.timeout(60)
+def test_encoder_dropout_replays_under_recompute(tmp_path, corpus):  # noqa: F811
+    """The encoder layers' attention, feed-forward and residual dropout draw the same numbers whether the
+    activations are kept or recomputed in backward: the same losses and weights, bit for bit (same shapes)."""
+    ex = load_example(EXAMPLE)
+    argv = [*TINY, *corpus, "--dropout", "0.2", "--sample-length", "0"]
+    runs, states = {}, {}
+    for policy in ("never", "always"):
+        out = tmp_path / f"{policy}.pt"
+        runs[policy] = ex.main([*argv, "--checkpoint", policy, "--out", str(out)])
+        states[policy] = torch.load(out)
+    assert runs["never"] == runs["always"]
+    assert all(torch.equal(states["never"][k], states["always"][k]) for k in states["never"])
