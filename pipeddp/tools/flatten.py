@@ -24,7 +24,8 @@ import torch
 from torch import fx, nn
 
 from .functional import INPUT, TRAINING, Functional, call_text, describe_value
-from .transformer import ENCODER_ARGS, EncoderCall, encoder_layers, is_plain_encoder
+from ..runtime import names as key_names
+from .transformer import ENCODER_ARGS, EncoderCall, EncoderLayerCall, encoder_layers, is_plain_encoder
 
 __all__ = ["flatten_sequential"]
 
@@ -431,7 +432,11 @@ def flatten_sequential(model: nn.Module, sample: Any, *, rtol: float = 1e-5, ato
 
     The layers are the model's own modules (parameters are shared, nothing is
     copied), named by their path with ``_`` for ``.`` (``layer1.0`` ->
-    ``layer1_0``); glue is named after the function. The chain is read with
+    ``layer1_0``); glue is named after the function. The original names are
+    recorded on the result: a ``Pipeline`` or ``HybridParallel`` built from it
+    saves and loads state under them (``layer1.0.conv1.weight``), so its
+    weights load into the original model and the original's into it (the
+    flat ``nn.Sequential``'s own ``state_dict`` keeps the flat names). The chain is read with
     ``torch.fx`` (each forward traced with the modules it calls as leaves,
     once in training and once in eval mode). The result is run on ``sample``
     next to ``model`` (both in eval mode under ``torch.no_grad()``; the
@@ -495,4 +500,11 @@ def flatten_sequential(model: nn.Module, sample: Any, *, rtol: float = 1e-5, ato
         raise ValueError(f"the flattened {type(model).__name__} does not compute model(sample) "
                          f"(rtol={rtol:g}, atol={atol:g}): {where}. Its forward may do more than call its children "
                          f"in order (for example behave differently in eval mode). {_BY_HAND}")
+    prefixes: Dict[str, str] = {}
+    for name, (path, layer) in zip(names, found):
+        if isinstance(layer, EncoderLayerCall) and id(layer) not in own:
+            prefixes[f"{name}.layer"] = path  # the wrapper holds no state of its own; its child is the model's
+        elif id(layer) in own:
+            prefixes[name] = path
+    key_names.record(flat, prefixes)
     return flat
