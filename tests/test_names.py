@@ -206,3 +206,27 @@ def test_two_tensors_under_one_original_key_are_refused_not_dropped():
     with pytest.raises(ValueError, match=r"the layers' keys \['0\.weight', '1\.weight'\] would all be saved as "
                                          r"'block\.weight' of the original model, but they hold different tensors"):
         pipeddp.Pipeline(flat, ["cpu", "cpu"])
+
+
+@pytest.mark.timeout(240)
+def test_stage_mode_processes_save_and_load_under_the_original_names(tmp_path):
+    from names_jobs import stage_mode_job
+
+    results = pipeddp.spawn(stage_mode_job, 2, args=(str(tmp_path),), timeout=200)
+    reference = _resnet(0)
+    x, y = _batch(1)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(2):
+        opt.zero_grad()
+        LOSS(reference(x), y).backward()
+        opt.step()
+    keys = list(reference.state_dict())
+    first, second = (r["local"] for r in results)
+    assert first + second == keys  # each process holds its stages' share, under the original names
+    for r in results:
+        for key, value in reference.state_dict().items():
+            torch.testing.assert_close(r["state"][key], value, rtol=1e-9, atol=1e-10, msg=key)
+        torch.testing.assert_close(r["loaded"], r["state"], rtol=0, atol=0)
+    fresh = _resnet(5)
+    fresh.load_state_dict(torch.load(tmp_path / "one.pt")["model"], strict=True)
+    torch.testing.assert_close(_eval_out(fresh, x), _eval_out(reference, x), rtol=1e-9, atol=1e-10)
