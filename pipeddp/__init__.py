@@ -24,6 +24,6 @@ from .runtime.rng import is_recomputing
 from .runtime.schedule import Action, format_schedule, gpipe, interleaved, one_f_one_b, zero_bubble
 from .tools.simulate import simulate
 
-__all__ = ["Pipeline", "HybridParallel", "Partition", "partition", "HeavyLayerWarning", "spawn", "resume", "data", "simulate",
-           "gpipe", "one_f_one_b", "interleaved", "zero_bubble", "Action", "format_schedule", "is_recomputing"]
+__all__ = ["Pipeline", "HybridParallel", "Partition", "partition", "HeavyLayerWarning", "spawn", "resume", "data",
+           "simulate", "gpipe", "one_f_one_b", "interleaved", "zero_bubble", "Action", "format_schedule", "is_recomputing"]
 __version__ = "0.2.0"

@@ -252,7 +252,7 @@ class HybridParallel(StepModule):
     def check_replicas(self) -> None:
         """None when every stage's copies agree bit for bit (a CRC32 per parameter), else ``RuntimeError``
         naming the stage, parameter and ranks. A collective: call it on every rank."""
-        self.agreement.check_replicas(self._step.stages, self._groups.stage)
+        self.agreement.check_replicas(self._step.stages, self._groups.stage, rename=self.key_names.original)
 
     def _norm_scope(self) -> Tuple[List[nn.Parameter], torch.device, Optional[Combine]]:
         """In stage mode the norm is joined over this replica's processes (replicas agree after DDP)."""
