@@ -25,5 +25,6 @@ from .runtime.schedule import Action, format_schedule, gpipe, interleaved, one_f
 from .tools.simulate import simulate
 
 __all__ = ["Pipeline", "HybridParallel", "Partition", "partition", "HeavyLayerWarning", "spawn", "resume", "data",
-           "simulate", "gpipe", "one_f_one_b", "interleaved", "zero_bubble", "Action", "format_schedule", "is_recomputing"]
+           "simulate", "gpipe", "one_f_one_b", "interleaved", "zero_bubble", "Action", "format_schedule",
+           "is_recomputing"]
 __version__ = "0.2.0"
