@@ -4,7 +4,8 @@ The public face is small:
 
 - ``Pipeline``: one process, one replica, the model cut over several devices.
 - ``HybridParallel``: replicas of that pipeline joined by DDP (torchrun or ``spawn``).
-- ``partition``: the balanced cut, with a report of what it measured.
+- ``partition``: the balanced cut, with a report of what it measured; ``HeavyLayerWarning`` when one
+  layer costs more than a stage's share (split it, e.g. with ``flatten_sequential``).
 - ``spawn``: start a local multi-process job the way torchrun would.
 - ``data.loader``: a DataLoader sharded by replica (not by rank).
 - ``resume``: pick up the newest complete checkpoint of a directory.
@@ -18,13 +19,13 @@ The public face is small:
 from .distributed import data
 from .distributed.launch import spawn
 from .hybrid import HybridParallel, resume
-from .partitioning.report import Partition, partition
+from .partitioning.report import HeavyLayerWarning, Partition, partition
 from .pipeline import Pipeline
 from .runtime.rng import is_checkpointing, is_recomputing
 from .runtime.schedule import Action, format_schedule, gpipe, interleaved, one_f_one_b, zero_bubble
 from .tools.simulate import simulate
 
-__all__ = ["Pipeline", "HybridParallel", "Partition", "partition", "spawn", "resume", "data", "simulate",
-           "gpipe", "one_f_one_b", "interleaved", "zero_bubble", "Action", "format_schedule", "is_recomputing",
-           "is_checkpointing"]
+__all__ = ["Pipeline", "HybridParallel", "Partition", "partition", "HeavyLayerWarning", "spawn", "resume", "data",
+           "simulate", "gpipe", "one_f_one_b", "interleaved", "zero_bubble", "Action", "format_schedule",
+           "is_recomputing", "is_checkpointing"]
 __version__ = "0.2.0"

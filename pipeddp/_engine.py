@@ -6,12 +6,14 @@ expose of the step they run is the same, so it is written here once.
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Tuple, TypeVar
+from collections import OrderedDict
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, TypeVar
 
 import torch
 from torch import nn
 
 from .runtime.clip import clip_grad_norm
+from .runtime.names import Names
 from .runtime.stage import Stage
 from .runtime.step import Step
 from .runtime.trace import Trace
@@ -25,9 +27,48 @@ Combine = Callable[[torch.Tensor, bool], torch.Tensor]
 
 
 class StepModule(nn.Module):
-    """An ``nn.Module`` running ``self._step``; a context manager that closes itself."""
+    """An ``nn.Module`` running ``self._step``; a context manager that closes itself.
+
+    Its state dict speaks the original model's names (``key_names``: see
+    ``runtime.names``), whatever names the layers carry in the pipeline.
+    """
 
     _step: Step
+    #: the layers' keys to and from the original model's (the identity for a plain nn.Sequential)
+    key_names: Names = Names()
+
+    def state_dict(self, *, destination: Optional[Dict[str, Any]] = None, prefix: str = "",  # type: ignore[override]
+                   keep_vars: bool = False) -> Dict[str, Any]:
+        """The state of the layers held here, keyed by the original model's names."""
+        own = self.key_names.to_original(super().state_dict(keep_vars=keep_vars))
+        if destination is None and not prefix:
+            return own
+        out = destination if destination is not None else OrderedDict()
+        for key, value in own.items():
+            out[prefix + key] = value
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,  # type: ignore[override]
+                        assign: bool = False) -> Any:
+        """Load a state dict keyed by the original model's names (the pipeline's own names are taken too).
+
+        Missing and unexpected keys are reported under the original names.
+        """
+        names = self.key_names
+        if names.identity:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        own = list(nn.Module.state_dict(self, keep_vars=True))
+        result = super().load_state_dict(names.to_own(state_dict, own), strict=False, assign=assign)
+        missing = list(OrderedDict.fromkeys(names.original(k) for k in result.missing_keys))
+        unexpected = list(OrderedDict.fromkeys(names.original(k) for k in result.unexpected_keys))
+        if strict and (missing or unexpected):
+            parts = []
+            if unexpected:
+                parts.append("Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in unexpected) + ". ")
+            if missing:
+                parts.append("Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing) + ". ")
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}:\n\t" + "\n\t".join(parts))
+        return type(result)(missing, unexpected)
 
     @property
     def trace(self) -> Optional[Trace]:

@@ -44,6 +44,7 @@ from .partitioning.report import Partition
 from .runtime.devices import DeviceLike
 from .runtime.executor import ThreadRunner
 from .runtime.microbatch import batch_size, tree_map
+from .runtime.names import Names
 from .runtime.schedule import ScheduleFn, row_of
 from .runtime.stage import build_stages, register_layers
 from .runtime.step import Runner, Step
@@ -121,6 +122,7 @@ class HybridParallel(StepModule):
                                                   balance=balance, sample=sample)
         n_stages = stages * settings.virtual_stages
         check_ddp_kwargs(ddp_kwargs, comm_hook)
+        self.key_names = Names.of(model)
         self.skip_nonfinite = skip_nonfinite
         self.skipped_steps = 0
         self.devices = devs = local_devices(topo, devices)
@@ -250,7 +252,7 @@ class HybridParallel(StepModule):
     def check_replicas(self) -> None:
         """None when every stage's copies agree bit for bit (a CRC32 per parameter), else ``RuntimeError``
         naming the stage, parameter and ranks. A collective: call it on every rank."""
-        self.agreement.check_replicas(self._step.stages, self._groups.stage)
+        self.agreement.check_replicas(self._step.stages, self._groups.stage, rename=self.key_names.original)
 
     def _norm_scope(self) -> Tuple[List[nn.Parameter], torch.device, Optional[Combine]]:
         """In stage mode the norm is joined over this replica's processes (replicas agree after DDP)."""
@@ -265,9 +267,9 @@ class HybridParallel(StepModule):
         """This process's part of the model, with the model's keys."""
         return super().state_dict()
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:  # type: ignore[override]
+    def state_dict(self, **kwargs: Any) -> Dict[str, Any]:  # type: ignore[override]
         """The whole model's state dict with the plain model's keys (a collective in stage mode)."""
-        return state.gather_state_dict(super().state_dict(*args, **kwargs), self.topology, self.agreement)
+        return state.gather_state_dict(super().state_dict(**kwargs), self.topology, self.agreement)
 
     def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
         """Load the entries of a full (or partial) state dict that belong to this process."""

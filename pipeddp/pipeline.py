@@ -11,7 +11,9 @@
 
 The layers stay registered under their original names, so ``state_dict()``
 has the keys of the plain model (``"0.weight"``, ...) and a state dict moves
-freely between the plain model and any partition. ``parameters()`` come in
+freely between the plain model and any partition. A model flattened by
+``flatten_sequential`` keeps the names of the model it came from
+(``layer1.0.conv1.weight``, not ``layer1_0.conv1.weight``: see ``runtime.names``). ``parameters()`` come in
 the model's order, so an optimizer built on the pipeline steps exactly like
 one built on the plain model.
 """
@@ -34,6 +36,7 @@ from .partitioning.report import Partition
 from .runtime.devices import DeviceLike, resolve_devices
 from .runtime.executor import ThreadRunner
 from .runtime.microbatch import batch_size, tree_tensors
+from .runtime.names import Names
 from .runtime.schedule import ScheduleFn, row_of
 from .runtime.stage import build_stages, register_layers
 from .runtime.step import Step
@@ -143,6 +146,7 @@ class Pipeline(StepModule):
                                   virtual_stages=virtual_stages, threads=threads,
                                   flags={"trace": trace, "deferred_batch_norm": deferred_batch_norm},
                                   balance=balance, sample=sample)
+        self.key_names = Names.of(model)
         self.devices = devs
         n_stages = len(devs) * settings.virtual_stages
         self.partition: Partition = choose_partition(model, n_stages, balance, sample, settings, devs[0])

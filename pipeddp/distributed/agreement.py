@@ -187,8 +187,12 @@ class Agreement:
 
     # -- identical replicas ----------------------------------------------------------------------------
 
-    def check_replicas(self, stages: Sequence[Any], groups: Dict[int, Any]) -> None:
-        """Raise if any stage's parameters differ between its replicas (a collective: every rank calls it)."""
+    def check_replicas(self, stages: Sequence[Any], groups: Dict[int, Any],
+                       rename: Callable[[str], str] = str) -> None:
+        """Raise if any stage's parameters differ between its replicas (a collective: every rank calls it).
+
+        ``rename`` gives a parameter's name in the model (``Names.original``) for the message.
+        """
         if not self.distributed or self.topology.replicas == 1:
             return
         problem = ""
@@ -204,7 +208,7 @@ class Agreement:
                 values = [e[i] for e in everyone]
                 if len(set(values)) > 1 and not problem:
                     odd = [r for r, v in zip(ranks, values) if v != values[0]]
-                    problem = (f"stage {st.index}: parameter {name!r} differs between replicas "
+                    problem = (f"stage {st.index}: parameter {rename(name)!r} differs between replicas "
                                f"(ranks {odd} disagree with rank {ranks[0]})")
         problems: List[Any] = [None] * self.topology.world_size
         dist.all_gather_object(problems, problem)

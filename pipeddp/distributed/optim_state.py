@@ -2,7 +2,8 @@
 
 Positions (``state[0]``) mean nothing to another partition of the model, so
 every checkpoint keys the optimizer state by the names of the parameters
-(``torch.distributed.checkpoint.state_dict`` does the naming)::
+(``torch.distributed.checkpoint.state_dict`` does the naming; a flattened
+model's names are turned into the original model's by ``runtime.names``)::
 
     named (the one-file format)                  flat (the sharded format, PyTorch's per-parameter form)
     {"state": {"0.weight": {"exp_avg": ...}},    {"state.0.weight.exp_avg": ...,
@@ -25,6 +26,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
 
+from ..runtime.names import names_of
+
 __all__ = ["named_optimizer_state", "merge_optimizer_states", "load_named_optimizer_state", "flat_optimizer_state",
            "load_flat_optimizer_state", "unflatten_optimizer_state", "optimizer_class", "check_optimizer"]
 
@@ -42,8 +45,8 @@ def _to_cpu(value: Any) -> Any:
 
 
 def named_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
-    """The optimizer's state keyed by ``module``'s parameter names, on CPU."""
-    return _to_cpu(get_optimizer_state_dict(module, optimizer))
+    """The optimizer's state keyed by the original model's names of ``module``'s parameters, on CPU."""
+    return names_of(module).named_optimizer_to_original(_to_cpu(get_optimizer_state_dict(module, optimizer)))
 
 
 def merge_optimizer_states(parts: Iterable[Optional[Dict[str, Any]]]) -> Optional[Dict[str, Any]]:
@@ -66,7 +69,9 @@ def merge_optimizer_states(parts: Iterable[Optional[Dict[str, Any]]]) -> Optiona
 
 def load_named_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: Dict[str, Any]) -> None:
     """Load the entries of ``state`` that belong to ``module``'s parameters into ``optimizer``."""
-    names = {n for n, _ in module.named_parameters()}
+    params = [n for n, _ in module.named_parameters()]
+    state = names_of(module).named_optimizer_to_own(state, params)
+    names = set(params)
     groups = []
     for g in state["param_groups"]:
         groups.append(dict(g, params=[p for p in g["params"] if p in names]))
@@ -75,17 +80,21 @@ def load_named_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimiz
 
 
 def flat_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
-    """The optimizer's state in the flat form, keyed by ``module``'s parameter names.
+    """The optimizer's state in the flat form, keyed by the original names of ``module``'s parameters.
 
     The tensors are the optimizer's own, not copies. An optimizer that has not
     stepped yet first gets its state created (by PyTorch, with a zero-gradient,
     zero-learning-rate step), so that a loader has tensors to read into.
     """
-    return get_optimizer_state_dict(module, optimizer, options=_FLAT)
+    return names_of(module).flat_optimizer_to_original(get_optimizer_state_dict(module, optimizer, options=_FLAT))
 
 
 def load_flat_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: Dict[str, Any]) -> None:
     """Load a flat state (``flat_optimizer_state``'s keys, values read back) into ``optimizer``."""
+    names = names_of(module)
+    if not names.identity:
+        own = get_optimizer_state_dict(module, optimizer, options=_FLAT)
+        state = names.flat_optimizer_to_own(state, own)
     set_optimizer_state_dict(module, optimizer, state, options=_FLAT)
 
 

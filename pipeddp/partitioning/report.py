@@ -18,6 +18,7 @@ to measure it: a 0.00 there would read as a measured zero.
 from __future__ import annotations
 
 import io
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
@@ -29,7 +30,7 @@ from torch import nn
 from .profile import LayerCost, profile_layers, sample_microbatch
 from .solve import check_stage_count, solve, stage_costs
 
-__all__ = ["Partition", "partition", "check_balance", "check_model", "METHODS"]
+__all__ = ["Partition", "partition", "check_balance", "check_model", "METHODS", "HeavyLayerWarning"]
 
 METHODS = ("time", "params", "memory", "uniform")
 #: what the table shows in a column the partitioner did not measure
@@ -112,6 +113,36 @@ class Partition:
 
     def __str__(self) -> str:
         return self.report()
+
+
+class HeavyLayerWarning(UserWarning):
+    """One layer costs more than a stage's share of the model: no cut between layers can balance the stages."""
+
+
+_UNITS = {"time": "measured time", "memory": "measured memory"}
+
+
+def warn_heavy_layers(names: Sequence[str], layers: Sequence[nn.Module], costs: Sequence[float], stages: int,
+                      method: str) -> None:
+    """Warn (``HeavyLayerWarning``) naming every layer that holds more than 1/``stages`` of the measured total.
+
+    The partitioner cuts between layers, so such a layer alone makes its stage
+    the bottleneck whatever the cut; the fix is to split it, which the message says how to do.
+    """
+    total = sum(costs)
+    if stages < 2 or total <= 0:
+        return
+    heavy = [i for i, c in enumerate(costs) if c > total / stages]
+    if not heavy:
+        return
+    named = ", ".join(f"layer {i} ({names[i]!r}, {type(layers[i]).__name__}: {costs[i] / total:.1%})" for i in heavy)
+    raise_to = "holds" if len(heavy) == 1 else "each hold"
+    warnings.warn(
+        f"{named} {raise_to} more than a stage's share ({1 / stages:.1%} for {stages} stages) of the model's "
+        f"{_UNITS.get(method, method)}: no cut between layers can balance the stages. Split it into finer layers: "
+        "pipeddp.tools.models.flatten_sequential(model, sample) opens nested containers, nn.ModuleList loops and "
+        "nn.TransformerEncoder into their layers; or write the layer as several layers of the nn.Sequential",
+        HeavyLayerWarning, stacklevel=3)
 
 
 def _human_bytes(n: float) -> str:
@@ -202,6 +233,8 @@ def partition(
         costs = [float(c.param_bytes + c.activation_bytes) for c in layers]
     else:
         costs = [1.0] * n
+    if method in _UNITS:
+        warn_heavy_layers([c.name for c in layers], list(model), costs, stages, method)
     bal = solve(costs, stages, comm)
     return Partition(bal, method, layers, costs, stage_costs(bal, costs, comm), timed=method == "time",
                      sized=mb is not None)

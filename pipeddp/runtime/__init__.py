@@ -15,6 +15,7 @@
     amp          the caller's autocast, re-entered on the stage threads
     trace        spans of every action, for timelines; peak activations and memory per stage
     devices      checking the device names users give
+    names        the original model's keys for a flattened model's layers (state dicts, optimizer state)
 
 The distributed layer (``pipeddp.distributed``) adds a second runner, the
 process that owns one stage, and DDP; it uses this package, never the reverse.

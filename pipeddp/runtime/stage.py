@@ -416,7 +416,8 @@ def register_layers(owner: nn.Module, stages: Sequence[Stage]) -> None:
     """Register the stages' layers on ``owner`` under their names in the model.
 
     So ``owner.state_dict()`` has the plain model's keys (``"0.weight"``) and
-    ``owner.parameters()`` come in the model's order, whatever the cut.
+    ``owner.parameters()`` come in the model's order, whatever the cut. (For a
+    flattened model the owner renames the keys to the original model's: ``names``.)
     """
     for st in stages:
         for name, layer in layers_of(st.module):

@@ -18,12 +18,14 @@ import builtins
 import itertools
 import operator
 from collections import OrderedDict
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Set, Tuple
 
 import torch
 from torch import fx, nn
 
 from .functional import INPUT, TRAINING, Functional, call_text, describe_value
+from ..runtime import names as key_names
+from .transformer import ENCODER_ARGS, EncoderCall, EncoderLayerCall, encoder_layers, is_plain_encoder
 
 __all__ = ["flatten_sequential"]
 
@@ -99,8 +101,8 @@ def _is_size(node: fx.Node) -> bool:
          len(node.args) > 1 and node.args[1] in ("shape", "ndim", "dtype", "device"))
 
 
-def _check_single_use(prev: fx.Node) -> None:
-    users = list(prev.users)
+def _check_single_use(prev: fx.Node, side: Set[fx.Node]) -> None:
+    users = [u for u in prev.users if u not in side]
     if len(users) <= 1:
         return
     for u in users:
@@ -114,8 +116,61 @@ def _check_single_use(prev: fx.Node) -> None:
     raise _NotAChain(f"{_output_of(prev)} is used {times} (by {uses})")
 
 
-def _chain(graph: fx.Graph) -> List[fx.Node]:
-    """The nodes of a forward that is a chain, in order; else ``_NotAChain`` naming the break."""
+def _encoder_sites(graph: fx.Graph, root: nn.Module) -> Tuple[Dict[fx.Node, EncoderCall], Set[fx.Node]]:
+    """Calls of an ``nn.TransformerEncoder`` with a mask or causal hint, and the nodes that only make that mask.
+
+    The mask may be a constant (a buffer, a tensor built from constants) or
+    be computed from sizes of values of the chain (``x.size(1)``: a causal
+    mask); those nodes are not steps of the chain. A mask computed from the
+    values themselves, or a padding mask, is a second input: refused.
+    """
+    sites: Dict[fx.Node, EncoderCall] = {}
+    side: Set[fx.Node] = set()
+    for n in graph.nodes:
+        if n.op != "call_module" or not n.args or not is_plain_encoder(root.get_submodule(str(n.target))):
+            continue
+        if len(n.args) > len(ENCODER_ARGS) or any(k not in ENCODER_ARGS[1:] for k in n.kwargs):
+            continue
+        bound = dict(zip(ENCODER_ARGS, n.args))
+        bound.update(n.kwargs)
+        if bound.get("src_key_padding_mask") is not None:
+            raise _NotAChain(f"{_describe(n)} passes a src_key_padding_mask: a per-batch mask is a second input "
+                             "besides the previous step's output, which an nn.Sequential cannot pass from layer to "
+                             "layer")
+        hint, mask = bound.get("is_causal"), bound.get("mask")
+        if isinstance(hint, fx.Node) or (mask is not None and not isinstance(mask, fx.Node)):
+            continue
+        mine: Set[fx.Node] = set()
+        sized = False
+        todo = [mask] if mask is not None else []
+        while todo:
+            a = todo.pop()
+            if a in mine:
+                continue
+            if a.op in ("placeholder", "call_module"):
+                raise _NotAChain(f"{_describe(n)} passes a mask computed from {_output_of(a)}: only a constant "
+                                 "mask or one made from the input's size (the causal mask) can be given to each layer")
+            mine.add(a)
+            if _is_size(a):
+                sized = True
+                continue
+            todo.extend(a.all_input_nodes)
+        if any(u not in mine and u is not n for a in mine for u in a.users):
+            continue  # the mask's parts are used by the chain too: the chain check names the place
+        sites[n] = EncoderCall(root.get_submodule(str(n.target)), f"self.{n.target}", mask is not None, sized,
+                               hint)
+        side |= mine
+    return sites, side
+
+
+def _chain(graph: fx.Graph, side: Set[fx.Node] = frozenset(),  # type: ignore[assignment]
+           sites: Optional[Dict[fx.Node, EncoderCall]] = None) -> List[fx.Node]:
+    """The nodes of a forward that is a chain, in order; else ``_NotAChain`` naming the break.
+
+    ``side`` nodes (an encoder's mask) are left out; the ``sites`` (encoder
+    calls with a mask) may take them besides the previous step's output.
+    """
+    sites = sites or {}
     nodes = list(graph.nodes)
     inputs = [n for n in nodes if n.op == "placeholder"]
     if not inputs:
@@ -125,17 +180,17 @@ def _chain(graph: fx.Graph) -> List[fx.Node]:
             raise _NotAChain(f"forward uses its argument {extra.name!r} besides the input")
     prev, steps = inputs[0], []
     for n in nodes:
-        if n.op == "placeholder":
+        if n.op == "placeholder" or n in side:
             continue
         if n.op == "output":
             if n.args[0] is not prev:
                 raise _NotAChain(f"forward returns {_describe(n.args[0])}, not {_output_of(prev)}")
-            _check_single_use(prev)
+            _check_single_use(prev, side)
             return steps
         if n.op == "get_attr":
             raise _NotAChain(f"{_describe(n)} is read directly by forward, not through a child module")
-        _check_single_use(prev)
-        ins = n.all_input_nodes
+        _check_single_use(prev, side)
+        ins = [i for i in n.all_input_nodes if i not in side]
         if prev not in ins:
             if not ins:
                 raise _NotAChain(f"{_describe(n)} does not depend on the input")
@@ -144,7 +199,10 @@ def _chain(graph: fx.Graph) -> List[fx.Node]:
         if others:
             extra = ", ".join(_output_of(o) for o in others)
             raise _NotAChain(f"{_describe(n)} uses {extra} besides {_output_of(prev)}")
-        if n.op == "call_module" and (tuple(n.args) != (prev,) or n.kwargs):
+        if n in sites:
+            if n.args[0] is not prev:
+                raise _NotAChain(f"{_describe(n)} is not called on {_output_of(prev)}")
+        elif n.op == "call_module" and (tuple(n.args) != (prev,) or n.kwargs):
             raise _NotAChain(f"{_describe(n)} is called with more than the previous step's output")
         steps.append(n)
         prev = n
@@ -183,14 +241,26 @@ def _merge(a: Any, b: Any, prev: fx.Node) -> Any:
     return a
 
 
-# A step of a chain: ("module", path relative to its owner, module) or ("glue", node name, Functional).
-_Step = Tuple[str, str, nn.Module]
+class _Step(NamedTuple):
+    """A step of a chain: a child module (by its path relative to its owner), glue, or a layer to keep as it is.
+
+    ``kind`` is ``"module"`` (opened further where it can be), ``"glue"`` (a
+    ``Functional`` named after its node) or ``"leaf"`` (kept). ``call``: how
+    an encoder is called (its mask), for an encoder step.
+    """
+
+    kind: str
+    name: str
+    layer: nn.Module
+    call: Optional[EncoderCall] = None
 
 
-def _steps(module: nn.Module) -> List[_Step]:
+def _steps(module: nn.Module, call: Optional[EncoderCall] = None) -> List[_Step]:
     """The steps of ``module.forward`` if it is a chain of submodules and glue; else ``_NotAChain``."""
     if isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward:
-        return [("module", name, child) for name, child in module.named_children()]
+        return [_Step("module", name, child) for name, child in module.named_children()]
+    if is_plain_encoder(module):
+        return [_Step("leaf", path, layer) for path, layer in encoder_layers(module, call)]  # type: ignore[arg-type]
     saved = module.training
     graphs = []
     try:
@@ -206,7 +276,8 @@ def _steps(module: nn.Module) -> List[_Step]:
     finally:
         module.training = saved
     train, evaluate = graphs
-    chain = _chain(train)
+    sites, side = _encoder_sites(train, module)
+    chain = _chain(train, side, sites)
     twins: Dict[fx.Node, fx.Node] = {}
     for a, b in itertools.zip_longest(train.nodes, evaluate.nodes):
         if a is None or b is None or (a.op, a.target, a.name) != (b.op, b.target, b.name):
@@ -219,7 +290,7 @@ def _steps(module: nn.Module) -> List[_Step]:
     prev = next(n for n in train.nodes if n.op == "placeholder")
     for n in chain:
         if n.op == "call_module":
-            out.append(("module", str(n.target), module.get_submodule(str(n.target))))
+            out.append(_Step("module", str(n.target), module.get_submodule(str(n.target)), sites.get(n)))
         else:
             try:  # constants equal in both modes; True in training and False in eval is self.training
                 args = _merge(tuple(n.args), tuple(twins[n].args), prev)
@@ -227,7 +298,7 @@ def _steps(module: nn.Module) -> List[_Step]:
             except _NotAChain:
                 raise _NotAChain(f"{type(module).__name__}.forward reads self.training: {_describe(n)} in training "
                                  f"mode is {_describe(twins[n])} in eval mode") from None
-            out.append(("glue", n.name, Functional.template(n.target, args, kwargs)))
+            out.append(_Step("glue", n.name, Functional.template(n.target, args, kwargs)))
         prev = n
     return out
 
@@ -238,26 +309,31 @@ def _has_hooks(module: nn.Module) -> bool:
         "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"))
 
 
-def _open(module: nn.Module) -> Optional[List[_Step]]:
+def _open(module: nn.Module, call: Optional[EncoderCall]) -> Optional[List[_Step]]:
     """The steps of a child that is itself a chain, or None to keep it as one layer."""
     if _has_hooks(module):
         return None
     if not any(True for _ in module.children()) and not isinstance(module, nn.Sequential):
         return None  # a leaf (an empty nn.Sequential is an identity and contributes nothing)
     try:
-        return _steps(module)
+        return _steps(module, call)
     except _NotAChain:
         return None
 
 
-def _expand(steps: List[_Step], prefix: str, out: List[Tuple[str, nn.Module]]) -> None:
-    for kind, name, layer in steps:
-        path = prefix + name
-        inner = _open(layer) if kind == "module" else None
+def _expand(steps: List[_Step], prefix: str, out: List[Tuple[str, nn.Module]], calls: List[EncoderCall]) -> None:
+    for step in steps:
+        path = prefix + step.name
+        inner = _open(step.layer, step.call) if step.kind == "module" else None
+        if step.call is not None:
+            if inner is None:
+                raise ValueError(f"cannot flatten: {step.call.where} is called with a mask but cannot be opened "
+                                 f"(it has hooks), and as one layer it would get no mask. {_BY_HAND}")
+            calls.append(step.call)
         if inner is not None:
-            _expand(inner, path + ".", out)
+            _expand(inner, path + ".", out, calls)
         else:
-            out.append((path, layer))
+            out.append((path, step.layer))
 
 
 def _unique_names(paths: List[str]) -> List[str]:
@@ -318,6 +394,19 @@ def _differences(got: Any, want: Any, rtol: float, atol: float, where: str = "ou
     return [] if same else [(where, f"{got!r} instead of {want!r}")]
 
 
+def _configure(calls: List[EncoderCall], seen: Dict[int, List[Tuple[Any, Any]]]) -> None:
+    """Give each opened encoder's layers the mask its call passed in the sample's run (in the order of the calls)."""
+    taken: Dict[int, int] = {}
+    for call in calls:
+        k = taken.get(id(call.encoder), 0)
+        runs = seen.get(id(call.encoder), [])
+        if k >= len(runs):
+            raise ValueError(f"cannot flatten: {call.where} was not called by model(sample) as its forward reads. "
+                             f"{_BY_HAND}")
+        taken[id(call.encoder)] = k + 1
+        call.configure(*runs[k])
+
+
 _BY_HAND = ("Wrap the parts of the model in order by hand, e.g. "
             "nn.Sequential(model.features, nn.Flatten(1), model.classifier)")
 
@@ -343,7 +432,11 @@ def flatten_sequential(model: nn.Module, sample: Any, *, rtol: float = 1e-5, ato
 
     The layers are the model's own modules (parameters are shared, nothing is
     copied), named by their path with ``_`` for ``.`` (``layer1.0`` ->
-    ``layer1_0``); glue is named after the function. The chain is read with
+    ``layer1_0``); glue is named after the function. The original names are
+    recorded on the result: a ``Pipeline`` or ``HybridParallel`` built from it
+    saves and loads state under them (``layer1.0.conv1.weight``), so its
+    weights load into the original model and the original's into it (the
+    flat ``nn.Sequential``'s own ``state_dict`` keeps the flat names). The chain is read with
     ``torch.fx`` (each forward traced with the modules it calls as leaves,
     once in training and once in eval mode). The result is run on ``sample``
     next to ``model`` (both in eval mode under ``torch.no_grad()``; the
@@ -371,7 +464,8 @@ def flatten_sequential(model: nn.Module, sample: Any, *, rtol: float = 1e-5, ato
         raise ValueError(f"cannot flatten {type(model).__name__}: its forward is not a chain of its children: "
                          f"{exc}. {_BY_HAND}") from None
     found: List[Tuple[str, nn.Module]] = []
-    _expand(steps, "", found)
+    calls: List[EncoderCall] = []
+    _expand(steps, "", found, calls)
     if not found:
         raise ValueError(f"cannot flatten {type(model).__name__}: its forward calls no layer (it returns its input)")
     names = _unique_names([path for path, _ in found])
@@ -380,11 +474,20 @@ def flatten_sequential(model: nn.Module, sample: Any, *, rtol: float = 1e-5, ato
     modes = [(m, m.training) for m in model.modules()]
     own = {id(m) for m, _ in modes}
     new = [layer for layer in flat if id(layer) not in own]  # the glue made here
+    seen: Dict[int, List[Tuple[Any, Any]]] = {}
+    hooks = [call.encoder.register_forward_pre_hook(
+        lambda mod, args, kwargs: seen.setdefault(id(mod), []).append((args, kwargs)), with_kwargs=True)
+        for call in {id(c.encoder): c for c in calls}.values()]
     try:
         model.eval()
         flat.eval()
         with torch.no_grad():
-            want = model(_clone(sample))
+            try:
+                want = model(_clone(sample))
+            finally:
+                for hook in hooks:
+                    hook.remove()
+            _configure(calls, seen)
             got = flat(_clone(sample))
     finally:
         for m, mode in modes:
@@ -397,4 +500,11 @@ def flatten_sequential(model: nn.Module, sample: Any, *, rtol: float = 1e-5, ato
         raise ValueError(f"the flattened {type(model).__name__} does not compute model(sample) "
                          f"(rtol={rtol:g}, atol={atol:g}): {where}. Its forward may do more than call its children "
                          f"in order (for example behave differently in eval mode). {_BY_HAND}")
+    prefixes: Dict[str, str] = {}
+    for name, (path, layer) in zip(names, found):
+        if isinstance(layer, EncoderLayerCall) and id(layer) not in own:
+            prefixes[f"{name}.layer"] = path  # the wrapper holds no state of its own; its child is the model's
+        elif id(layer) in own:
+            prefixes[name] = path
+    key_names.record(flat, prefixes)
     return flat
