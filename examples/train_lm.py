@@ -232,6 +232,17 @@ class Losses(NamedTuple):
     held_after: float
 
 
+def balance_arg(text: str) -> Union[str, List[int]]:
+    """``--balance``: a method name, or layers per stage as comma-separated numbers (``3,4``)."""
+    if text in ("time", "params", "memory", "uniform"):
+        return text
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither time, params, memory, uniform nor a list like 3,4") \
+            from None
+
+
 def parse(argv: Any = None, description: Optional[str] = None) -> argparse.Namespace:
     """The command line (``argv=None``: ``sys.argv``); the test parses the same flags to build its reference.
 
@@ -252,6 +263,10 @@ def parse(argv: Any = None, description: Optional[str] = None) -> argparse.Names
     p.add_argument("--clip", type=float, default=0.0, help="clip the gradient norm to this each step "
                    "(engine.clip_grad_norm_, the plain model's norm; 0: no clipping)")
     p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--balance", type=balance_arg, default="time",
+                   help="how to cut the model: time (measured on a batch), params, uniform, or layers per stage "
+                   "such as 3,4 (measured cuts can differ between runs, and with them which stage draws which "
+                   "dropout numbers)")
     p.add_argument("--chunks", type=int, default=4, help="micro-batches per step")
     p.add_argument("--checkpoint", choices=["never", "except_last", "always"], default="never",
                    help="recompute activations in backward (dropout replays the same numbers)")
@@ -305,7 +320,7 @@ def main(argv: Any = None) -> Losses:
         if args.mode == "stage":
             torch.set_num_threads(args.threads)  # one stage per process
         engine: Union[pipeddp.Pipeline, pipeddp.HybridParallel] = pipeddp.HybridParallel(
-            model, stages=args.stages, mode=args.mode, chunks=args.chunks, sample=x_sample, balance="time",
+            model, stages=args.stages, mode=args.mode, chunks=args.chunks, sample=x_sample, balance=args.balance,
             checkpoint=args.checkpoint, threads=args.threads, devices="auto")  # the CPU where GPUs are too few
         topo = engine.topology
         rank, replica, replicas = topo.rank, topo.replica, topo.replicas
@@ -317,7 +332,7 @@ def main(argv: Any = None) -> Losses:
                 f"devices {[str(d) for d in engine.devices]}"
     else:
         engine = pipeddp.Pipeline(model, pipeline_devices(args.stages), chunks=args.chunks, sample=x_sample,
-                                  balance="time", checkpoint=args.checkpoint, threads=args.threads)
+                                  balance=args.balance, checkpoint=args.checkpoint, threads=args.threads)
         rank, replica, replicas = 0, 0, 1
 
         @torch.no_grad()

@@ -112,7 +112,7 @@ def main(argv: Any = None) -> Result:
     flat = flatten_sequential(model, x_sample)
     if args.hybrid:
         engine: Union[pipeddp.Pipeline, pipeddp.HybridParallel] = pipeddp.HybridParallel(
-            flat, stages=args.stages, mode=args.mode, chunks=args.chunks, sample=x_sample, balance="time",
+            flat, stages=args.stages, mode=args.mode, chunks=args.chunks, sample=x_sample, balance=args.balance,
             checkpoint=args.checkpoint, threads=args.threads, devices="auto")
         rank, replica = engine.topology.rank, engine.topology.replica
         held_loader = pipeddp.data.loader(held_set, args.batch, engine=engine, train=False)
@@ -122,7 +122,7 @@ def main(argv: Any = None) -> Result:
         where = f"HybridParallel, mode={args.mode}, {engine.topology.replicas} replica(s) x {args.stages} stages"
     else:
         engine = pipeddp.Pipeline(flat, "auto", stages=args.stages, chunks=args.chunks, sample=x_sample,
-                                  balance="time", checkpoint=args.checkpoint, threads=args.threads)
+                                  balance=args.balance, checkpoint=args.checkpoint, threads=args.threads)
         rank, replica = 0, 0
 
         @torch.no_grad()

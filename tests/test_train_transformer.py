@@ -1,11 +1,12 @@
 """The nn.TransformerEncoder language model example, flattened and pipelined, against the plain model."""
 
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import load_example
+from conftest import load_example, run_script
 from test_train_lm import corpus  # noqa: F401  (a fixture: a fixed copy of the example's text)
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_transformer.py"
@@ -77,7 +78,8 @@ def test_encoder_dropout_replays_under_recompute(tmp_path, corpus):  # noqa: F81
     """The encoder layers' attention, feed-forward and residual dropout draw the same numbers whether the
     activations are kept or recomputed in backward: the same losses and weights, bit for bit (same shapes)."""
     ex = load_example(EXAMPLE)
-    argv = [*TINY, *corpus, "--dropout", "0.2", "--sample-length", "0"]
+    # a fixed cut: a measured one may differ between the runs, and each stage draws from a seed of its own
+    argv = [*TINY, *corpus, "--dropout", "0.2", "--sample-length", "0", "--balance", "3,3"]
     runs, states = {}, {}
     for policy in ("never", "always"):
         out = tmp_path / f"{policy}.pt"
@@ -85,3 +87,19 @@ def test_encoder_dropout_replays_under_recompute(tmp_path, corpus):  # noqa: F81
         states[policy] = torch.load(out)
     assert runs["never"] == runs["always"]
     assert all(torch.equal(states["never"][k], states["always"][k]) for k in states["never"])
+
+
+@pytest.mark.timeout(150)
+def test_torchrun_stage_mode_equals_the_plain_model(tmp_path, corpus):  # noqa: F811
+    """One process per stage under a real torchrun: the embedding and the tied head in different processes; the
+    consolidated weights (original keys) are the plain model's, and rank 0 samples from them."""
+    out = tmp_path / "final.pt"
+    argv = [*TINY, *corpus, "--hybrid", "--mode", "stage", "--out", str(out)]
+    stdout = run_script([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                         str(EXAMPLE), *argv], tmp_path, timeout=140, CUDA_VISIBLE_DEVICES="")
+    assert "mode=stage, 1 replica(s) x 2 stages" in stdout and stdout.count("held-out loss at end") == 1
+    assert "sample (temperature 0.0):\ndef " in stdout
+    _, _, expected = reference(load_example(EXAMPLE), argv)
+    saved = torch.load(out)
+    assert list(saved) == list(expected)
+    assert max((saved[k] - expected[k]).abs().max().item() for k in saved) < 1e-10
