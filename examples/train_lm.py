@@ -232,9 +232,14 @@ class Losses(NamedTuple):
     held_after: float
 
 
-def parse(argv: Any = None) -> argparse.Namespace:
-    """The command line (``argv=None``: ``sys.argv``); the test parses the same flags to build its reference."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse(argv: Any = None, description: Optional[str] = None) -> argparse.Namespace:
+    """The command line (``argv=None``: ``sys.argv``); the test parses the same flags to build its reference.
+
+    ``description``: the help text's head (default: this file's docstring); ``train_transformer.py`` takes
+    the same flags with its own.
+    """
+    p = argparse.ArgumentParser(description=description or __doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--batch", type=int, default=32, help="windows per replica per step (the global batch is "
                    "this times the number of replicas)")

@@ -10,7 +10,8 @@ The public face is small:
 - ``data.loader``: a DataLoader sharded by replica (not by rank).
 - ``resume``: pick up the newest complete checkpoint of a directory.
 - ``simulate``: predict a step from measured costs (``pipeddp plan`` ranks configurations with it).
-- ``is_recomputing``: whether a layer's forward is a recompute (activation checkpointing) replay.
+- ``is_recomputing``: whether a layer's forward is a recompute (activation checkpointing) replay;
+  ``is_checkpointing``: whether it is the first forward of a micro-batch whose activations will be recomputed.
 - ``gpipe``, ``one_f_one_b``, ``interleaved``, ``zero_bubble``, ``Action``, ``format_schedule``: schedules as
   data, to print, simulate, or to start a schedule of one's own from.
 """
@@ -20,11 +21,11 @@ from .distributed.launch import spawn
 from .hybrid import HybridParallel, resume
 from .partitioning.report import HeavyLayerWarning, Partition, partition
 from .pipeline import Pipeline
-from .runtime.rng import is_recomputing
+from .runtime.rng import is_checkpointing, is_recomputing
 from .runtime.schedule import Action, format_schedule, gpipe, interleaved, one_f_one_b, zero_bubble
 from .tools.simulate import simulate
 
 __all__ = ["Pipeline", "HybridParallel", "Partition", "partition", "HeavyLayerWarning", "spawn", "resume", "data",
            "simulate", "gpipe", "one_f_one_b", "interleaved", "zero_bubble", "Action", "format_schedule",
-           "is_recomputing"]
+           "is_recomputing", "is_checkpointing"]
 __version__ = "0.2.0"

@@ -30,6 +30,8 @@ from torch import nn
 from ._engine import StepModule
 from ._settings import check_settings, choose_partition
 from .distributed import state
+from .distributed.groups import local_devices
+from .distributed.topology import Topology
 from .partitioning.report import Partition
 from .runtime.devices import DeviceLike, resolve_devices
 from .runtime.executor import ThreadRunner
@@ -51,13 +53,36 @@ def _device_arg(args: Any, kwargs: Any) -> bool:
     return any(isinstance(a, (str, torch.device, int, torch.Tensor)) for a in args)
 
 
+def pipeline_devices(devices: Union[str, Sequence[DeviceLike]], stages: Optional[int]) -> List[torch.device]:
+    """The devices of a one-process pipeline: as listed, or ``"auto"`` chosen as ``HybridParallel`` chooses them.
+
+    ``"auto"`` with ``stages=p`` is the hybrid engine's rule for one process
+    (``groups.local_devices``): ``cuda:0`` .. ``cuda:p-1`` where there are GPUs
+    (stages share them, with a warning, when there are fewer), else the CPU p
+    times, so that one script runs on a GPU box and on a laptop.
+    """
+    if isinstance(devices, str) and devices == "auto":
+        if stages is None:
+            raise ValueError("devices='auto' needs the number of stages: Pipeline(model, devices='auto', stages=2) "
+                             "(one device each, GPUs where there are any, else the CPU)")
+        return local_devices(Topology(0, 1, 0, 1, stages), "auto")
+    devs = resolve_devices(devices)
+    if stages is not None and stages != len(devs):
+        raise ValueError(f"stages={stages} but {len(devs)} devices were given ({[str(d) for d in devs]}); "
+                         "a pipeline has one stage per device: drop stages= or give that many devices")
+    return devs
+
+
 class Pipeline(StepModule):
     """Run an ``nn.Sequential`` as a pipeline over ``devices`` (one stage each).
 
     Args:
         model: the model; its children are the layers the partitioner cuts between.
             The layers are moved to their stage's device (the pipeline owns them).
-        devices: one device per stage, e.g. ``["cuda:0", "cuda:1"]`` or ``["cpu", "cpu"]``.
+        devices: one device per stage, e.g. ``["cuda:0", "cuda:1"]`` or ``["cpu", "cpu"]``; or
+            ``"auto"`` with ``stages=p``: as ``HybridParallel``'s ``devices="auto"``, ``p`` GPUs where
+            there are any (shared, with a warning, if fewer), else the CPU ``p`` times.
+        stages: the number of stages; needed with ``devices="auto"``, else ``len(devices)`` (checked).
         chunks: number of micro-batches per batch (default ``2 * stages``). A batch
             smaller than ``chunks`` gives one micro-batch per sample.
         split_size: samples per micro-batch, instead of ``chunks``.
@@ -98,8 +123,9 @@ class Pipeline(StepModule):
     def __init__(
         self,
         model: nn.Sequential,
-        devices: Sequence[DeviceLike],
+        devices: Union[str, Sequence[DeviceLike]],
         *,
+        stages: Optional[int] = None,
         chunks: Optional[int] = None,
         split_size: Optional[int] = None,
         balance: Union[None, str, Sequence[int]] = None,
@@ -114,7 +140,7 @@ class Pipeline(StepModule):
         virtual_stages: Optional[int] = None,
     ) -> None:
         super().__init__()
-        devs = resolve_devices(devices)
+        devs = pipeline_devices(devices, stages)
         settings = check_settings(model, len(devs), chunks=chunks, split_size=split_size, schedule=schedule,
                                   checkpoint=checkpoint, timeout=timeout, compile=compile,
                                   virtual_stages=virtual_stages, threads=threads,

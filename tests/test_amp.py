@@ -170,7 +170,8 @@ class GraphCounter:
 @pytest.mark.parametrize("n,per_mode", [(8, 1), (10, 2)])
 def test_compiled_stages_keep_one_graph_per_mode(n, per_mode):
     # 4 stages, each in 3 modes (the forward of the last micro-batch keeps its graph, the others run without grad
-    # and are replayed in backward), then an evaluation forward: 12 (stage, mode) pairs, above dynamo's limit of 8
+    # and are replayed in backward), then an evaluation forward (a 4th mode: without grad, like the dropped
+    # forwards, but not checkpointing, which a layer may read): 16 (stage, mode) pairs, above dynamo's limit of 8
     # recompiles for one code object. Each pair is compiled once (even micro-batches, 8 over 4), or once more for
     # a dynamic batch size (10 over 4: 3 3 2 2), and never again however many steps run.
     torch._dynamo.reset()
@@ -183,13 +184,17 @@ def test_compiled_stages_keep_one_graph_per_mode(n, per_mode):
         for _ in range(3):
             pipe.train_step(x, y, LOSS)
             counts.append(counter.graphs)
+        trained = [len(st.call.by_mode) for st in pipe.stages]
         with torch.no_grad():
-            pipe(x)  # a forward without grad in training mode: the graph the non-kept forwards already use
-        counts.append(counter.graphs)
+            pipe(x)  # a forward without grad in training mode, not checkpointing: one more mode per stage
+            pipe(x)
         modes = [len(st.call.by_mode) for st in pipe.stages]
-    assert modes == [3, 3, 3, 3]
-    assert len(set(counts)) == 1  # nothing compiled after the first step
+        evaluated = counter.graphs
+        with torch.no_grad():
+            pipe(x)
+    assert trained == [3, 3, 3, 3] and modes == [4, 4, 4, 4]
+    assert len(set(counts)) == 1 and counter.graphs == evaluated  # nothing compiled after the first of each
     if per_mode == 1:
-        assert counts[0] == sum(modes)
+        assert counts[0] == sum(trained) and evaluated == sum(modes)
     else:  # a mode whose micro-batches come in two sizes compiles twice, the others once
         assert sum(modes) < counts[0] <= 2 * sum(modes)

@@ -62,3 +62,62 @@ def test_the_pipeddp_command_starts():
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0 and "demo" in proc.stdout, proc.stdout + proc.stderr
+
+
+def _subcommands():
+    import argparse
+
+    from pipeddp.tools.cli import _parser
+
+    parser = _parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices
+
+
+@pytest.mark.parametrize("command", ["demo", "partition", "timeline", "plan", "convert"])
+def test_help_shows_every_options_default_and_description(command, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines: compare with single spaces
+    for action in _subcommands()[command]._actions:
+        if "-h" in action.option_strings:
+            continue
+        assert action.help and len(action.help) > 8, f"{command} {action.dest}: no description"
+        if action.option_strings:  # an option (positionals have no default to show)
+            assert f"(default: {action.default})" in text, f"{command} {action.option_strings[0]}: no default shown"
+
+
+@pytest.mark.parametrize("out, written", [("docs/deeper/tl", "docs/deeper/tl"), ("x.png", "x"), ("y.json", "y"),
+                                          ("z.v2", "z.v2")])
+def test_timeline_out_creates_its_folder_and_never_doubles_a_suffix(tmp_path, capsys, out, written):
+    assert main(["timeline", "--stages", "2", "--chunks", "2", "--batch", "4", "--steps", "1",
+                 "--out", str(tmp_path / out)]) == 0
+    assert (tmp_path / f"{written}.json").is_file()
+    assert not list(tmp_path.rglob("*.png.png")) and not list(tmp_path.rglob("*.json.json"))
+    text = capsys.readouterr().out
+    assert f"wrote {tmp_path / written}.json" in " ".join(text.split())
+
+
+def test_timeline_out_is_checked_before_the_step_runs(tmp_path, capsys, monkeypatch):
+    """A path that cannot be written fails at once, with the path named, before any traced step runs."""
+    import pipeddp.pipeline
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    def refuse(*args, **kwargs):
+        raise AssertionError("the pipeline was built before --out was checked")
+
+    monkeypatch.setattr(pipeddp.pipeline.Pipeline, "__init__", refuse)
+    assert main(["timeline", "--out", str(blocker / "tl")]) == 2
+    text = " ".join(capsys.readouterr().out.split())
+    assert "cannot create the folder" in text and "a-file" in text and "Traceback" not in text
+    assert main(["timeline", "--out", str(tmp_path) + "/"]) == 2
+    assert "names a folder, not a file" in capsys.readouterr().out
+
+
+def test_partition_table_says_not_measured_for_what_it_did_not_measure(capsys):
+    assert main(["partition", "--model", "mlp", "--stages", "2", "--batch", "8", "--method", "params"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "not measured" in text and "does not time the layers" in text
+    assert "0.00" not in text

@@ -115,3 +115,31 @@ def test_a_layer_over_a_stage_share_warns_naming_it_and_how_to_split():
         warnings.simplefilter("error", HeavyLayerWarning)
         partition(model, 3, method="params")  # not measured: no warning
         partition(nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)]), 2, method="memory", sample=x)
+
+
+def test_report_says_not_measured_instead_of_zero():
+    """Without a sample (balance falls back to "params") the time and activation columns were never measured:
+    the table says so, and why, rather than showing 0.00 ms and 0 B as if they were measured zeros."""
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    x = torch.randn(8, 16)
+
+    def rows(p):
+        return [line for line in str(p).splitlines() if line.lstrip("│ ").startswith(("0 ", "1 "))]
+
+    for p in (partition(model, 2, method="params"), partition(model, 2, method=[2, 1])):
+        assert not p.timed and not p.sized
+        text = str(p)
+        assert all(line.count("not measured") == 2 for line in rows(p)), text
+        assert "0.00" not in text and " 0 B" not in text, text
+        assert "fwd+bwd ms and activation out: not measured" in text and "sample=" in text, text
+    assert "was given no sample" in str(partition(model, 2, method="params"))
+    assert "measures nothing" in str(partition(model, 2, method=[2, 1]))
+
+    sized = partition(model, 2, method="params", sample=x)  # activations measured, times not
+    assert sized.sized and not sized.timed
+    assert all(line.count("not measured") == 1 for line in rows(sized)), str(sized)
+    assert "fwd+bwd ms: not measured, balance 'params' does not time the layers" in str(sized)
+
+    timed = partition(model, 2, method="time", sample=x)
+    assert timed.timed and timed.sized and timed.unmeasured_note() == ""
+    assert "not measured" not in str(timed)

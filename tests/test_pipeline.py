@@ -284,3 +284,29 @@ def test_a_forward_only_call_stops_when_a_stage_fails():
         with torch.no_grad(), pytest.raises(ValueError, match="boom in stage 1"):
             pipe(torch.randn(8, 4))
     assert counter.calls <= 3, counter.calls  # before: all 8 micro-batches ran
+
+
+def test_devices_auto_as_in_hybrid_parallel():
+    """devices="auto" with stages=p picks what HybridParallel(devices="auto") picks: here (the suite hides the
+    GPUs) the CPU p times; the pipeline it builds trains as the plain model does."""
+    model = make_mlp()
+    steps = batches(steps=1)
+    ref_grads, _ = reference_training(model, steps, LOSS)
+    with pipeddp.Pipeline(copy.deepcopy(model), "auto", stages=3, chunks=3, balance="uniform") as pipe:
+        assert pipe.devices == [torch.device("cpu")] * 3 and len(pipe.balance) == 3
+        (x, y), = steps
+        pipe.train_step(x, y, LOSS)
+        assert max_diff(ref_grads[0], [p.grad for p in pipe.parameters()]) < 1e-12
+    with pipeddp.Pipeline(make_mlp(), ["cpu", "cpu"], stages=2) as pipe:  # stages= may repeat len(devices)
+        assert len(pipe.balance) == 2
+
+
+def test_devices_auto_errors_say_what_to_pass():
+    with pytest.raises(ValueError, match=r"devices='auto' needs the number of stages.*stages=2"):
+        pipeddp.Pipeline(make_mlp(), "auto")
+    with pytest.raises(ValueError, match=r"stages=3 but 2 devices were given"):
+        pipeddp.Pipeline(make_mlp(), ["cpu", "cpu"], stages=3)
+    with pytest.raises(ValueError, match="stages must be an int >= 1"):
+        pipeddp.Pipeline(make_mlp(), "auto", stages=0)
+    with pytest.raises(TypeError, match="one device per stage"):
+        pipeddp.Pipeline(make_mlp(), "cpu")  # a single device name is still not a list of devices

@@ -1,5 +1,7 @@
 """Every random op replays under recompute, with no opt-in, and results do not depend on thread timing."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -146,3 +148,65 @@ def test_random_layers_in_replica_and_stage_mode_match_across_checkpoint_policie
             engine.train_step(x, y, LOSS)
             results.append([p.grad.clone() for p in engine.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+class Records(nn.Module):
+    """Multiplies by a weight and records, per call, (is_checkpointing(), is_recomputing()) under its name."""
+
+    def __init__(self, name: str, calls: list) -> None:
+        super().__init__()
+        self.name, self.calls = name, calls
+        self.scale = nn.Parameter(torch.tensor(1.5, dtype=torch.float64))
+
+    def forward(self, x):
+        self.calls.append((self.name, pipeddp.is_checkpointing(), pipeddp.is_recomputing()))
+        return x * self.scale
+
+
+def recording_model(calls: list) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers = []
+    for name in "abcd":  # one recorder per stage: 2 devices, or 2 x 2 virtual stages
+        layers += [nn.Linear(6, 6).double(), Records(name, calls)]
+    return nn.Sequential(*layers)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb", "interleaved"])
+@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
+def test_is_checkpointing_tells_the_three_forwards_apart(schedule, checkpoint):
+    """First forward of a dropped micro-batch: (True, False); its replay: (False, True); any other: (False, False).
+
+    Every layer sees, per step, one first forward per micro-batch and one replay per dropped micro-batch
+    (zero-bubble's I and W share one replay), and the gradients are those of the plain model."""
+    chunks = 4
+    dropped = {"never": 0, "except_last": chunks - 1, "always": chunks}[checkpoint]
+    calls: list = []
+    model = recording_model(calls)
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    LOSS(reference(x), y).backward()
+    calls.clear()
+    with pipeddp.Pipeline(model, ["cpu", "cpu"], chunks=chunks, schedule=schedule, checkpoint=checkpoint,
+                          balance="uniform") as pipe:
+        pipe.train_step(x, y, LOSS)
+        for name in "abcd":
+            mine = [(c, r) for n, c, r in calls if n == name]
+            assert sorted(mine) == sorted([(False, False)] * (chunks - dropped) + [(True, False)] * dropped
+                                          + [(False, True)] * dropped), (name, mine)
+        assert max(float((p.grad - q.grad).abs().max()) for p, q in zip(pipe.parameters(), reference.parameters())) \
+            < 1e-12
+        calls.clear()
+        with torch.no_grad():  # evaluation keeps nothing for backward: a normal forward
+            pipe(x)
+        assert {(c, r) for _, c, r in calls} == {(False, False)}
+    assert (pipeddp.is_checkpointing(), pipeddp.is_recomputing()) == (False, False)  # the caller's thread
+
+
+def test_is_checkpointing_in_a_module_call_and_backward():
+    """pipe(x) then backward outside (the autograd bridge) marks its forwards the same way."""
+    calls: list = []
+    with pipeddp.Pipeline(recording_model(calls), ["cpu", "cpu"], chunks=4, checkpoint="always",
+                          balance="uniform") as pipe:
+        pipe(torch.randn(8, 6, dtype=torch.float64)).sum().backward()
+    for name in "abcd":
+        assert sorted((c, r) for n, c, r in calls if n == name) == [(False, True)] * 4 + [(True, False)] * 4

@@ -9,6 +9,10 @@ as a table::
     stage | layers                  | params    | fwd+bwd ms | activation out | share of bottleneck
       0   | 0-10 (conv1..layer2_3)  | 1,444,928 |     412.30 |        4.0 MiB |                100%
       1   | 11-22 (layer3_0..fc)    |24,112,104 |     405.77 |      125.0 KiB |                 98%
+
+A column that was not measured (no ``sample``, or a method that does not time
+the layers) reads "not measured", and a note under the table says why and how
+to measure it: a 0.00 there would read as a measured zero.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from .solve import check_stage_count, solve, stage_costs
 __all__ = ["Partition", "partition", "check_balance", "check_model", "METHODS", "HeavyLayerWarning"]
 
 METHODS = ("time", "params", "memory", "uniform")
+#: what the table shows in a column the partitioner did not measure
+NOT_MEASURED = "not measured"
 
 
 @dataclass
@@ -45,6 +51,10 @@ class Partition:
     layers: List[LayerCost] = field(default_factory=list)
     layer_costs: List[float] = field(default_factory=list)
     stage_costs: List[float] = field(default_factory=list)
+    #: whether ``layers`` hold measured fwd+bwd times (only ``"time"`` runs the layers with a clock)
+    timed: bool = False
+    #: whether ``layers`` hold measured activation sizes (any method given a ``sample``)
+    sized: bool = False
 
     @property
     def bottleneck(self) -> float:
@@ -72,12 +82,28 @@ class Partition:
         for s, (a, b) in enumerate(self.ranges()):
             chunk = self.layers[a:b]
             names = f"{chunk[0].name}..{chunk[-1].name}" if len(chunk) > 1 else (chunk[0].name if chunk else "")
-            ms = sum(c.time for c in chunk) * 1e3
-            act = chunk[-1].activation_bytes if chunk else 0
+            ms = f"{sum(c.time for c in chunk) * 1e3:.2f}" if self.timed else NOT_MEASURED
+            act = _human_bytes(chunk[-1].activation_bytes if chunk else 0) if self.sized else NOT_MEASURED
             share = self.stage_costs[s] / bott if self.stage_costs else 0.0
-            t.add_row(str(s), f"{a}-{b - 1} ({names})", f"{sum(c.params for c in chunk):,}", f"{ms:.2f}",
-                      _human_bytes(act), f"{share:.0%}")
+            t.add_row(str(s), f"{a}-{b - 1} ({names})", f"{sum(c.params for c in chunk):,}", ms, act, f"{share:.0%}")
+        note = self.unmeasured_note()
+        if note:
+            t.caption = note
         return t
+
+    def unmeasured_note(self) -> str:
+        """Why a column reads "not measured" and how to measure it ("" when every column was measured)."""
+        missing = [what for what, have in (("fwd+bwd ms", self.timed), ("activation out", self.sized)) if not have]
+        if not missing:
+            return ""
+        if self.method == "explicit":
+            why = "an explicit balance (a list of layers per stage) measures nothing"
+        elif not self.sized:
+            why = f"balance {self.method!r} was given no sample"
+        else:
+            why = f"balance {self.method!r} does not time the layers"
+        return (f"{' and '.join(missing)}: not measured, {why}; pass sample=<one input batch> with "
+                "balance='time' to measure " + ("them" if len(missing) > 1 else "it"))
 
     def report(self) -> str:
         """The table as plain text (what ``print(partition)`` shows)."""
@@ -185,7 +211,7 @@ def partition(
     if not isinstance(method, str):
         bal = check_balance(method, n, stages)
         layers = profile_layers(model, None)
-        return Partition(bal, "explicit", layers, [1.0] * n, [float(b) for b in bal])
+        return Partition(bal, "explicit", layers, [1.0] * n, [float(b) for b in bal], timed=False, sized=False)
     if method not in METHODS:
         raise ValueError(f"unknown partition method {method!r}; choose one of {METHODS} or give a list of layers per stage")
     if method in ("time", "memory") and sample is None:
@@ -210,4 +236,5 @@ def partition(
     if method in _UNITS:
         warn_heavy_layers([c.name for c in layers], list(model), costs, stages, method)
     bal = solve(costs, stages, comm)
-    return Partition(bal, method, layers, costs, stage_costs(bal, costs, comm))
+    return Partition(bal, method, layers, costs, stage_costs(bal, costs, comm), timed=method == "time",
+                     sized=mb is not None)

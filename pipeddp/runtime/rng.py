@@ -28,7 +28,14 @@ only the generators it used. A layer that starts drawing only later (its
 dropout probability raised from 0 during training) needs a new pipeline.
 
 ``is_recomputing()`` tells a layer that its forward is a replay (to skip
-side effects such as updating statistics).
+side effects such as updating statistics); ``is_checkpointing()`` that its
+forward is the first one of a micro-batch whose activations will be dropped
+and replayed. A layer tells the three forwards apart::
+
+    is_checkpointing()  is_recomputing()
+          True               False        first forward, activations dropped (recompute on)
+          False              True         the replay in backward
+          False              False        a normal forward (kept for backward, or no grad at all)
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from typing import Dict, FrozenSet, Hashable, Iterator, List, Optional
 
 import torch
 
-__all__ = ["Replay", "draw_base_seed", "is_recomputing", "recomputing"]
+__all__ = ["Replay", "draw_base_seed", "is_checkpointing", "is_recomputing", "checkpointing", "recomputing"]
 
 _locks: Dict[str, threading.Lock] = {}
 _locks_guard = threading.Lock()
@@ -65,6 +72,27 @@ def recomputing() -> Iterator[None]:
         yield
     finally:
         _state.recomputing = before
+
+
+def is_checkpointing() -> bool:
+    """True, on that thread, while a stage runs a forward whose activations it will drop and recompute in backward.
+
+    The first forward of a micro-batch under ``checkpoint="always"`` (or
+    ``"except_last"``, but for the last micro-batch); false in the recompute
+    itself (see ``is_recomputing``) and in every other forward.
+    """
+    return getattr(_state, "checkpointing", False)
+
+
+@contextlib.contextmanager
+def checkpointing() -> Iterator[None]:
+    """Mark the body as a forward whose activations will be recomputed, for ``is_checkpointing``."""
+    before = is_checkpointing()
+    _state.checkpointing = True
+    try:
+        yield
+    finally:
+        _state.checkpointing = before
 
 
 def _lock(key: str) -> threading.Lock:

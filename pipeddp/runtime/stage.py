@@ -37,7 +37,7 @@ from torch import nn
 from .microbatch import tree_map, tree_tensors
 from .amp import Autocast
 from .batchnorm import batch_norms, frozen_statistics
-from .rng import Replay, is_recomputing, recomputing
+from .rng import Replay, checkpointing, is_checkpointing, is_recomputing, recomputing
 from .split import WeightGrads, backward_input
 from .streams import StageStreams
 from .tied import layers_of, stage_of_layers
@@ -128,7 +128,7 @@ class Compiled:
     eager. So each (stage, mode) gets a function with a code object of its
     own, compiled the first time that mode runs::
 
-        mode (grad enabled, recomputing, layers' training flags) -> torch.compile(run_<stage>_<k>)
+        mode (grad enabled, recomputing, checkpointing, layers' training flags) -> torch.compile(run_<stage>_<k>)
     """
 
     def __init__(self, module: nn.Module, options: Dict[str, Any], index: int) -> None:
@@ -139,7 +139,7 @@ class Compiled:
         self._lock = threading.Lock()
 
     def mode(self) -> Tuple[Any, ...]:
-        return (torch.is_grad_enabled(), is_recomputing(), tuple(m.training for m in self.module))
+        return (torch.is_grad_enabled(), is_recomputing(), is_checkpointing(), tuple(m.training for m in self.module))
 
     def __call__(self, value: Any) -> Any:
         key = self.mode()
@@ -237,7 +237,8 @@ class Stage:
             inputs = self._leaf(value) if type(value) is torch.Tensor else tree_map(self._leaf, value)
             saved = _Saved(inputs, None, target, weight)
             if spec.recompute(mb):
-                with torch.no_grad():  # on copies: an in-place op must not change what the replay will see
+                # on copies: an in-place op must not change what the replay will see
+                with torch.no_grad(), checkpointing():
                     out = self._run(tree_map(_clone, inputs))
                     loss = self._loss(out, saved, spec) if wants_loss else None
             else:

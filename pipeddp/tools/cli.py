@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
-from typing import Callable, Iterator, List, Optional
+from typing import Callable, Iterator, List, Optional, Tuple
 
 from rich.console import Console
 from rich.progress import Progress
@@ -65,6 +66,33 @@ def _partition(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+#: the suffixes ``timeline --out`` writes; given on ``--out``, one is taken as the stem's own, never doubled
+_TIMELINE_SUFFIXES = (".json", ".png")
+
+
+def timeline_paths(out: str) -> Tuple[str, str]:
+    """``(json path, png path)`` for ``timeline --out``, with the folder they go in created.
+
+    ``--out docs/tl`` writes ``docs/tl.json`` and ``docs/tl.png``; ``--out x.png`` (or ``x.json``) writes
+    ``x.json`` and ``x.png``, not ``x.png.png``. The folder is made (with its parents) and checked before
+    the traced steps run, so a typo costs an error at once rather than a traceback after the whole run.
+    """
+    stem, suffix = os.path.splitext(out)
+    if suffix.lower() not in _TIMELINE_SUFFIXES:
+        stem = out
+    if not os.path.basename(stem):
+        raise ValueError(f"--out {out!r} names a folder, not a file: give a path such as {os.path.join(out, 'timeline')!r}")
+    folder = os.path.dirname(os.path.abspath(stem))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--out {out!r}: cannot create the folder {folder!r} ({exc.strerror}); "
+                         "choose another path") from exc
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"--out {out!r}: the folder {folder!r} is not writable; choose another path")
+    return stem + ".json", stem + ".png"
+
+
 def _timeline(args: argparse.Namespace, console: Console) -> int:
     import copy
 
@@ -76,6 +104,7 @@ def _timeline(args: argparse.Namespace, console: Console) -> int:
     from .simulate import StageCost, simulate
     from .timeline import draw, have_matplotlib, measured_bubble
 
+    json_path, png_path = timeline_paths(args.out)  # before the long part: a bad path fails at once
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model, make_sample = build(args.model, small=True)
@@ -90,7 +119,7 @@ def _timeline(args: argparse.Namespace, console: Console) -> int:
                 pipe.trace.clear()
             pipe.train_step(x, torch.randn_like(y), nn.functional.mse_loss)
         spans = pipe.trace.spans
-        pipe.trace.save(args.out + ".json")
+        pipe.trace.save(json_path)
     p, m, v = args.stages, min(args.chunks, args.batch), pipe.virtual_stages
     # the schedule's own bubble with equal stages (F = 1, B = 2): (p - 1) / (m + p - 1) for GPipe and 1F1B
     theory = simulate([StageCost(1.0, 2.0)] * (p * v), args.schedule, stages=p, chunks=m, virtual_stages=v)
@@ -102,11 +131,10 @@ def _timeline(args: argparse.Namespace, console: Console) -> int:
     held = [pipe.trace.peak_in_flight.get(r, 0) for r in range(p)]
     console.print(f"micro-batches of activations held at peak, per device: measured {held}, predicted "
                   f"{theory.peak_activations}")
-    console.print(f"wrote {args.out}.json (open in ui.perfetto.dev or chrome://tracing)")
+    console.print(f"wrote {json_path} (open in ui.perfetto.dev or chrome://tracing)")
     if have_matplotlib():
-        draw(spans, args.out + ".png", title=f"{args.model}, {p} devices, {m} micro-batches, {what}",
-             bound=bound)
-        console.print(f"wrote {args.out}.png")
+        draw(spans, png_path, title=f"{args.model}, {p} devices, {m} micro-batches, {what}", bound=bound)
+        console.print(f"wrote {png_path}")
     else:
         console.print("for the PNG picture install matplotlib: pip install 'pipeddp[plot]'")
     return 0
@@ -169,61 +197,81 @@ def _convert(args: argparse.Namespace, console: Console) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pipeddp", description="pipeline + data parallel training for nn.Sequential")
+    fmt = argparse.ArgumentDefaultsHelpFormatter  # every option's help ends with its default
+    p = argparse.ArgumentParser(prog="pipeddp", description="pipeline + data parallel training for nn.Sequential",
+                                formatter_class=fmt)
     sub = p.add_subparsers(dest="command", required=True)
+    models = ["mlp", "resnet18", "resnet50"]
+    schedules = ["1f1b", "gpipe", "interleaved", "zb"]
 
-    d = sub.add_parser("demo", help="train a small MLP plainly, as a pipeline and as a hybrid job on CPU; compare")
-    d.add_argument("--steps", type=int, default=30)
-    d.add_argument("--batch", type=int, default=256)
-    d.add_argument("--chunks", type=int, default=8)
-    d.add_argument("--layers", type=int, default=8)
-    d.add_argument("--width", type=int, default=512)
-    d.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "interleaved", "zb"])
-    d.add_argument("--replicas", type=int, default=2, help="pipeline replicas (spawned processes, gloo)")
+    d = sub.add_parser("demo", formatter_class=fmt,
+                       help="train a small MLP plainly, as a pipeline and as a hybrid job on CPU; compare",
+                       description="train a small MLP plainly, as a pipeline and as a hybrid job on CPU; compare "
+                                   "their speed and the trained weights")
+    d.add_argument("--steps", type=int, default=30, help="training steps of each run")
+    d.add_argument("--batch", type=int, default=256, help="global batch size")
+    d.add_argument("--chunks", type=int, default=8, help="micro-batches per batch")
+    d.add_argument("--layers", type=int, default=8, help="Linear + ReLU blocks in the MLP")
+    d.add_argument("--width", type=int, default=512, help="features of each hidden layer")
+    d.add_argument("--schedule", default="1f1b", choices=schedules, help="pipeline schedule")
+    d.add_argument("--replicas", type=int, default=2, help="pipeline replicas of the hybrid run (spawned processes, gloo)")
     d.add_argument("--stages", type=int, default=2, help="stages per replica")
-    d.add_argument("--mode", default="replica", choices=["replica", "stage"])
+    d.add_argument("--mode", default="replica", choices=["replica", "stage"],
+                   help="hybrid run: one process per replica (stage threads) or one process per stage")
     d.set_defaults(fn=_demo)
 
-    q = sub.add_parser("partition", help="print the balanced partition of a model")
-    q.add_argument("--model", default="mlp", choices=["mlp", "resnet18", "resnet50"])
-    q.add_argument("--stages", type=int, default=2)
-    q.add_argument("--method", default="time", choices=["time", "params", "memory", "uniform"])
+    q = sub.add_parser("partition", formatter_class=fmt, help="print the balanced partition of a model",
+                       description="profile a model and print its balanced cut into stages, with the costs measured")
+    q.add_argument("--model", default="mlp", choices=models, help="the model to cut")
+    q.add_argument("--stages", type=int, default=2, help="stages to cut the model into")
+    q.add_argument("--method", default="time", choices=["time", "params", "memory", "uniform"],
+                   help="what to balance: fwd+bwd time, parameters, parameter + activation bytes, or layer count")
     q.add_argument("--batch", type=int, default=32, help="sample batch size (profiled at batch/chunks)")
-    q.add_argument("--chunks", type=int, default=1)
+    q.add_argument("--chunks", type=int, default=1, help="micro-batches the batch is split into when profiling")
     q.add_argument("--threads", type=int, default=1, help="intra-op threads while profiling")
     q.set_defaults(fn=_partition)
 
-    t = sub.add_parser("timeline", help="trace one training step of a CPU pipeline; write Chrome JSON and a PNG")
-    t.add_argument("--model", default="mlp", choices=["mlp", "resnet18", "resnet50"])
-    t.add_argument("--stages", type=int, default=2)
-    t.add_argument("--chunks", type=int, default=8)
-    t.add_argument("--batch", type=int, default=128)
-    t.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "interleaved", "zb"])
+    t = sub.add_parser("timeline", formatter_class=fmt,
+                       help="trace one training step of a CPU pipeline; write Chrome JSON and a PNG",
+                       description="trace training steps of a CPU pipeline; write the last one as Chrome trace "
+                                   "JSON and (with matplotlib) a PNG")
+    t.add_argument("--model", default="mlp", choices=models, help="the model to run (a small version of it)")
+    t.add_argument("--stages", type=int, default=2, help="devices (CPU stage threads) of the pipeline")
+    t.add_argument("--chunks", type=int, default=8, help="micro-batches per batch")
+    t.add_argument("--batch", type=int, default=128, help="batch size")
+    t.add_argument("--schedule", default="1f1b", choices=schedules, help="pipeline schedule")
     t.add_argument("--virtual-stages", type=int, default=None,
-                   help="stages per device (default: 2 for interleaved, else 1)")
-    t.add_argument("--checkpoint", default="never", choices=["never", "except_last", "always"])
+                   help="stages per device; None: 2 for interleaved, else 1")
+    t.add_argument("--checkpoint", default="never", choices=["never", "except_last", "always"],
+                   help="which micro-batches recompute their activations in backward")
     t.add_argument("--steps", type=int, default=3, help="steps to run; the last one is drawn")
-    t.add_argument("--out", default="timeline", help="output path without extension")
+    t.add_argument("--out", default="timeline",
+                   help="output path: writes OUT.json and OUT.png (a .json or .png suffix is not doubled); "
+                        "its folder is created")
     t.set_defaults(fn=_timeline)
 
-    n = sub.add_parser("plan", help="rank stages x replicas x micro-batches x schedule by simulation")
-    n.add_argument("--model", default="resnet50", choices=["mlp", "resnet18", "resnet50"])
-    n.add_argument("--devices", type=int, default=8)
+    n = sub.add_parser("plan", formatter_class=fmt, help="rank stages x replicas x micro-batches x schedule by simulation",
+                       description="measure a model's layers here, then rank layouts of it on DEVICES devices "
+                                   "by a simulated step time")
+    n.add_argument("--model", default="resnet50", choices=models, help="the model to plan for")
+    n.add_argument("--devices", type=int, default=8, help="devices in all (replicas x stages)")
     n.add_argument("--batch", type=int, default=256, help="global batch")
     n.add_argument("--link", default="pcie", help="between stages: nvlink, pcie, infiniband, ethernet, local")
-    n.add_argument("--allreduce-link", default=None, help="between replicas (default: --link)")
-    n.add_argument("--memory", default=None, help="memory per device, e.g. 80GB")
+    n.add_argument("--allreduce-link", default=None, help="between replicas; None: the same as --link")
+    n.add_argument("--memory", default=None, help="memory per device, e.g. 80GB; None: no limit")
     n.add_argument("--optimizer-slots", type=int, default=2, help="optimizer state per parameter (Adam: 2)")
     n.add_argument("--profile-batch", type=int, default=16, help="largest micro-batch profiled")
-    n.add_argument("--threads", type=int, default=1)
-    n.add_argument("--top", type=int, default=8)
+    n.add_argument("--threads", type=int, default=1, help="intra-op threads while profiling")
+    n.add_argument("--top", type=int, default=8, help="configurations to show")
     n.add_argument("--devices-per-node", type=int, default=None,
-                   help="devices on each machine, for the torchrun command (default: all on one)")
+                   help="devices on each machine, for the torchrun command; None: all on one")
     n.set_defaults(fn=_plan)
 
-    c = sub.add_parser("convert", help="write a sharded checkpoint (a directory) as one file that torch.load opens")
+    c = sub.add_parser("convert", formatter_class=fmt,
+                       help="write a sharded checkpoint (a directory) as one file that torch.load opens",
+                       description="write a sharded checkpoint (a directory) as one file that torch.load opens")
     c.add_argument("directory", help="the sharded checkpoint, e.g. run/step-000000042")
-    c.add_argument("out", help="the file to write, e.g. model.pt")
+    c.add_argument("out", help="the file to write, e.g. model.pt (its folder is created)")
     c.set_defaults(fn=_convert)
     return p
 
