@@ -9,9 +9,14 @@ replicas, 4 with 1), saves a checkpoint (FORMAT: "file" or "sharded") every 2
 steps, and at step STOP_AT (0: never) stops there, as a job that lost a host
 would. OUT receives the final weights (rank 0) when it reaches STEPS. With 40
 samples an epoch is 5 steps, so a run of 8 steps crosses an epoch's end.
+
+With LOSE_HOST_AT=k in its environment (one host of a multi-host job), the
+first attempt's worker there, after step k, SIGKILLs its torchrun agent and
+itself: the host is gone, and the other hosts must go on without it.
 """
 
 import os
+import signal
 import sys
 
 import torch
@@ -36,18 +41,22 @@ def dataset() -> torch.utils.data.TensorDataset:
 def main() -> None:
     directory, steps, stop_at, out, form = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     torch.set_num_threads(1)
-    engine = pipeddp.HybridParallel(model(), stages=2, chunks=2, devices=["cpu", "cpu"], threads=1,
+    engine = pipeddp.HybridParallel(model(), stages=2, chunks=2, devices=["cpu", "cpu"], threads=1, timeout=60,
                                     global_batch=GLOBAL_BATCH, batch_size=BATCH_SIZE)
     loader = pipeddp.data.loader(dataset(), engine=engine, seed=SEED)
     opt = torch.optim.SGD(engine.parameters(), lr=0.05, momentum=0.9)
     resumed = engine.resume(directory, opt)
     step = resumed["step"] if resumed else 0
+    lose_at = int(os.environ.get("LOSE_HOST_AT", "0")) if os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" else 0
     if engine.topology.rank == 0:
         print(f"replicas {engine.topology.replicas} accumulation {engine.accumulation}: starting at step {step}, "
               f"epoch {engine.position.epoch}, {engine.position.consumed} samples consumed", flush=True)
     while step < steps and not (stop_at and step >= stop_at):
         loader.set_epoch(engine.position.epoch)
         for x, y in loader:
+            if lose_at and step == lose_at:
+                os.kill(os.getppid(), signal.SIGKILL)  # the agent first, so that nothing restarts this host
+                os.kill(os.getpid(), signal.SIGKILL)
             opt.zero_grad()
             engine.train_step(x, y, nn.functional.mse_loss)
             opt.step()
