@@ -91,6 +91,7 @@ class HybridParallel(StepModule):
             them as ``engine.accumulation`` passes of ``batch_size``. Checkpoints
             record the data position (``engine.position``), which
             ``pipeddp.data.loader(dataset, engine=engine)`` follows. See ``distributed/elastic.py``.
+            (``out = engine(x); loss.backward()`` is not accumulated: it reduces every call.)
         batch_size: with ``global_batch``, the samples per pass of one replica (the
             memory a pass needs); default: the whole replica batch in one pass.
     """

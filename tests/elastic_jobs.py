@@ -48,3 +48,23 @@ def indivisible_job() -> str:
     except ValueError as exc:
         return str(exc)
     return "no error"
+
+
+def tied_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    shared = nn.Linear(12, 12).double()
+    return nn.Sequential(shared, nn.Tanh(), nn.Linear(12, 12).double(), nn.Tanh(), shared)
+
+
+def tied_stage_job(steps: int) -> Dict[str, Any]:
+    """Stage mode, the tie's uses in two processes, 4 passes a step: the final weights."""
+    engine = pipeddp.HybridParallel(tied_model(), stages=2, mode="stage", chunks=2, balance=[2, 3], global_batch=8,
+                                    batch_size=2)
+    opt = torch.optim.SGD(engine.parameters(), lr=0.1)
+    for x, y in global_batches(steps, 8):
+        opt.zero_grad()
+        engine.train_step(x if engine.is_first else None, y if engine.is_last else None, LOSS)
+        opt.step()
+    state = engine.state_dict()
+    engine.close()
+    return state

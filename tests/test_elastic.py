@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import warnings
 
 import pytest
@@ -11,7 +10,7 @@ from torch import nn
 
 import pipeddp
 from conftest import make_mlp, max_diff
-from elastic_jobs import LOSS, fixed_global_batch_job, global_batches, indivisible_job
+from elastic_jobs import LOSS, fixed_global_batch_job, global_batches, indivisible_job, tied_model, tied_stage_job
 from pipeddp.distributed.data import ElasticSampler
 from pipeddp.distributed.elastic import DataPosition, plan_global_batch
 
@@ -86,27 +85,35 @@ def test_a_batch_of_another_size_than_the_replica_batch_is_named():
             engine.train_step(x, y, LOSS)
 
 
+def tied_reference(steps: int):
+    ref = tied_model()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x, y in global_batches(steps, 8):
+        opt.zero_grad()
+        LOSS(ref(x), y).backward()
+        opt.step()
+    return ref.state_dict()
+
+
 def test_tied_weights_are_summed_once_per_step_under_accumulation():
     """The copies of a tied weight get their gradients summed after the last pass only."""
-    torch.manual_seed(0)
-    shared = nn.Linear(12, 12).double()
-    model = nn.Sequential(shared, nn.Tanh(), nn.Linear(12, 12).double(), nn.Tanh(), shared)
-    batches = global_batches(2, 8)
-    ref = copy.deepcopy(model)
-    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for x, y in batches:
-        opt_ref.zero_grad()
-        LOSS(ref(x), y).backward()
-        opt_ref.step()
-    with pipeddp.HybridParallel(model, stages=2, chunks=2, balance=[2, 3], global_batch=8, batch_size=2) as engine:
+    with pipeddp.HybridParallel(tied_model(), stages=2, chunks=2, balance=[2, 3], global_batch=8,
+                                batch_size=2) as engine:
         opt = torch.optim.SGD(engine.parameters(), lr=0.1)
-        for x, y in batches:
+        for x, y in global_batches(2, 8):
             opt.zero_grad()
             engine.train_step(x, y, LOSS)
             opt.step()
         got = engine.state_dict()
-    want = ref.state_dict()
+    want = tied_reference(2)
     assert max_diff([got[k] for k in want], want.values()) < 1e-12
+
+
+@pytest.mark.timeout(120)
+def test_tied_weights_across_stage_processes_under_accumulation():
+    want = tied_reference(2)
+    for got in pipeddp.spawn(tied_stage_job, 2, args=(2,), timeout=100):
+        assert max_diff([got[k] for k in want], want.values()) < 1e-12
 
 
 # -- the data position -----------------------------------------------------------------------------------------
