@@ -91,9 +91,13 @@ def test_help_shows_every_options_default_and_description(command, capsys):
 @pytest.mark.parametrize("out, written", [("docs/deeper/tl", "docs/deeper/tl"), ("x.png", "x"), ("y.json", "y"),
                                           ("z.v2", "z.v2")])
 def test_timeline_out_creates_its_folder_and_never_doubles_a_suffix(tmp_path, capsys, out, written):
+    from pipeddp.tools.timeline import have_matplotlib
+
     assert main(["timeline", "--stages", "2", "--chunks", "2", "--batch", "4", "--steps", "1",
                  "--out", str(tmp_path / out)]) == 0
     assert (tmp_path / f"{written}.json").is_file()
+    if have_matplotlib():
+        assert (tmp_path / f"{written}.png").read_bytes()[:4] == b"\x89PNG"
     assert not list(tmp_path.rglob("*.png.png")) and not list(tmp_path.rglob("*.json.json"))
     text = capsys.readouterr().out
     assert f"wrote {tmp_path / written}.json" in " ".join(text.split())

@@ -17,7 +17,8 @@ TINY = ["--steps", "3", "--layers", "3", "--d-model", "16", "--heads", "2", "--c
 
 
 def reference(ex, argv):
-    """The plain TransformerLM on one device, one optimizer: the losses of each step and the held-out loss after."""
+    """The plain TransformerLM on one device, one optimizer: the losses of each step, the held-out loss after
+    and the trained state dict."""
     lm = ex.lm
     args = ex.parse(argv)
     data = lm.load_text([Path(p) for p in args.text])
@@ -37,7 +38,7 @@ def reference(ex, argv):
     with torch.no_grad():
         total = sum(lm.loss_fn(model(held[i:i + args.batch][0]), held[i:i + args.batch][1]).item()
                     * len(held[i:i + args.batch][0]) for i in range(0, len(held), args.batch))
-    return losses, total / len(held)
+    return losses, total / len(held), model.state_dict()
 
 
 @pytest.mark.timeout(120)
@@ -50,10 +51,13 @@ def test_training_equals_the_plain_model(tmp_path, corpus, capsys, flags):  # no
     # one entry per encoder layer: the encoder was opened, not kept whole
     assert "(embed, encoder_layers_0, encoder_layers_1, encoder_layers_2, encoder_norm, head)" in out, out
     assert "sample (temperature 0.0):\ndef " in out
-    losses, held_after = reference(ex, argv)
+    losses, held_after, expected = reference(ex, argv)
     assert got.losses == pytest.approx(losses, rel=1e-10, abs=0)
-    assert got.held_after == pytest.approx(held_after, rel=1e-10, abs=0)  # the trained weights are the plain model's
-    assert (tmp_path / "final.pt").is_file()
+    assert got.held_after == pytest.approx(held_after, rel=1e-10, abs=0)
+    saved = torch.load(tmp_path / "final.pt")
+    assert list(saved) == list(expected)  # the original model's names: encoder.layers.0..., not encoder_layers_0
+    assert torch.equal(saved["head.weight"], saved["embed.tok.weight"])  # the tie holds
+    assert max((saved[k] - expected[k]).abs().max().item() for k in saved) < 1e-10
 
 
 @pytest.mark.timeout(90)
