@@ -36,6 +36,7 @@ from ._engine import Combine, StepModule
 from ._settings import check_settings, choose_partition
 from .distributed import state
 from .distributed.agreement import Agreement
+from .distributed.elastic import POSITION_KEY, DataPosition, GlobalBatch, plan_global_batch
 from .distributed.ddp import CommHook, attach_stages, check_ddp_kwargs, with_sync_batchnorm
 from .distributed.groups import choose_backend, current_topology, init_process_group, local_devices, make_groups
 from .distributed.stage_runner import ProcessRunner
@@ -43,7 +44,7 @@ from .distributed.ties import TieExchange
 from .partitioning.report import Partition
 from .runtime.devices import DeviceLike
 from .runtime.executor import ThreadRunner
-from .runtime.microbatch import batch_size, tree_map
+from .runtime.microbatch import batch_size as samples_of, split, tree_map
 from .runtime.names import Names
 from .runtime.schedule import ScheduleFn, row_of
 from .runtime.stage import build_stages, register_layers
@@ -83,6 +84,16 @@ class HybridParallel(StepModule):
         threads: intra-op threads per CPU stage thread (replica mode).
         skip_nonfinite: skip (on every rank together) a step whose loss or
             gradients are not finite anywhere; see ``train_step``.
+        global_batch: samples per optimizer step, all replicas together, fixed
+            whatever the replica count (an elastic job restarted with fewer
+            replicas trains the same math): ``train_step`` then takes
+            ``engine.replica_batch`` = global_batch / replicas samples and runs
+            them as ``engine.accumulation`` passes of ``batch_size``. Checkpoints
+            record the data position (``engine.position``), which
+            ``pipeddp.data.loader(dataset, engine=engine)`` follows. See ``distributed/elastic.py``.
+            (``out = engine(x); loss.backward()`` is not accumulated: it reduces every call.)
+        batch_size: with ``global_batch``, the samples per pass of one replica (the
+            memory a pass needs); default: the whole replica batch in one pass.
     """
 
     def __init__(
@@ -110,9 +121,14 @@ class HybridParallel(StepModule):
         deferred_batch_norm: bool = False,
         compile: Union[bool, Dict[str, Any]] = False,
         virtual_stages: Optional[int] = None,
+        global_batch: Optional[int] = None,
+        batch_size: Optional[int] = None,
     ) -> None:
         super().__init__()
         self.topology = topo = current_topology(stages, mode, layout)
+        self.global_batch_plan: Optional[GlobalBatch] = plan_global_batch(global_batch, batch_size, topo.replicas)
+        #: the epoch and samples of it consumed; checkpoints record it, resume restores it, loaders follow it
+        self.position = DataPosition()
         self.settings = settings = check_settings(model, stages, chunks=chunks, split_size=split_size,
                                                   schedule=schedule, checkpoint=checkpoint, timeout=timeout,
                                                   compile=compile, virtual_stages=virtual_stages, threads=threads,
@@ -180,6 +196,24 @@ class HybridParallel(StepModule):
         """Whether this process sees outputs and targets (holds the last stage)."""
         return self._step.last is not None
 
+    @property
+    def global_batch(self) -> Optional[int]:
+        """Samples per optimizer step, all replicas together (None: not fixed, each call is one pass)."""
+        plan = self.global_batch_plan
+        return plan.total if plan is not None else None
+
+    @property
+    def replica_batch(self) -> Optional[int]:
+        """Samples ``train_step`` takes on each replica: ``global_batch / replicas`` (None without global_batch)."""
+        plan = self.global_batch_plan
+        return plan.replica_batch if plan is not None else None
+
+    @property
+    def accumulation(self) -> int:
+        """Forward + backward passes per ``train_step`` on each replica (1 without global_batch)."""
+        plan = self.global_batch_plan
+        return plan.accumulation if plan is not None else 1
+
     # -- running -----------------------------------------------------------------------------------
 
     def train_step(self, x: Any, y: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
@@ -192,16 +226,45 @@ class HybridParallel(StepModule):
         step is skipped on every rank alike, with ``skip_nonfinite=True`` (counted
         in ``engine.skipped_steps``) or by each rank's ``scaler`` (a GradScaler:
         then ``scaler.step(optimizer); scaler.update()``); see ``Agreement.finish_step``.
+
+        With ``global_batch``, the local batch is ``engine.replica_batch`` samples,
+        run as ``engine.accumulation`` passes; the gradients are still those of
+        the mean loss over the whole global batch, reduced across replicas once.
         """
-        n = self.agreement.local_batch(x, y, need_y=True)
+        n = self.agreement.local_batch(x, y, need_y=True)  # a collective: every rank sees the same n
         if scaler is not None:
             scaler.scale(torch.ones((), device=self.devices[0]))  # every rank's scaler is set up, not only the last's
-        loss = self._step.train(x, y, loss_fn, n, loss_scale=scaler.scale if scaler is not None else None)
+        scale = scaler.scale if scaler is not None else None
+        plan = self.global_batch_plan
+        if plan is None:
+            loss = self._step.train(x, y, loss_fn, n, loss_scale=scale)
+        else:
+            if n != plan.replica_batch:
+                raise ValueError(f"rank {self.topology.rank}: train_step got {n} samples per replica, but "
+                                 f"global_batch={plan.total} over {plan.replicas} replica(s) makes "
+                                 f"{plan.replica_batch} per replica (engine.replica_batch); "
+                                 "pipeddp.data.loader(dataset, engine=engine) yields batches of that size")
+            loss = self._accumulate(x, y, loss_fn, plan, scale)
         loss, skipped = self.agreement.finish_step(0.0 if loss is None else loss.item(), self.parameters(),
                                                    skip_nonfinite=self.skip_nonfinite, skipped=self.skipped_steps,
                                                    overflow_to_scaler=scaler is not None)
         self.skipped_steps += skipped
         return loss
+
+    def _accumulate(self, x: Any, y: Any, loss_fn: Callable[[Any, Any], torch.Tensor], plan: GlobalBatch,
+                    scale: Optional[Callable[[torch.Tensor], torch.Tensor]]) -> Optional[torch.Tensor]:
+        """``plan.accumulation`` passes of ``plan.batch_size``; each weighs its share, the last one reduces."""
+        passes = plan.accumulation
+        sizes = [plan.batch_size] * passes
+        xs = split(x, sizes) if x is not None else [None] * passes
+        ys = split(y, sizes) if y is not None else [None] * passes
+        total: Optional[torch.Tensor] = None
+        for i, (xi, yi) in enumerate(zip(xs, ys)):
+            loss = self._step.train(xi, yi, loss_fn, plan.batch_size, loss_scale=scale, share=1.0 / passes,
+                                    final=i == passes - 1)
+            if loss is not None:
+                total = loss if total is None else total + loss
+        return total
 
     def forward(self, x: Any) -> Any:  # type: ignore[override]
         """Run ``x`` through this replica's pipeline, as ``Pipeline.forward`` does.
@@ -214,7 +277,7 @@ class HybridParallel(StepModule):
         """
         need_grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
         if self.topology.mode == "replica":
-            n = batch_size(x, name="input")
+            n = samples_of(x, name="input")
         else:
             n = self.agreement.local_batch(x, None, need_y=False, group=self._groups.pipeline)
         return self._step.forward(x, n, need_grad=need_grad)
@@ -241,7 +304,7 @@ class HybridParallel(StepModule):
             for x, y in loader:
                 out = self.eval_step(x)
                 if self.is_last:
-                    n = batch_size(y, name="y")
+                    n = samples_of(y, name="y")
                     for k, v in metric_fn(out, tree_map(lambda t: t.to(self._step.stages[-1].device), y)).items():
                         sums[k] = sums.get(k, 0.0) + float(v) * n
                     count += n
@@ -287,15 +350,16 @@ class HybridParallel(StepModule):
         gathered; ``async_save=True`` then returns once the share is copied and
         writes it in the background (the next save, load or ``close`` waits).
         """
-        state.save(self, path, optimizer, extra, sharded=sharded, async_save=async_save, saver=self._saver)
+        state.save(self, path, optimizer, self._with_position(extra), sharded=sharded, async_save=async_save,
+                   saver=self._saver)
 
     def save_checkpoint(self, directory: str, step: int, optimizer: Optional[torch.optim.Optimizer] = None, *,
                         keep: int = 3, extra: Optional[Dict[str, Any]] = None, sharded: bool = False,
                         async_save: bool = False) -> str:
         """``directory/step-<step>.pt`` (atomic; with ``sharded=True`` the directory ``step-<step>``), keeping the
         newest ``keep`` complete ones, with every rank's RNG states; ``sharded`` and ``async_save`` as in ``save``."""
-        return state.save_checkpoint(self, directory, step, optimizer, keep=keep, extra=extra, sharded=sharded,
-                                     async_save=async_save, saver=self._saver)
+        return state.save_checkpoint(self, directory, step, optimizer, keep=keep, extra=self._with_position(extra),
+                                     sharded=sharded, async_save=async_save, saver=self._saver)
 
     def wait_for_save(self) -> Optional[str]:
         """Wait until the asynchronous save in flight is complete; returns its path (None if there was none)."""
@@ -304,12 +368,33 @@ class HybridParallel(StepModule):
     def load(self, path: str, optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, Any]:
         """Load a checkpoint, a file or a sharded directory, written by any stages/replicas layout; returns its
         ``extra``."""
-        return state.load(self, path, optimizer, saver=self._saver)
+        return self._restore_position(state.load(self, path, optimizer, saver=self._saver))
 
     def resume(self, directory: str, optimizer: Optional[torch.optim.Optimizer] = None) -> Optional[Dict[str, Any]]:
         """Load the newest complete checkpoint of ``directory`` (either format); returns its ``extra`` (with
         ``step``), or None, with a warning, when there is none."""
-        return state.resume(self, directory, optimizer, saver=self._saver)
+        return self._restore_position(state.resume(self, directory, optimizer, saver=self._saver))
+
+    def _with_position(self, extra: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+        """``extra`` plus the data position, with a fixed global batch (so a restart resumes the epoch)."""
+        if self.global_batch_plan is None:
+            return extra
+        if extra and POSITION_KEY in extra:
+            raise ValueError(f"extra may not use the key {POSITION_KEY!r}: with global_batch the engine records the "
+                             "data position there; rename your entry")
+        return dict(extra or {}, **{POSITION_KEY: dict(self.position.state(), global_batch=self.global_batch)})
+
+    def _restore_position(self, extra: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+        """Take the data position a loaded checkpoint recorded (with a fixed global batch)."""
+        if extra is None or self.global_batch_plan is None:
+            return extra
+        if POSITION_KEY not in extra:
+            warnings.warn("pipeddp: the checkpoint holds no data position (it was saved without global_batch), so "
+                          "the loader starts epoch 0 from its beginning; set engine.position.epoch/.consumed "
+                          "yourself if you know where the job stood", RuntimeWarning, stacklevel=3)
+            return extra
+        self.position.restore(extra[POSITION_KEY])
+        return extra
 
     # -- life cycle --------------------------------------------------------------------------------
 

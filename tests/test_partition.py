@@ -95,6 +95,28 @@ def test_methods_and_report():
         assert col in text
 
 
+def test_a_layer_over_a_stage_share_warns_naming_it_and_how_to_split():
+    import warnings
+
+    from pipeddp import HeavyLayerWarning
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 512), nn.ReLU(), nn.Linear(512, 8))
+    x = torch.randn(4, 8)
+    with pytest.warns(HeavyLayerWarning) as caught:
+        plan = partition(model, 4, method="memory", sample=x)
+    assert sum(plan.balance) == 4
+    (w,) = caught
+    text = str(w.message)
+    assert "layer 1 ('1', Linear:" in text and "layer 3 ('3', Linear:" in text and "each hold more than a stage's " \
+        "share (25.0% for 4 stages) of the model's measured memory" in text
+    assert "flatten_sequential(model, sample)" in text and "finer layers" in text
+    assert w.filename == __file__  # points at the caller's line
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", HeavyLayerWarning)
+        partition(model, 3, method="params")  # not measured: no warning
+        partition(nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)]), 2, method="memory", sample=x)
+
+
 def test_report_says_not_measured_instead_of_zero():
     """Without a sample (balance falls back to "params") the time and activation columns were never measured:
     the table says so, and why, rather than showing 0.00 ms and 0 B as if they were measured zeros."""
@@ -121,25 +143,3 @@ def test_report_says_not_measured_instead_of_zero():
     timed = partition(model, 2, method="time", sample=x)
     assert timed.timed and timed.sized and timed.unmeasured_note() == ""
     assert "not measured" not in str(timed)
-
-
-def test_a_layer_over_a_stage_share_warns_naming_it_and_how_to_split():
-    import warnings
-
-    from pipeddp import HeavyLayerWarning
-
-    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 512), nn.ReLU(), nn.Linear(512, 8))
-    x = torch.randn(4, 8)
-    with pytest.warns(HeavyLayerWarning) as caught:
-        plan = partition(model, 4, method="memory", sample=x)
-    assert sum(plan.balance) == 4
-    (w,) = caught
-    text = str(w.message)
-    assert "layer 1 ('1', Linear:" in text and "layer 3 ('3', Linear:" in text and "each hold more than a stage's " \
-        "share (25.0% for 4 stages) of the model's measured memory" in text
-    assert "flatten_sequential(model, sample)" in text and "finer layers" in text
-    assert w.filename == __file__  # points at the caller's line
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", HeavyLayerWarning)
-        partition(model, 3, method="params")  # not measured: no warning
-        partition(nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)]), 2, method="memory", sample=x)

@@ -9,7 +9,8 @@
     ddp            DDP per stage, armed for the stage's last backward of the step
     ties           tied weights whose uses sit in different processes: all-reduce, broadcast
     agreement      what the ranks must agree on: batch sizes, the loss, non-finite steps, identical replicas
-    data           DataLoaders sharded by replica
+    data           DataLoaders sharded by replica; the elastic sampler that resumes an epoch in any layout
+    elastic        a fixed global batch over any replica count (accumulation passes), the data position
     launch         ``spawn``: a local multi-process job with torchrun's environment
     state          the whole model's state dict and checkpoints across processes
     checkpoint     the checkpoint file: plain values, atomic writes, safe loading

@@ -16,18 +16,38 @@ Training uses ``DistributedSampler`` (shuffling with ``set_epoch``, padding so
 every replica gets the same number of samples, which keeps replicas' batch
 sizes equal). Evaluation uses ``ShardSampler``, which does not pad, so every
 sample is counted exactly once.
+
+With a fixed global batch (``HybridParallel(..., global_batch=N)``) training
+uses ``ElasticSampler``: an elastic job may restart mid-epoch with another
+replica count, so the epoch is one permutation (seed, epoch) of the whole
+dataset that every layout shares, the job's position in it is a count of
+samples consumed, and what is left is sharded by the replica count *now*::
+
+    epoch permutation:  p0 p1 p2 p3 | p4 p5 p6 p7 | p8 p9 p10 p11 | ...   (N = 4 a step)
+    2 replicas:         r0: p0 p2   r1: p1 p3     (step 0), r0: p4 p6, r1: p5 p7 (step 1)
+    checkpoint after step 1: consumed = 8; restart with 1 replica:
+    1 replica:          r0: p8 p9 p10 p11 (step 2), ...
+
+Strided sharding of the rest gives each step exactly the next N samples of the
+permutation whatever the replica count, so the global batches, and the
+training, are the same; no sample is skipped or seen twice. torch's
+``ElasticDistributedSampler(start_index=k)`` instead reshuffles the samples
+left, which after a shuffled partial epoch repeats some and drops others. An
+epoch ends at its last whole global batch: the ``len(dataset) % N`` samples
+past it wait for another epoch's permutation (as ``drop_last``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, List, Optional
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
+from .elastic import DataPosition
 from .topology import Topology
 
-__all__ = ["loader", "ShardSampler", "ReplicaLoader"]
+__all__ = ["loader", "ShardSampler", "ReplicaLoader", "ElasticSampler", "ElasticLoader"]
 
 
 class ShardSampler(Sampler[int]):
@@ -50,6 +70,53 @@ class ShardSampler(Sampler[int]):
         """Evaluation order does not change with the epoch (kept for a uniform interface)."""
 
 
+class ElasticSampler(Sampler[int]):
+    """This replica's share of what is left of the epoch, from ``position`` on, in whole global batches.
+
+    ``position`` (an engine's ``DataPosition``) says the epoch and the samples
+    of it consumed by the whole job; iterating does not move it (the loader
+    does, as it hands batches out, so prefetching does not count).
+    """
+
+    def __init__(self, dataset: Any, replicas: int, replica: int, global_batch: int, *, position: DataPosition,
+                 shuffle: bool = True, seed: int = 0) -> None:
+        if not 0 <= replica < replicas:
+            raise ValueError(f"replica {replica} is outside 0..{replicas - 1}")
+        if global_batch % replicas:
+            raise ValueError(f"global_batch={global_batch} does not divide over {replicas} replicas")
+        self.n = len(dataset)
+        if self.n < global_batch:
+            raise ValueError(f"the dataset has {self.n} samples, fewer than one global batch ({global_batch}): an "
+                             "epoch would be empty; use a smaller global_batch")
+        self.replicas, self.replica, self.global_batch = replicas, replica, global_batch
+        self.position, self.shuffle, self.seed = position, shuffle, seed
+
+    def order(self, epoch: int) -> List[int]:
+        """The epoch's one permutation of the dataset (the same in every layout): seed + epoch."""
+        if not self.shuffle:
+            return list(range(self.n))
+        g = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(self.n, generator=g).tolist()
+
+    def remaining(self) -> int:
+        """Samples the job will still consume this epoch (all replicas, whole global batches)."""
+        left = max(self.n - self.position.consumed, 0)
+        return left - left % self.global_batch
+
+    def __iter__(self) -> Iterator[int]:
+        start = self.position.consumed
+        rest = self.order(self.position.epoch)[start:start + self.remaining()]
+        return iter(rest[self.replica::self.replicas])
+
+    def __len__(self) -> int:
+        return self.remaining() // self.replicas
+
+    def set_epoch(self, epoch: int) -> None:
+        """Move to ``epoch`` from its beginning; the current epoch keeps its position (a resumed one goes on)."""
+        if epoch != self.position.epoch:
+            self.position.epoch, self.position.consumed = epoch, 0
+
+
 class ReplicaLoader(DataLoader):
     """A ``DataLoader`` whose ``set_epoch`` reaches its sampler."""
 
@@ -60,9 +127,38 @@ class ReplicaLoader(DataLoader):
             setter(epoch)
 
 
+class ElasticLoader(ReplicaLoader):
+    """A loader over an ``ElasticSampler``: every batch it hands out is one global batch consumed.
+
+    The position moves when a batch reaches the caller (workers prefetching
+    ahead do not count); once the epoch is exhausted it moves to the next
+    epoch's beginning, so a loop without ``set_epoch`` still reshuffles.
+    """
+
+    sampler: ElasticSampler
+
+    @property
+    def position(self) -> DataPosition:
+        return self.sampler.position
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next batch comes from."""
+        return self.position.epoch
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        position, step = self.sampler.position, self.sampler.global_batch
+        epoch = position.epoch
+        for batch in super().__iter__():
+            position.consumed += step
+            yield batch
+        if position.epoch == epoch:
+            position.epoch, position.consumed = epoch + 1, 0
+
+
 def loader(
     dataset: Dataset,
-    batch_size: int,
+    batch_size: Optional[int] = None,
     *,
     engine: Optional[Any] = None,
     replicas: Optional[int] = None,
@@ -79,12 +175,32 @@ def loader(
     are given as ``replicas``/``replica``. ``train=True``: a shuffled
     ``DistributedSampler`` (call ``loader.set_epoch(epoch)`` every epoch);
     ``train=False``: ``ShardSampler``, in order and without duplicates.
+
+    For training with an engine that fixes ``global_batch``: an ``ElasticLoader``
+    whose batches are ``engine.replica_batch`` (``batch_size`` may be left out)
+    and whose place in the epoch is ``engine.position``, which checkpoints
+    record and ``resume`` restores: after a restart, with any replica count,
+    iterating goes on where the job stopped (do not skip batches yourself).
     """
+    plan = getattr(engine, "global_batch_plan", None)
     if engine is not None:
         topo: Topology = engine.topology
         replicas, replica = topo.replicas, topo.replica
     if replicas is None or replica is None:
         raise ValueError("pass engine=<HybridParallel> or both replicas= and replica=")
+    if train and plan is not None:
+        if batch_size is not None and batch_size != plan.replica_batch:
+            raise ValueError(f"batch_size={batch_size}, but the engine fixes global_batch={plan.total} over "
+                             f"{plan.replicas} replica(s): each replica's batch is {plan.replica_batch}; leave "
+                             "batch_size out (the engine's batch_size= sets the samples per accumulation pass)")
+        generator = dataloader_kwargs.pop("generator", None) or torch.Generator().manual_seed(seed)
+        elastic = ElasticSampler(dataset, replicas, replica, plan.total, position=engine.position, shuffle=shuffle,
+                                 seed=seed)
+        return ElasticLoader(dataset, batch_size=plan.replica_batch, sampler=elastic, drop_last=True,
+                             generator=generator, **dataloader_kwargs)
+    if batch_size is None:
+        raise ValueError("pass batch_size= (samples per local batch); it may be left out only for training with an "
+                         "engine that fixes global_batch")
     sampler: Sampler[int]
     if train:
         sampler = DistributedSampler(dataset, num_replicas=replicas, rank=replica, shuffle=shuffle, seed=seed,

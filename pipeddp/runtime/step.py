@@ -149,7 +149,8 @@ class Step:
         return None if moved is None else split(moved, sizes)
 
     def train(self, x: Any, y: Any, loss_fn: LossFn, n: int, *,
-              loss_scale: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> Optional[torch.Tensor]:
+              loss_scale: Optional[Callable[[torch.Tensor], torch.Tensor]] = None, share: float = 1.0,
+              final: bool = True) -> Optional[torch.Tensor]:
         """Forward and backward of a batch of ``n`` under the schedule; gradients accumulate into ``.grad``.
 
         Each micro-batch's mean loss is weighted by its share of the batch, so
@@ -157,18 +158,24 @@ class Step:
         loss (detached) where this process runs the last stage, else None.
         The caller's autocast state reaches every stage; ``loss_scale`` (a
         GradScaler's ``scale``) scales what backward starts from, not the loss returned.
+
+        Gradient accumulation over several calls (one optimizer step): each
+        call's loss weighs ``share`` of the step, and only the ``final`` call
+        reduces gradients across replicas and sums tied copies' gradients
+        (summing them after every call would count earlier calls twice).
         """
         sizes = self.sizes(n)
         m = len(sizes)
         spec = StepSpec(grad=True, recompute=recompute_policy(self.checkpoint, m), seed=self._seed(),
                         loss_fn=loss_fn if self.last is not None else None,
-                        targets=self._split_to(self.last, y, sizes), weights=[k / n for k in sizes], sync=self.sync,
-                        autocast=Autocast.capture(), loss_scale=loss_scale)
+                        targets=self._split_to(self.last, y, sizes), weights=[k / n * share for k in sizes],
+                        sync=self.sync and final, autocast=Autocast.capture(), loss_scale=loss_scale)
         self._call(self.before_forward)
         results = self.runner.run(self._local_rows("train", m), spec, inputs=self._split_to(self.first, x, sizes),
                                   trace=self.trace)
         self._call(self.after_forward)
-        self._call(self.after_backward)
+        if final:
+            self._call(self.after_backward)
         if self.last is None:
             return None
         losses = results[-1].losses
