@@ -1,6 +1,7 @@
 """The command line: demo, partition (timeline and plan are covered in test_trace.py)."""
 
 import re
+import sys
 
 import pytest
 
@@ -125,3 +126,60 @@ def test_partition_table_says_not_measured_for_what_it_did_not_measure(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "not measured" in text and "does not time the layers" in text
     assert "0.00" not in text
+
+
+USER_MODELS = '''
+import torch
+from torch import nn
+
+
+def build():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2048), nn.ReLU(), nn.Linear(2048, 8))
+    return model, torch.randn(3, 8)
+
+
+def whole():
+    return nn.Linear(2, 2), torch.randn(2, 2)
+'''
+
+
+@pytest.fixture
+def user_models(tmp_path, monkeypatch):
+    """A module of the user's own in the current folder, as `pipeddp ... --model NAME:function` finds it."""
+    name = f"user_models_{tmp_path.name}"
+    (tmp_path / f"{name}.py").write_text(USER_MODELS)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    yield name
+    sys.modules.pop(name, None)
+
+
+def test_a_users_own_model_is_cut_planned_and_drawn(user_models, tmp_path, capsys):
+    assert main(["partition", "--model", f"{user_models}:build", "--stages", "2", "--batch", "8",
+                 "--method", "params"]) == 0
+    out = capsys.readouterr().out
+    assert "18,504" in out, out  # the min-max cut by parameters: 72 + 18,432 in stage 0, the rest after
+    assert main(["plan", "--model", f"{user_models}:build", "--devices", "2", "--batch", "8"]) == 0
+    assert "first choice:" in capsys.readouterr().out
+    out_stem = tmp_path / "tl"
+    assert main(["timeline", "--model", f"{user_models}:build", "--batch", "8", "--chunks", "4", "--steps", "1",
+                 "--out", str(out_stem)]) == 0
+    assert (tmp_path / "tl.json").exists()
+
+
+def test_a_users_model_that_cannot_be_used_is_an_error_saying_why(user_models, capsys):
+    for spec, said in [(f"{user_models}:whole", "not an nn.Sequential; return pipeddp.tools.models.flatten_sequential"),
+                       (f"{user_models}:missing", "has no function 'missing'"),
+                       ("no_such_module_here:build", "cannot import 'no_such_module_here'"),
+                       ("resnet9", "or give your own as package.module:function")]:
+        assert main(["partition", "--model", spec]) == 2
+        assert said in " ".join(capsys.readouterr().out.split()), spec
+
+
+def test_a_warning_reads_as_one_line_of_the_report(user_models, capsys):
+    assert main(["partition", "--model", f"{user_models}:build", "--stages", "4", "--batch", "8",
+                 "--method", "memory"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "warning (HeavyLayerWarning): layer 1 ('1', Linear:" in out, out
+    assert "cli.py" not in out and "plan = partition(" not in out  # no source location, no line of our code

@@ -13,9 +13,11 @@ import argparse
 import contextlib
 import os
 import sys
+import warnings
 from typing import Callable, Iterator, List, Optional, Tuple
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import Progress
 
 __all__ = ["main"]
@@ -196,12 +198,16 @@ def _convert(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+#: what ``--model`` takes, for every subcommand's help
+MODEL_HELP = ("mlp, resnet18, resnet50, or your own as package.module:function, a function returning "
+              "(nn.Sequential, one input batch), importable from the current folder")
+
+
 def _parser() -> argparse.ArgumentParser:
     fmt = argparse.ArgumentDefaultsHelpFormatter  # every option's help ends with its default
     p = argparse.ArgumentParser(prog="pipeddp", description="pipeline + data parallel training for nn.Sequential",
                                 formatter_class=fmt)
     sub = p.add_subparsers(dest="command", required=True)
-    models = ["mlp", "resnet18", "resnet50"]
     schedules = ["1f1b", "gpipe", "interleaved", "zb"]
 
     d = sub.add_parser("demo", formatter_class=fmt,
@@ -222,7 +228,7 @@ def _parser() -> argparse.ArgumentParser:
 
     q = sub.add_parser("partition", formatter_class=fmt, help="print the balanced partition of a model",
                        description="profile a model and print its balanced cut into stages, with the costs measured")
-    q.add_argument("--model", default="mlp", choices=models, help="the model to cut")
+    q.add_argument("--model", default="mlp", metavar="MODEL", help="the model to cut; " + MODEL_HELP)
     q.add_argument("--stages", type=int, default=2, help="stages to cut the model into")
     q.add_argument("--method", default="time", choices=["time", "params", "memory", "uniform"],
                    help="what to balance: fwd+bwd time, parameters, parameter + activation bytes, or layer count")
@@ -235,7 +241,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="trace one training step of a CPU pipeline; write Chrome JSON and a PNG",
                        description="trace training steps of a CPU pipeline; write the last one as Chrome trace "
                                    "JSON and (with matplotlib) a PNG")
-    t.add_argument("--model", default="mlp", choices=models, help="the model to run (a small version of it)")
+    t.add_argument("--model", default="mlp", metavar="MODEL",
+                   help="the model to run (a built-in one in its small version); " + MODEL_HELP)
     t.add_argument("--stages", type=int, default=2, help="devices (CPU stage threads) of the pipeline")
     t.add_argument("--chunks", type=int, default=8, help="micro-batches per batch")
     t.add_argument("--batch", type=int, default=128, help="batch size")
@@ -253,7 +260,7 @@ def _parser() -> argparse.ArgumentParser:
     n = sub.add_parser("plan", formatter_class=fmt, help="rank stages x replicas x micro-batches x schedule by simulation",
                        description="measure a model's layers here, then rank layouts of it on DEVICES devices "
                                    "by a simulated step time")
-    n.add_argument("--model", default="resnet50", choices=models, help="the model to plan for")
+    n.add_argument("--model", default="resnet50", metavar="MODEL", help="the model to plan for; " + MODEL_HELP)
     n.add_argument("--devices", type=int, default=8, help="devices in all (replicas x stages)")
     n.add_argument("--batch", type=int, default=256, help="global batch")
     n.add_argument("--link", default="pcie", help="between stages: nvlink, pcie, infiniband, ethernet, local")
@@ -283,10 +290,24 @@ def main(argv: Optional[List[str]] = None) -> int:
         console = Console(width=max(console.width, 160))
     fn: Callable[[argparse.Namespace, Console], int] = args.fn
     try:
-        return fn(args, console)
+        with warnings.catch_warnings():
+            # a warning meant for the user (HeavyLayerWarning, a device fallback) reads as one line of the
+            # report, not as a source location and a line of this module's code
+            warnings.showwarning = _warning_printer(console)
+            return fn(args, console)
     except (ValueError, TypeError) as exc:
         console.print(f"[red]error:[/red] {exc}")
         return 2
+
+
+def _warning_printer(console: Console) -> Callable[..., None]:
+    """``warnings.showwarning`` for the command line: ``warning (Category): message``, without the code line."""
+
+    def show(message: Warning, category: type, filename: str, lineno: int, file: object = None,
+             line: Optional[str] = None) -> None:
+        console.print(f"[yellow]warning[/yellow] ({category.__name__}): {escape(str(message))}", highlight=False)
+
+    return show
 
 
 if __name__ == "__main__":

@@ -20,6 +20,9 @@ the result against ``model(sample)``. For a ResNet it gives the layers of
 
 from __future__ import annotations
 
+import importlib
+import os
+import sys
 from collections import OrderedDict
 from typing import Callable, Dict, List, Tuple
 
@@ -83,11 +86,55 @@ def build(name: str, *, small: bool = False) -> Tuple[nn.Sequential, Callable[[i
     ``small=True`` gives a quicker variant for pictures and smoke runs: an
     MLP of 8 x 512, or ResNet inputs of 32 x 32 instead of 64 x 64.
     """
+    if ":" in name:
+        return user_model(name)
     if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; choose one of {sorted(MODELS)}")
+        raise ValueError(f"unknown model {name!r}; choose one of {sorted(MODELS)} or give your own as "
+                         "package.module:function")
     builder, sample = MODELS[name]
     if small and name == "mlp":
         return mlp(8, 512, 512, 512), lambda b: torch.randn(b, 512)
     if small:
         return builder(), lambda b: _image_sample(b, 32)
     return builder(), sample
+
+
+def user_model(spec: str) -> Tuple[nn.Sequential, Callable[[int], torch.Tensor]]:
+    """A user's model for the command line: ``package.module:function`` returning ``(nn.Sequential, sample)``.
+
+    The function is called with no arguments; ``sample`` is one input batch.
+    The command line needs batches of its own ``--batch`` size, so they are
+    made by taking the sample's rows in turn (``sample[i % len(sample)]``):
+    real inputs of the user's shape and dtype, not invented ones. The current
+    directory is importable, as under ``python -m``, so a file beside the
+    user's shell (``mymodels.py`` -> ``mymodels:build``) is found.
+    """
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"--model {spec!r}: write package.module:function (e.g. mymodels:build)")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"--model {spec!r}: cannot import {module_name!r} ({exc}); run from the folder that "
+                         "holds it or put it on PYTHONPATH") from exc
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"--model {spec!r}: {module_name} has no function {attr!r}")
+    got = fn()
+    if not (isinstance(got, tuple) and len(got) == 2):
+        raise ValueError(f"--model {spec!r}: {attr}() must return (model, sample), an nn.Sequential and one input "
+                         f"batch; it returned {type(got).__name__}")
+    model, sample = got
+    if not isinstance(model, nn.Sequential):
+        raise ValueError(f"--model {spec!r}: {attr}() returned a {type(model).__name__}, not an nn.Sequential; "
+                         "return pipeddp.tools.models.flatten_sequential(model, sample) to make one")
+    if not isinstance(sample, torch.Tensor) or sample.dim() == 0 or len(sample) == 0:
+        raise ValueError(f"--model {spec!r}: the sample {attr}() returned must be a tensor with a batch dimension, "
+                         f"got {type(sample).__name__}")
+
+    def make_sample(batch: int) -> torch.Tensor:
+        return sample[torch.arange(batch) % len(sample)]
+
+    return model, make_sample
