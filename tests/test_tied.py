@@ -130,8 +130,9 @@ def _grads_close(expect, got, where=""):
 
 def test_tied_weights_accumulate_over_calls_like_the_plain_model():
     """Two calls per optimizer step without zero_grad between them, through ``train_step``, ``pipe(x)`` +
-    ``backward`` and one backward through two outputs: the tied gradient is each call's once, as in the plain
-    model; zero_grad in place or to None between steps starts afresh; the clip norm counts the weight once."""
+    ``backward`` and both mixed: the tied gradient is each call's once, as in the plain model; zero_grad in
+    place or to None between steps (or between a forward and its backward) starts afresh; the clip norm counts
+    the weight once."""
     model, clip = tied_model(), 0.05
     expect = accumulated_reference(model, clip)
     with pipeddp.Pipeline(copy.deepcopy(model), ["cpu", "cpu"], chunks=3, balance=[2, 3]) as pipe:
@@ -139,7 +140,8 @@ def test_tied_weights_accumulate_over_calls_like_the_plain_model():
         opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
         norms = []
         for step, ((x1, y1), (x2, y2)) in enumerate(accumulated_batches()):
-            zero_grad_between(opt, step)
+            if step < 2:
+                zero_grad_between(opt, step)
             if step == 0:
                 pipe.train_step(x1, y1, LOSS)
                 pipe.train_step(x2, y2, LOSS)
@@ -147,7 +149,10 @@ def test_tied_weights_accumulate_over_calls_like_the_plain_model():
                 LOSS(pipe(x1), y1).backward()
                 LOSS(pipe(x2), y2).backward()
             else:
-                (LOSS(pipe(x1), y1) + LOSS(pipe(x2), y2)).backward()  # one backward, two pipeline passes
+                out = pipe(x1)
+                zero_grad_between(opt, step)  # between a forward and its backward: the step's grads still held
+                LOSS(out, y1).backward()
+                pipe.train_step(x2, y2, LOSS)
             _grads_close(expect["grads"][step], {k: p.grad for k, p in pipe.named_parameters()}, step)
             assert torch.equal(first.grad, last.grad)
             norms.append(pipe.clip_grad_norm_(clip).item())
