@@ -122,8 +122,15 @@ def shared_model(seed: int = 0) -> nn.Sequential:
     return nn.Sequential(shared, nn.Tanh(), nn.Linear(6, 6), shared, nn.Tanh(), shared).double()
 
 
-def shared_tie_job(mode: str, schedule: str, virtual: int) -> Dict[str, Any]:
-    """2 replicas x 2 devices x ``virtual`` stages of ``shared_model``, 3 steps of SGD with momentum."""
+def halves_loss(calls: int):
+    """The loss of one of ``calls`` equal parts of a batch, so that the parts' gradients add up to the batch's."""
+    return lambda out, y: LOSS(out, y) / calls
+
+
+def shared_tie_job(mode: str, schedule: str, virtual: int, calls: int = 1) -> Dict[str, Any]:
+    """2 replicas x 2 devices x ``virtual`` stages of ``shared_model``, 3 steps of SGD with momentum.
+
+    Each step's local batch is run as ``calls`` calls of ``train_step`` without ``zero_grad`` between them."""
     balance = [1, 2, 1, 2] if virtual == 2 else [3, 3]
     engine = pipeddp.HybridParallel(shared_model(), stages=2, mode=mode, chunks=3, balance=balance,
                                     schedule=schedule, virtual_stages=virtual)
@@ -133,7 +140,8 @@ def shared_tie_job(mode: str, schedule: str, virtual: int) -> Dict[str, Any]:
         local = x.shape[0] // replicas
         x, y = x[r * local:(r + 1) * local], y[r * local:(r + 1) * local]
         opt.zero_grad()
-        engine.train_step(x if engine.is_first else None, y if engine.is_last else None, LOSS)
+        for xc, yc in zip(x.tensor_split(calls), y.tensor_split(calls)):
+            engine.train_step(xc if engine.is_first else None, yc if engine.is_last else None, halves_loss(calls))
         opt.step()
     engine.check_replicas()
     out = {"state": engine.state_dict(), "local": engine.local_state_dict(), "rank": engine.topology.rank}
