@@ -174,3 +174,44 @@ def test_tied_weights_accumulate_over_calls_across_processes(mode):
             _grads_close(expect["grads"][step], grads, (res["rank"], step))
         assert res["norms"] == pytest.approx(expect["norms"], rel=1e-10), res["rank"]
         assert max_diff(expect["state"].values(), res["state"].values()) < 1e-12, res["rank"]
+
+
+def test_tied_weights_accumulate_under_a_grad_scaler_and_an_overflow():
+    """Two scaled calls per step without zero_grad, then ``unscale_``, the clip and ``scaler.step``; the second
+    step's second call overflows (an inf input): the scaler skips that step, and the next step, after
+    ``zero_grad``, is the plain model's again (the skipped step's non-finite gradients leave no trace)."""
+    model, clip = tied_model(), 0.05
+    steps = [[data(12, width=6, seed=70 + 2 * i), data(8, width=6, seed=71 + 2 * i)] for i in range(3)]
+    steps[1][1][0][0, 0] = float("inf")
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    expect_grads, expect_norms = [], []
+    for step in (0, 2):  # the plain model never takes the overflowing step
+        ref_opt.zero_grad()
+        for x, y in steps[step]:
+            LOSS(ref(x), y).backward()
+        expect_grads.append({k: p.grad.clone() for k, p in ref.named_parameters(remove_duplicate=False)})
+        expect_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip).item())
+        ref_opt.step()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    with pipeddp.Pipeline(copy.deepcopy(model), ["cpu", "cpu"], chunks=3, balance=[2, 3]) as pipe:
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+        grads, norms = [], []
+        for step, calls in enumerate(steps):
+            opt.zero_grad(set_to_none=False)
+            for x, y in calls:
+                pipe.train_step(x, y, LOSS, scaler=scaler)
+            scaler.unscale_(opt)
+            if step != 1:
+                grads.append({k: p.grad.clone() for k, p in pipe.named_parameters()})
+                norms.append(pipe.clip_grad_norm_(clip).item())
+            before = [v.clone() for v in pipe.state_dict().values()]
+            scaler.step(opt)
+            scaler.update()
+            assert (step == 1) == (max_diff(before, pipe.state_dict().values()) == 0), step
+        got = pipe.state_dict()
+    assert scaler.get_scale() == 2.0**9  # one overflow, one back-off
+    for step, (e, g) in enumerate(zip(expect_grads, grads)):
+        _grads_close(e, g, step)
+    assert norms == pytest.approx(expect_norms, rel=1e-10)
+    assert max_diff(ref.state_dict().values(), got.values()) < 1e-12
