@@ -36,7 +36,7 @@ job finds the same ties in the same order.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Collection, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -170,6 +170,10 @@ class LocalTies:
         one ``fold`` closes (``HybridParallel``'s own accumulation), and where
         a backward starts (the user's ``loss.backward()`` through the pipeline
         reaches it then, after any ``zero_grad`` in between).
+
+        The note costs a copy of each use's gradient while the step runs, but
+        only where ``.grad`` is not None at its start (accumulating, or
+        ``zero_grad(set_to_none=False)``); after ``zero_grad()`` it is free.
         """
         self._before = {id(p): None if p.grad is None else p.grad.detach().clone()
                         for _, group in self.entries for p in group}
