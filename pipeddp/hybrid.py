@@ -176,7 +176,7 @@ class HybridParallel(StepModule):
         self._ties = exchange = TieExchange(ties, step.ties, topo, backend=self.backend,
                                             timeout=settings.timeout_delta, comm_device=self.agreement.comm_device)
         step.before_forward.append(exchange.refresh)
-        step.after_backward.append(exchange.fold)
+        step.ties.across = exchange  # the gains of ties' uses in other processes join the step's fold
         self._finalizer = weakref.finalize(self, runner.close)
         self._saver = state.Saver(topo, settings.timeout_delta)
         self.trace = Trace(topo.rank) if trace else None
@@ -261,7 +261,7 @@ class HybridParallel(StepModule):
         total: Optional[torch.Tensor] = None
         for i, (xi, yi) in enumerate(zip(xs, ys)):
             loss = self._step.train(xi, yi, loss_fn, plan.batch_size, loss_scale=scale, share=1.0 / passes,
-                                    final=i == passes - 1)
+                                    first=i == 0, final=i == passes - 1)
             if loss is not None:
                 total = loss if total is None else total + loss
         return total

@@ -110,11 +110,14 @@ def test_hybrid_trains_the_plain_model_with_one_all_reduce_per_stage_and_step(mo
 
 # -- with tied weights, deferred BatchNorm, autocast and the GradScaler ------------------------------------------
 
-from tied_jobs import global_batches as tied_batches, reference_state, shared_model, shared_tie_job  # noqa: E402
+from tied_jobs import (global_batches as tied_batches, halves_loss, reference_state, shared_model,  # noqa: E402
+                       shared_tie_job)
 
 
+@pytest.mark.parametrize("calls", [1, 2])
 @pytest.mark.parametrize("schedule,virtual", NEW)
-def test_a_weight_used_on_three_stages_of_two_devices(schedule, virtual):
+def test_a_weight_used_on_three_stages_of_two_devices(schedule, virtual, calls):
+    """With ``calls=2`` each step is two ``train_step`` calls on the batch's halves, without zero_grad between."""
     expect = reference_state(shared_model(), tied_batches())
     balance = [1, 2, 1, 2] if virtual == 2 else [3, 3]
     with pipeddp.Pipeline(shared_model(), ["cpu"] * 2, chunks=3, schedule=schedule, virtual_stages=virtual,
@@ -122,7 +125,8 @@ def test_a_weight_used_on_three_stages_of_two_devices(schedule, virtual):
         opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
         for x, y in tied_batches():
             opt.zero_grad()
-            pipe.train_step(x, y, nn.functional.mse_loss)
+            for xc, yc in zip(x.tensor_split(calls), y.tensor_split(calls)):
+                pipe.train_step(xc, yc, halves_loss(calls))
             opt.step()
         state = pipe.state_dict()
         uses = [st.module._modules[name].weight for st in pipe.stages for name in ("0", "3", "5")
@@ -132,10 +136,12 @@ def test_a_weight_used_on_three_stages_of_two_devices(schedule, virtual):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("schedule,virtual", [("interleaved", 2), ("zb", 2)])
-def test_a_weight_used_on_three_stages_across_processes(schedule, virtual):
-    """Stage mode, 2 replicas x 2 devices: two uses in one process (stages 0 and 2), the third in another."""
-    results = pipeddp.spawn(shared_tie_job, 4, args=("stage", schedule, virtual), timeout=200)
+@pytest.mark.parametrize("schedule,virtual,calls", [("interleaved", 2, 1), ("zb", 2, 1), ("interleaved", 2, 2)])
+def test_a_weight_used_on_three_stages_across_processes(schedule, virtual, calls):
+    """Stage mode, 2 replicas x 2 devices: two uses in one process (stages 0 and 2), the third in another.
+
+    With ``calls=2`` each step is two ``train_step`` calls on the local batch's halves, without zero_grad."""
+    results = pipeddp.spawn(shared_tie_job, 4, args=("stage", schedule, virtual, calls), timeout=200)
     expect = reference_state(shared_model(), tied_batches())
     for res in results:
         assert sorted(res["state"]) == sorted(expect)

@@ -8,7 +8,8 @@ from torch import nn
 
 import pipeddp
 from conftest import data, max_diff
-from tied_jobs import LOSS, global_batches, hybrid_tied_job, reference_state, stage_unet_job, tied_model, unet
+from tied_jobs import (LOSS, accumulated_batches, accumulated_reference, global_batches, hybrid_accumulation_job,
+                        hybrid_tied_job, reference_state, stage_unet_job, tied_model, unet, zero_grad_between)
 
 
 def test_tied_weights_on_two_stages_train_like_the_plain_model():
@@ -118,3 +119,99 @@ def test_a_skip_connection_between_processes():
     for res in pipeddp.spawn(stage_unet_job, 3, timeout=100):
         for name, g in res["grads"].items():
             assert (g - expect[name].grad).abs().max().item() < 1e-12, (res["rank"], name)
+
+
+def _grads_close(expect, got, where=""):
+    """Each of the engine's gradients (the tied weight under both its names) against the plain model's."""
+    assert set(got) <= set(expect), where
+    for name, g in got.items():
+        assert (g - expect[name]).abs().max().item() < 1e-12, (where, name)
+
+
+def test_tied_weights_accumulate_over_calls_like_the_plain_model():
+    """Two calls per optimizer step without zero_grad between them, through ``train_step``, ``pipe(x)`` +
+    ``backward`` and both mixed: the tied gradient is each call's once, as in the plain model; zero_grad in
+    place or to None between steps (or between a forward and its backward) starts afresh; the clip norm counts
+    the weight once."""
+    model, clip = tied_model(), 0.05
+    expect = accumulated_reference(model, clip)
+    with pipeddp.Pipeline(copy.deepcopy(model), ["cpu", "cpu"], chunks=3, balance=[2, 3]) as pipe:
+        first, last = pipe.stages[0].module[0].weight, pipe.stages[1].module[2].weight
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+        norms = []
+        for step, ((x1, y1), (x2, y2)) in enumerate(accumulated_batches()):
+            if step < 2:
+                zero_grad_between(opt, step)
+            if step == 0:
+                pipe.train_step(x1, y1, LOSS)
+                pipe.train_step(x2, y2, LOSS)
+            elif step == 1:
+                LOSS(pipe(x1), y1).backward()
+                LOSS(pipe(x2), y2).backward()
+            else:
+                out = pipe(x1)
+                zero_grad_between(opt, step)  # between a forward and its backward: the step's grads still held
+                LOSS(out, y1).backward()
+                pipe.train_step(x2, y2, LOSS)
+            _grads_close(expect["grads"][step], {k: p.grad for k, p in pipe.named_parameters()}, step)
+            assert torch.equal(first.grad, last.grad)
+            norms.append(pipe.clip_grad_norm_(clip).item())
+            opt.step()
+        got = pipe.state_dict()
+    assert norms == pytest.approx(expect["norms"], rel=1e-10)
+    assert max_diff(expect["state"].values(), got.values()) < 1e-12
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("mode", ["replica", "stage"])
+def test_tied_weights_accumulate_over_calls_across_processes(mode):
+    """Replica mode: 2 replicas (DDP) x 2 stages in each process; stage mode: 1 replica, the embedding and the
+    head in two processes. Two calls per step without zero_grad, against the plain model on the global batches."""
+    clip = 0.05
+    expect = accumulated_reference(tied_model(), clip)
+    for res in pipeddp.spawn(hybrid_accumulation_job, 2, args=(mode, clip), timeout=150):
+        for step, grads in enumerate(res["grads"]):
+            _grads_close(expect["grads"][step], grads, (res["rank"], step))
+        assert res["norms"] == pytest.approx(expect["norms"], rel=1e-10), res["rank"]
+        assert max_diff(expect["state"].values(), res["state"].values()) < 1e-12, res["rank"]
+
+
+def test_tied_weights_accumulate_under_a_grad_scaler_and_an_overflow():
+    """Two scaled calls per step without zero_grad, then ``unscale_``, the clip and ``scaler.step``; the second
+    step's second call overflows (an inf input): the scaler skips that step, and the next step, after
+    ``zero_grad``, is the plain model's again (the skipped step's non-finite gradients leave no trace)."""
+    model, clip = tied_model(), 0.05
+    steps = [[data(12, width=6, seed=70 + 2 * i), data(8, width=6, seed=71 + 2 * i)] for i in range(3)]
+    steps[1][1][0][0, 0] = float("inf")
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    expect_grads, expect_norms = [], []
+    for step in (0, 2):  # the plain model never takes the overflowing step
+        ref_opt.zero_grad()
+        for x, y in steps[step]:
+            LOSS(ref(x), y).backward()
+        expect_grads.append({k: p.grad.clone() for k, p in ref.named_parameters(remove_duplicate=False)})
+        expect_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip).item())
+        ref_opt.step()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    with pipeddp.Pipeline(copy.deepcopy(model), ["cpu", "cpu"], chunks=3, balance=[2, 3]) as pipe:
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+        grads, norms = [], []
+        for step, calls in enumerate(steps):
+            opt.zero_grad(set_to_none=False)
+            for x, y in calls:
+                pipe.train_step(x, y, LOSS, scaler=scaler)
+            scaler.unscale_(opt)
+            if step != 1:
+                grads.append({k: p.grad.clone() for k, p in pipe.named_parameters()})
+                norms.append(pipe.clip_grad_norm_(clip).item())
+            before = [v.clone() for v in pipe.state_dict().values()]
+            scaler.step(opt)
+            scaler.update()
+            assert (step == 1) == (max_diff(before, pipe.state_dict().values()) == 0), step
+        got = pipe.state_dict()
+    assert scaler.get_scale() == 2.0**9  # one overflow, one back-off
+    for step, (e, g) in enumerate(zip(expect_grads, grads)):
+        _grads_close(e, g, step)
+    assert norms == pytest.approx(expect_norms, rel=1e-10)
+    assert max_diff(ref.state_dict().values(), got.values()) < 1e-12

@@ -122,8 +122,15 @@ def shared_model(seed: int = 0) -> nn.Sequential:
     return nn.Sequential(shared, nn.Tanh(), nn.Linear(6, 6), shared, nn.Tanh(), shared).double()
 
 
-def shared_tie_job(mode: str, schedule: str, virtual: int) -> Dict[str, Any]:
-    """2 replicas x 2 devices x ``virtual`` stages of ``shared_model``, 3 steps of SGD with momentum."""
+def halves_loss(calls: int):
+    """The loss of one of ``calls`` equal parts of a batch, so that the parts' gradients add up to the batch's."""
+    return lambda out, y: LOSS(out, y) / calls
+
+
+def shared_tie_job(mode: str, schedule: str, virtual: int, calls: int = 1) -> Dict[str, Any]:
+    """2 replicas x 2 devices x ``virtual`` stages of ``shared_model``, 3 steps of SGD with momentum.
+
+    Each step's local batch is run as ``calls`` calls of ``train_step`` without ``zero_grad`` between them."""
     balance = [1, 2, 1, 2] if virtual == 2 else [3, 3]
     engine = pipeddp.HybridParallel(shared_model(), stages=2, mode=mode, chunks=3, balance=balance,
                                     schedule=schedule, virtual_stages=virtual)
@@ -133,9 +140,70 @@ def shared_tie_job(mode: str, schedule: str, virtual: int) -> Dict[str, Any]:
         local = x.shape[0] // replicas
         x, y = x[r * local:(r + 1) * local], y[r * local:(r + 1) * local]
         opt.zero_grad()
-        engine.train_step(x if engine.is_first else None, y if engine.is_last else None, LOSS)
+        for xc, yc in zip(x.tensor_split(calls), y.tensor_split(calls)):
+            engine.train_step(xc if engine.is_first else None, yc if engine.is_last else None, halves_loss(calls))
         opt.step()
     engine.check_replicas()
     out = {"state": engine.state_dict(), "local": engine.local_state_dict(), "rank": engine.topology.rank}
+    engine.close()
+    return out
+
+
+#: Three optimizer steps of two calls each, with no ``zero_grad`` between a step's calls.
+ACCUMULATED_ROUNDS = 3
+
+
+def accumulated_batches() -> List[List[Any]]:
+    """Per optimizer step, the two global batches its two calls take (12 and 8: micro-batches of 4 and of 3, 3, 2)."""
+    return [[data(12, width=6, seed=60 + 2 * i), data(8, width=6, seed=61 + 2 * i)]
+            for i in range(ACCUMULATED_ROUNDS)]
+
+
+def zero_grad_between(opt: torch.optim.Optimizer, step: int) -> None:
+    """The way the user clears gradients before step ``step``: in place (zeros) or by dropping them."""
+    opt.zero_grad(set_to_none=step % 2 == 0)
+
+
+def accumulated_reference(model: nn.Sequential, clip: float) -> Dict[str, Any]:
+    """The plain model accumulating each step's two batches (each call's mean loss), then clipping and stepping.
+
+    Returns per step the gradients (every name of the tied weight, ``remove_duplicate=False``) and the
+    clip norm, and the final state."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    grads, norms = [], []
+    for step, calls in enumerate(accumulated_batches()):
+        zero_grad_between(opt, step)
+        for x, y in calls:
+            LOSS(model(x), y).backward()
+        grads.append({k: p.grad.clone() for k, p in model.named_parameters(remove_duplicate=False)})
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
+        opt.step()
+    return {"grads": grads, "norms": norms, "state": model.state_dict()}
+
+
+def hybrid_accumulation_job(mode: str, clip: float) -> Dict[str, Any]:
+    """2 stages with the tied weight on both; each optimizer step takes two calls without ``zero_grad``.
+
+    Replica mode mixes ``train_step`` with ``engine(x)`` + ``loss.backward()``; stage mode (where a
+    backward through the output needs every stage) calls ``train_step`` twice."""
+    engine = pipeddp.HybridParallel(tied_model(), stages=2, mode=mode, chunks=3, balance=[2, 3])
+    opt = torch.optim.SGD(engine.parameters(), lr=0.1, momentum=0.9)
+    replicas, r = engine.topology.replicas, engine.topology.replica
+    grads, norms = [], []
+    for step, calls in enumerate(accumulated_batches()):
+        zero_grad_between(opt, step)
+        for call, (x, y) in enumerate(calls):
+            local = x.shape[0] // replicas
+            x, y = x[r * local:(r + 1) * local], y[r * local:(r + 1) * local]
+            if mode == "replica" and (step + call) % 2 == 1:
+                LOSS(engine(x), y).backward()
+            else:
+                engine.train_step(x if engine.is_first else None, y if engine.is_last else None, LOSS)
+        grads.append({k: p.grad.clone() for k, p in engine.named_parameters()})
+        norms.append(engine.clip_grad_norm_(clip).item())
+        opt.step()
+    engine.check_replicas()
+    out = {"grads": grads, "norms": norms, "state": engine.state_dict(), "rank": engine.topology.rank}
     engine.close()
     return out

@@ -5,21 +5,23 @@ process. Across processes the same two steps are collectives over a small
 group per replica: the ranks of that replica holding a use of the tie::
 
     replica r:  rank of stage 0 (embedding)  <-- group -->  rank of stage S-1 (head)
-    after the step:   all_reduce(SUM) of the gradients   (each already averaged over replicas by DDP)
+    after the step:   all_reduce(SUM) of what each use gained in the step   (averaged over replicas by DDP)
     before a forward: broadcast of the value from the first stage's rank
+
+Only the gains travel (``LocalTies.fold`` computes them and calls ``sum``
+here), so a user's accumulation over several calls stays exact.
 
 Groups are created on every rank in the same order (ties, then replicas), as
 ``torch.distributed.new_group`` requires; in replica mode every use is in one
 process and no group is made. With virtual stages one process may hold
-several uses of a tie (stage s lives on device ``s % devices``): they are
-first kept one weight locally (``runtime.tied``), then the process takes part
-with their sum and hands the result to each of them.
+several uses of a tie (stage s lives on device ``s % devices``): the process
+takes part with the sum of their gains and hands the result to each of them.
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, List, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -32,7 +34,7 @@ __all__ = ["TieExchange"]
 
 
 class TieExchange:
-    """The ties of this process that other processes share, and their collectives."""
+    """The ties of this process that other processes share, and their collectives (``LocalTies.across``)."""
 
     def __init__(self, ties: Sequence[Tie], local: LocalTies, topology: Topology, *, backend: str,
                  timeout: timedelta, comm_device: torch.device) -> None:
@@ -41,6 +43,7 @@ class TieExchange:
         mine = {tie: params for tie, params in local.entries}
         #: per tie shared with other processes: this process's uses (first one first), the group, the owner's rank
         self.items: List[Tuple[List[nn.Parameter], Any, int]] = []
+        self._groups: Dict[Tie, Any] = {}
         rows = topology.stages
         for tie in ties:
             for r in range(topology.replicas):
@@ -50,20 +53,21 @@ class TieExchange:
                 group = dist.new_group(ranks, timeout=timeout, backend=backend)
                 if topology.rank in ranks:
                     self.items.append((mine[tie], group, topology.rank_of(r, tie.owner % rows)))
+                    self._groups[tie] = group
 
     def copies(self) -> List[nn.Parameter]:
         """This process's uses of ties whose first stage is in another process (refreshed from there)."""
         return [params[0] for params, _, src in self.items if src != self.rank]
 
-    def fold(self) -> None:
-        """Every use of a tie gets the sum of the uses' gradients (after the local uses were summed)."""
-        for params, group, _ in self.items:
-            first = params[0]
-            grad = first.grad if first.grad is not None else torch.zeros_like(first)
-            buf = grad.detach().to(self.comm_device, copy=True)
-            dist.all_reduce(buf, group=group)
-            for p in params:
-                p.grad = buf.to(p.device, copy=True)
+    def shares(self, tie: Tie) -> bool:
+        """Whether other processes hold uses of ``tie``."""
+        return tie in self._groups
+
+    def sum(self, tie: Tie, gain: torch.Tensor) -> torch.Tensor:
+        """``gain`` (this process's uses' gradient gains) summed over the processes that use ``tie``."""
+        buf = gain.detach().to(self.comm_device, copy=True)
+        dist.all_reduce(buf, group=self._groups[tie])
+        return buf.to(gain.device)
 
     @torch.no_grad()
     def refresh(self) -> None:

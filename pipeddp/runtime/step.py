@@ -150,7 +150,7 @@ class Step:
 
     def train(self, x: Any, y: Any, loss_fn: LossFn, n: int, *,
               loss_scale: Optional[Callable[[torch.Tensor], torch.Tensor]] = None, share: float = 1.0,
-              final: bool = True) -> Optional[torch.Tensor]:
+              first: bool = True, final: bool = True) -> Optional[torch.Tensor]:
         """Forward and backward of a batch of ``n`` under the schedule; gradients accumulate into ``.grad``.
 
         Each micro-batch's mean loss is weighted by its share of the batch, so
@@ -161,8 +161,10 @@ class Step:
 
         Gradient accumulation over several calls (one optimizer step): each
         call's loss weighs ``share`` of the step, and only the ``final`` call
-        reduces gradients across replicas and sums tied copies' gradients
-        (summing them after every call would count earlier calls twice).
+        reduces gradients across replicas and sums the tied copies' gains since
+        the ``first`` call (one collective per step, not per pass). A user's own
+        accumulation (calls with first and final both set) is exact too: each
+        fold sums only what its own calls added.
         """
         sizes = self.sizes(n)
         m = len(sizes)
@@ -170,6 +172,8 @@ class Step:
                         loss_fn=loss_fn if self.last is not None else None,
                         targets=self._split_to(self.last, y, sizes), weights=[k / n * share for k in sizes],
                         sync=self.sync and final, autocast=Autocast.capture(), loss_scale=loss_scale)
+        if first:
+            self.ties.begin()
         self._call(self.before_forward)
         results = self.runner.run(self._local_rows("train", m), spec, inputs=self._split_to(self.first, x, sizes),
                                   trace=self.trace)
@@ -208,6 +212,7 @@ class Step:
         spec.sync = self.sync
 
         def run_backward(grads: List[Optional[Grads]], event: Any) -> List[Grads]:
+            self.ties.begin()  # here, not at the forward: the user may zero_grad in between
             res = self.runner.run(self._local_rows("backward", m), spec, output_grads=grads, grad_event=event,
                                   trace=self.trace)
             self._call(self.after_backward)

@@ -8,16 +8,26 @@ the copies are kept one weight::
     plain model:  0.weight (embedding) ---- same Parameter ---- 7.weight (head)
     2 stages:     stage 0: 0.weight (the original)         stage 1: 7.weight (a copy)
 
-    after the step's backward:   both .grad = g(stage 0) + g(stage 1)      (``fold``)
+    before the step's backward:  note each .grad as it is (b, or None)    (``begin``)
+    after the step's backward:   both .grad = b + gain(stage 0) + gain(stage 1),
+                                 gain = .grad - b, what the step added    (``fold``)
     before the next forward:     copy <- original                          (``refresh``)
+
+Summing only the gains makes a user's own accumulation exact: two calls
+without ``zero_grad`` between give each copy ``g1 + g2`` of the plain model,
+not ``2 g1 + g2`` (after the first call each copy already holds the sum of
+both stages; summing whole ``.grad`` again would count it twice). Whatever the
+user did to ``.grad`` between calls (dropped it, zeroed it in place, scaled
+it) is what ``b`` holds, so no reset needs detecting.
 
 With both ``.grad`` equal to the plain model's gradient, an optimizer over
 ``parameters()`` (which lists the original and each copy) gives all of them
 the plain model's update, and the refresh removes any rounding difference
 between devices. ``state_dict()`` has the plain model's keys, each name with
 its value. With several replicas, DDP first averages each copy's gradient over
-its stage group, and the sum of averages is the average of sums. Between
-processes the same is done by collectives (``pipeddp.distributed.ties``).
+its stage group, and the sum of averages is the average of sums (DDP, too,
+reduces each backward's own addition). Between processes the gains are summed
+by a collective (``pipeddp.distributed.ties``, set as ``LocalTies.across``).
 
 ``find_ties`` works on the plain model and its balance, so every process of a
 job finds the same ties in the same order.
@@ -26,12 +36,12 @@ job finds the same ties in the same order.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Protocol, Sequence, Tuple
+from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 from torch import nn
 
-__all__ = ["Tie", "find_ties", "LocalTies", "layers_of", "stage_of_layers"]
+__all__ = ["Tie", "find_ties", "LocalTies", "Across", "layers_of", "stage_of_layers"]
 
 
 def layers_of(model: nn.Sequential) -> List[Tuple[str, nn.Module]]:
@@ -91,6 +101,18 @@ def _resolve(root: nn.Module, dotted: str) -> Tuple[nn.Module, str]:
     return module, parts[-1]
 
 
+class Across(Protocol):
+    """The sum of a tie's gains over the processes that hold its other uses (``distributed.ties.TieExchange``)."""
+
+    def shares(self, tie: Tie) -> bool:
+        """Whether other processes hold uses of ``tie`` (then ``sum`` must be called for it, in tie order)."""
+        ...
+
+    def sum(self, tie: Tie, gain: torch.Tensor) -> torch.Tensor:
+        """``gain`` summed over those processes (a collective), on ``gain``'s device."""
+        ...
+
+
 class LocalTies:
     """The copies of tied parameters among the stages of this process, and the two steps that keep them one.
 
@@ -120,6 +142,10 @@ class LocalTies:
                 setattr(module, attr, group[stage])
             if group:
                 self.entries.append((tie, [group[s] for s in sorted(group)]))
+        #: the processes holding other uses of these ties (None: every use is in this process)
+        self.across: Optional[Across] = None
+        #: each tied parameter's gradient before the step's backwards (``begin``); None outside a step
+        self._before: Optional[Dict[int, Optional[torch.Tensor]]] = None  # by id(parameter)
 
     @property
     def groups(self) -> List[List[nn.Parameter]]:
@@ -137,15 +163,49 @@ class LocalTies:
                 c.copy_(first)
 
     @torch.no_grad()
-    def fold(self) -> None:
-        """Give every copy of a tie the sum of their gradients (after a step's backwards)."""
-        for group in self.groups:
-            grads = [p.grad for p in group if p.grad is not None]
-            if len(group) < 2 or not grads:
-                continue
-            total = grads[0].clone()
-            for g in grads[1:]:
-                total.add_(g.to(total.device))
-            for p in group:
-                p.grad = total.to(p.device, copy=True)
+    def begin(self) -> None:
+        """Note every tied parameter's gradient before a step's first backward adds to it.
 
+        Call it once per exchange: before the first of several passes that
+        one ``fold`` closes (``HybridParallel``'s own accumulation), and where
+        a backward starts (the user's ``loss.backward()`` through the pipeline
+        reaches it then, after any ``zero_grad`` in between).
+
+        The note costs a copy of each use's gradient while the step runs, but
+        only where ``.grad`` is not None at its start (accumulating, or
+        ``zero_grad(set_to_none=False)``); after ``zero_grad()`` it is free.
+        """
+        self._before = {id(p): None if p.grad is None else p.grad.detach().clone()
+                        for _, group in self.entries for p in group}
+
+    def _gain(self, p: nn.Parameter) -> Optional[torch.Tensor]:
+        """What the step's backwards added to ``p.grad`` (None: nothing, or no gradient at all)."""
+        before = None if self._before is None else self._before.get(id(p))
+        if p.grad is None:
+            return None
+        return p.grad.detach() if before is None else p.grad.detach() - before
+
+    @torch.no_grad()
+    def fold(self) -> None:
+        """Give every use of a tie its gradient before the step plus the gains of all uses (after the backwards).
+
+        Uses in other processes join through ``across`` (a collective per
+        shared tie, in tie order, whether or not this process gained anything).
+        """
+        for tie, group in self.entries:
+            shared = self.across is not None and self.across.shares(tie)
+            if len(group) < 2 and not shared:
+                continue
+            gains = [g for g in (self._gain(p) for p in group) if g is not None]
+            if not gains and not shared:
+                continue
+            total = gains[0].clone() if gains else torch.zeros_like(group[0])
+            for g in gains[1:]:
+                total.add_(g.to(total.device))
+            if shared:
+                total = self.across.sum(tie, total)  # type: ignore[union-attr]
+            for p in group:
+                before = None if self._before is None else self._before.get(id(p))
+                mine = total.to(p.device, copy=True)
+                p.grad = mine if before is None else mine.add_(before)
+        self._before = None
