@@ -192,6 +192,19 @@ def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
 
+@torch.no_grad()
+def pipeline_held_out(engine: pipeddp.Pipeline, held_set: TensorDataset, batch: int) -> float:
+    """Mean loss of a ``Pipeline`` over the held-out windows, in batches of ``batch`` (evaluation mode)."""
+    engine.eval()
+    total = 0.0
+    for i in range(0, len(held_set), batch):
+        x, y = held_set[i:i + batch]
+        out = engine(x)
+        total += loss_fn(out, y.to(out.device)).item() * len(x)
+    engine.train()
+    return total / len(held_set)
+
+
 def make_optimizer(params: Iterable[nn.Parameter], args: argparse.Namespace) -> torch.optim.Optimizer:
     """AdamW; the same for the pipeline, the engine and a plain reference (each tied copy is updated alike)."""
     return torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=0.01)
@@ -335,16 +348,8 @@ def main(argv: Any = None) -> Losses:
                                   balance=args.balance, checkpoint=args.checkpoint, threads=args.threads)
         rank, replica, replicas = 0, 0, 1
 
-        @torch.no_grad()
         def held_out() -> float:
-            engine.eval()
-            total = 0.0
-            for i in range(0, len(held_set), args.batch):
-                x, y = held_set[i:i + args.batch]
-                out = engine(x)
-                total += loss_fn(out, y.to(out.device)).item() * len(x)
-            engine.train()
-            return total / len(held_set)
+            return pipeline_held_out(engine, held_set, args.batch)
         where = f"Pipeline, {args.stages} stages on {[str(d) for d in engine.devices]}"
 
     say = print if rank == 0 else (lambda *a, **k: None)

@@ -125,16 +125,8 @@ def main(argv: Any = None) -> Result:
                                   balance=args.balance, checkpoint=args.checkpoint, threads=args.threads)
         rank, replica = 0, 0
 
-        @torch.no_grad()
         def held_out() -> float:
-            engine.eval()
-            total = 0.0
-            for i in range(0, len(held_set), args.batch):
-                x, y = held_set[i:i + args.batch]
-                out = engine(x)
-                total += lm.loss_fn(out, y.to(out.device)).item() * len(x)
-            engine.train()
-            return total / len(held_set)
+            return lm.pipeline_held_out(engine, held_set, args.batch)
         where = f"Pipeline, {args.stages} stages"
 
     say: Callable[..., None] = print if rank == 0 else (lambda *a, **k: None)
