@@ -51,6 +51,7 @@ from .runtime.stage import build_stages, register_layers
 from .runtime.step import Runner, Step
 from .runtime.tied import find_ties
 from .runtime.trace import Trace
+from .runtime.warn import warn
 
 __all__ = ["HybridParallel", "resume"]
 
@@ -389,9 +390,9 @@ class HybridParallel(StepModule):
         if extra is None or self.global_batch_plan is None:
             return extra
         if POSITION_KEY not in extra:
-            warnings.warn("pipeddp: the checkpoint holds no data position (it was saved without global_batch), so "
-                          "the loader starts epoch 0 from its beginning; set engine.position.epoch/.consumed "
-                          "yourself if you know where the job stood", RuntimeWarning, stacklevel=3)
+            warn("pipeddp: the checkpoint holds no data position (it was saved without global_batch), so "
+                 "the loader starts epoch 0 from its beginning; set engine.position.epoch/.consumed "
+                 "yourself if you know where the job stood", RuntimeWarning)
             return extra
         self.position.restore(extra[POSITION_KEY])
         return extra

@@ -15,7 +15,6 @@ then all ranks raise, or proceed, alike::
 from __future__ import annotations
 
 import math
-import warnings
 import zlib
 from typing import Any, Callable, Dict, Iterable, List, Sequence, Tuple, TypeVar
 
@@ -24,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..runtime.microbatch import batch_size
+from ..runtime.warn import warn
 from .topology import Topology
 
 __all__ = ["Agreement"]
@@ -173,8 +173,8 @@ class Agreement:
         where = "; ".join(part for part in (
             f"non-finite loss on rank(s) {losses}" if losses else "",
             f"non-finite gradients on rank(s) {grads_bad}" if grads_bad else "") if part)
-        warnings.warn(f"pipeddp: skipped a training step: {where}; gradients were dropped on every rank "
-                      f"({skipped + 1} skipped so far)", RuntimeWarning, stacklevel=3)
+        warn(f"pipeddp: skipped a training step: {where}; gradients were dropped on every rank "
+             f"({skipped + 1} skipped so far)", RuntimeWarning)
         return torch.tensor(loss, dtype=torch.float64), True
 
     # -- a gradient norm over stages --------------------------------------------------------------------

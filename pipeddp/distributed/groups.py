@@ -16,7 +16,6 @@ collective::
 from __future__ import annotations
 
 import os
-import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Dict, List, Optional, Sequence, Union
@@ -25,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime.devices import DeviceLike, resolve_devices
+from ..runtime.warn import warn
 from .topology import Topology, env_world
 
 __all__ = ["Groups", "current_topology", "local_devices", "choose_backend", "init_process_group", "make_groups"]
@@ -52,8 +52,8 @@ def local_devices(topo: Topology, devices: Union[None, str, Sequence[DeviceLike]
             devices = None
         else:
             if count:
-                warnings.warn(f"pipeddp: {count} CUDA device(s) cannot hold {topo.local_world_size} process(es) x "
-                              f"{want} stage(s): running on the CPU", RuntimeWarning, stacklevel=3)
+                warn(f"pipeddp: {count} CUDA device(s) cannot hold {topo.local_world_size} process(es) x "
+                     f"{want} stage(s): running on the CPU", RuntimeWarning)
             return [torch.device("cpu")] * want
     if devices is not None:
         devs = resolve_devices(devices)
@@ -70,8 +70,8 @@ def local_devices(topo: Topology, devices: Union[None, str, Sequence[DeviceLike]
     if need > count and topo.local_world_size == 1:
         # one process: its stages share the GPUs there are (several stages on one GPU run on streams)
         devs = [torch.device("cuda", s % count) for s in range(want)]
-        warnings.warn(f"pipeddp: {want} stage(s) on {count} CUDA device(s): stages share devices "
-                      f"{[str(d) for d in devs]}; pass devices= to choose", RuntimeWarning, stacklevel=3)
+        warn(f"pipeddp: {want} stage(s) on {count} CUDA device(s): stages share devices "
+             f"{[str(d) for d in devs]}; pass devices= to choose", RuntimeWarning)
         return devs
     if need > count:
         raise ValueError(

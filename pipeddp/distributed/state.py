@@ -25,7 +25,6 @@ rank, so that all ranks raise the same error instead of some waiting.
 from __future__ import annotations
 
 import os
-import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
@@ -39,6 +38,7 @@ from . import catalog
 from . import checkpoint as files
 from . import optim_state, sharded
 from .agreement import Agreement
+from ..runtime.warn import warn
 from .topology import Topology
 
 __all__ = ["Engine", "Saver", "gather_state_dict", "own_entries", "save", "save_checkpoint", "load", "resume",
@@ -392,7 +392,7 @@ def load_into(module: nn.Module, path: str, optimizer: Optional[torch.optim.Opti
 
 
 def _warn(message: str) -> None:
-    warnings.warn(f"pipeddp: {message}", RuntimeWarning, stacklevel=4)
+    warn(f"pipeddp: {message}", RuntimeWarning)
 
 
 def resume(engine: Engine, directory: str, optimizer: Optional[torch.optim.Optimizer] = None, *,

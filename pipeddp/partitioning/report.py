@@ -18,7 +18,6 @@ to measure it: a 0.00 there would read as a measured zero.
 from __future__ import annotations
 
 import io
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
@@ -27,6 +26,7 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
+from ..runtime.warn import warn
 from .profile import LayerCost, profile_layers, sample_microbatch
 from .solve import check_stage_count, solve, stage_costs
 
@@ -137,12 +137,12 @@ def warn_heavy_layers(names: Sequence[str], layers: Sequence[nn.Module], costs: 
         return
     named = ", ".join(f"layer {i} ({names[i]!r}, {type(layers[i]).__name__}: {costs[i] / total:.1%})" for i in heavy)
     raise_to = "holds" if len(heavy) == 1 else "each hold"
-    warnings.warn(
+    warn(
         f"{named} {raise_to} more than a stage's share ({1 / stages:.1%} for {stages} stages) of the model's "
         f"{_UNITS.get(method, method)}: no cut between layers can balance the stages. Split it into finer layers: "
         "pipeddp.tools.models.flatten_sequential(model, sample) opens nested containers, nn.ModuleList loops and "
         "nn.TransformerEncoder into their layers; or write the layer as several layers of the nn.Sequential",
-        HeavyLayerWarning, stacklevel=3)
+        HeavyLayerWarning)
 
 
 def _human_bytes(n: float) -> str:
