@@ -98,16 +98,22 @@ def test_defaults_learn(tmp_path, corpus):
     assert after < 0.75 * before, stdout[-2000:]
 
 
+def runs_with_and_without_recompute(example: Path, argv, tmp_path):
+    """The example's result and saved weights with ``--checkpoint never`` and ``always``, by policy."""
+    ex = load_example(example)
+    results, states = {}, {}
+    for policy in ("never", "always"):
+        out = tmp_path / f"{policy}.pt"
+        results[policy] = ex.main([*argv, "--checkpoint", policy, "--out", str(out)])
+        states[policy] = torch.load(out)
+    return results, states
+
+
 @pytest.mark.timeout(60)
 def test_dropout_replays_under_recompute(tmp_path, corpus):
     """Attention and residual dropout draw the same numbers whether activations are kept or recomputed."""
-    ex = load_example(EXAMPLE)
     # a fixed cut: a measured one may differ between the runs, and each stage draws from a seed of its own
     argv = [*TINY, *corpus, "--dropout", "0.2", "--sample-length", "0", "--balance", "2,3"]
-    losses, states = {}, {}
-    for policy in ("never", "always"):
-        out = tmp_path / f"{policy}.pt"
-        losses[policy] = ex.main([*argv, "--checkpoint", policy, "--out", str(out)])
-        states[policy] = torch.load(out)
+    losses, states = runs_with_and_without_recompute(EXAMPLE, argv, tmp_path)
     assert losses["never"] == losses["always"]
     assert all(torch.equal(states["never"][k], states["always"][k]) for k in states["never"])

@@ -8,6 +8,7 @@ import torch
 
 from conftest import load_example, run_script
 from test_train_lm import corpus  # noqa: F401  (a fixture: a fixed copy of the example's text)
+from test_train_lm import runs_with_and_without_recompute
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_transformer.py"
 
@@ -77,14 +78,9 @@ def test_defaults_learn(corpus, capsys):  # noqa: F811
 def test_encoder_dropout_replays_under_recompute(tmp_path, corpus):  # noqa: F811
     """The encoder layers' attention, feed-forward and residual dropout draw the same numbers whether the
     activations are kept or recomputed in backward: the same losses and weights, bit for bit (same shapes)."""
-    ex = load_example(EXAMPLE)
     # a fixed cut: a measured one may differ between the runs, and each stage draws from a seed of its own
     argv = [*TINY, *corpus, "--dropout", "0.2", "--sample-length", "0", "--balance", "3,3"]
-    runs, states = {}, {}
-    for policy in ("never", "always"):
-        out = tmp_path / f"{policy}.pt"
-        runs[policy] = ex.main([*argv, "--checkpoint", policy, "--out", str(out)])
-        states[policy] = torch.load(out)
+    runs, states = runs_with_and_without_recompute(EXAMPLE, argv, tmp_path)
     assert runs["never"] == runs["always"]
     assert all(torch.equal(states["never"][k], states["always"][k]) for k in states["never"])
 

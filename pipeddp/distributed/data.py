@@ -188,12 +188,12 @@ def loader(
         replicas, replica = topo.replicas, topo.replica
     if replicas is None or replica is None:
         raise ValueError("pass engine=<HybridParallel> or both replicas= and replica=")
+    generator = dataloader_kwargs.pop("generator", None) or torch.Generator().manual_seed(seed)
     if train and plan is not None:
         if batch_size is not None and batch_size != plan.replica_batch:
             raise ValueError(f"batch_size={batch_size}, but the engine fixes global_batch={plan.total} over "
                              f"{plan.replicas} replica(s): each replica's batch is {plan.replica_batch}; leave "
                              "batch_size out (the engine's batch_size= sets the samples per accumulation pass)")
-        generator = dataloader_kwargs.pop("generator", None) or torch.Generator().manual_seed(seed)
         elastic = ElasticSampler(dataset, replicas, replica, plan.total, position=engine.position, shuffle=shuffle,
                                  seed=seed)
         return ElasticLoader(dataset, batch_size=plan.replica_batch, sampler=elastic, drop_last=True,
@@ -207,6 +207,5 @@ def loader(
                                      drop_last=drop_last)
     else:
         sampler = ShardSampler(dataset, replicas, replica)
-    generator = dataloader_kwargs.pop("generator", None) or torch.Generator().manual_seed(seed)
     return ReplicaLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last and train,
                          generator=generator, **dataloader_kwargs)

@@ -15,7 +15,10 @@
     amp          the caller's autocast, re-entered on the stage threads
     trace        spans of every action, for timelines; peak activations and memory per stage
     devices      checking the device names users give
+    clip         the plain model's gradient norm over the stages (a tied weight counted once)
+    split        a backward in two halves: input gradient (I) and weight gradient (W), for zero-bubble
     names        the original model's keys for a flattened model's layers (state dicts, optimizer state)
+    warn         warnings attributed to the user's line, however deep in pipeddp they are raised
 
 The distributed layer (``pipeddp.distributed``) adds a second runner, the
 process that owns one stage, and DDP; it uses this package, never the reverse.
