@@ -61,11 +61,12 @@ def pipeline_devices(devices: Union[str, Sequence[DeviceLike]], stages: Optional
     (stages share them, with a warning, when there are fewer), else the CPU p
     times, so that one script runs on a GPU box and on a laptop.
     """
+    one = None if stages is None else Topology(0, 1, 0, 1, stages)  # checks stages as HybridParallel does
     if isinstance(devices, str) and devices == "auto":
-        if stages is None:
+        if one is None:
             raise ValueError("devices='auto' needs the number of stages: Pipeline(model, devices='auto', stages=2) "
                              "(one device each, GPUs where there are any, else the CPU)")
-        return local_devices(Topology(0, 1, 0, 1, stages), "auto")
+        return local_devices(one, "auto")
     devs = resolve_devices(devices)
     if stages is not None and stages != len(devs):
         raise ValueError(f"stages={stages} but {len(devs)} devices were given ({[str(d) for d in devs]}); "

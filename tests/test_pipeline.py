@@ -306,7 +306,10 @@ def test_devices_auto_errors_say_what_to_pass():
         pipeddp.Pipeline(make_mlp(), "auto")
     with pytest.raises(ValueError, match=r"stages=3 but 2 devices were given"):
         pipeddp.Pipeline(make_mlp(), ["cpu", "cpu"], stages=3)
-    with pytest.raises(ValueError, match="stages must be an int >= 1"):
-        pipeddp.Pipeline(make_mlp(), "auto", stages=0)
+    for bad in (0, True, "2"):  # checked as HybridParallel's stages are, with explicit devices too
+        with pytest.raises(ValueError, match="stages must be an int >= 1"):
+            pipeddp.Pipeline(make_mlp(), "auto", stages=bad)
+        with pytest.raises(ValueError, match="stages must be an int >= 1"):
+            pipeddp.Pipeline(make_mlp(), ["cpu"], stages=bad)
     with pytest.raises(TypeError, match="one device per stage"):
         pipeddp.Pipeline(make_mlp(), "cpu")  # a single device name is still not a list of devices

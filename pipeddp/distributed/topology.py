@@ -76,7 +76,7 @@ class Topology:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
-        if not isinstance(self.stages, int) or self.stages < 1:
+        if not isinstance(self.stages, int) or isinstance(self.stages, bool) or self.stages < 1:
             raise ValueError(f"stages must be an int >= 1, got {self.stages!r}")
         if self.mode == "stage" and self.world_size % self.stages:
             raise ValueError(
