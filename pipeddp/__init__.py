@@ -22,7 +22,9 @@ from .hybrid import HybridParallel, resume
 from .partitioning.report import HeavyLayerWarning, Partition, partition
 from .pipeline import Pipeline
 from .runtime.rng import is_checkpointing, is_recomputing
-from .runtime.schedule import Action, format_schedule, gpipe, interleaved, one_f_one_b, zero_bubble
+from .runtime.schedule.actions import Action
+from .runtime.schedule.builders import gpipe, interleaved, one_f_one_b, zero_bubble
+from .runtime.schedule.checks import format_schedule
 from .tools.simulate import simulate
 
 __all__ = ["Pipeline", "HybridParallel", "Partition", "partition", "HeavyLayerWarning", "spawn", "resume", "data",

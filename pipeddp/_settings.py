@@ -18,7 +18,8 @@ from torch import nn
 from .partitioning.report import METHODS, Partition, check_balance, check_model, partition
 from .partitioning.solve import check_stage_count
 from .runtime.microbatch import batch_size
-from .runtime.schedule import ScheduleFn, accepts_virtual_stages, get_schedule, schedule_name
+from .runtime.schedule.actions import ScheduleFn
+from .runtime.schedule.builders import accepts_virtual_stages, get_schedule, schedule_name
 
 __all__ = ["Settings", "check_settings", "CHECKPOINT_MODES", "choose_partition"]
 

@@ -46,7 +46,7 @@ from .runtime.devices import DeviceLike
 from .runtime.executor import ThreadRunner
 from .runtime.microbatch import batch_size as samples_of, split, tree_map
 from .runtime.names import Names
-from .runtime.schedule import ScheduleFn, row_of
+from .runtime.schedule.actions import ScheduleFn, row_of
 from .runtime.stage import build_stages, register_layers
 from .runtime.step import Runner, Step
 from .runtime.tied import find_ties

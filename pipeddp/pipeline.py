@@ -37,7 +37,7 @@ from .runtime.devices import DeviceLike, resolve_devices
 from .runtime.executor import ThreadRunner
 from .runtime.microbatch import batch_size, tree_tensors
 from .runtime.names import Names
-from .runtime.schedule import ScheduleFn, row_of
+from .runtime.schedule.actions import ScheduleFn, row_of
 from .runtime.stage import build_stages, register_layers
 from .runtime.step import Step
 from .runtime.tied import find_ties

@@ -24,8 +24,9 @@ import torch
 
 from ..runtime.channels import Channel, Inbox, LocalChannel
 from ..runtime.executor import Device, StageResults, group_rows, run_actions
-from ..runtime.schedule import Action, Kind, row_of
-from ..runtime.stage import Grads, Stage, StepSpec
+from ..runtime.schedule.actions import Action, Kind, row_of
+from ..runtime.spec import Grads, StepSpec
+from ..runtime.stage import Stage
 from ..runtime.trace import Trace
 from .p2p import P2PChannel
 from .topology import Topology

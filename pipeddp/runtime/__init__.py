@@ -3,10 +3,13 @@
 ::
 
     microbatch   split a batch into micro-batches, merge outputs back
-    schedule     GPipe / 1F1B as per-stage action lists (F0 F1 B0 ...), checked by ``play``
+    schedule/    schedules as data: actions -> replay (``play``) -> checks -> builders (GPipe, 1F1B, ...)
     stage        one slice of the model on one device: forward / backward / recompute of a micro-batch
+    spec         ``StepSpec``: what a step asks of every stage, and what a stage keeps per micro-batch
+    compiled     a stage's layers under ``torch.compile``, one compiled function per mode
     channels     the ``Channel`` interface; ``LocalChannel`` moves tensors between stage threads
     executor     ``run_actions`` walks a stage's action list; ``ThreadRunner`` runs every stage on a thread
+    workers      the persistent worker threads (one per device) that ``ThreadRunner`` hands its jobs to
     step         one step, built once: split, seed, spec, schedule -> a runner (threads or a process)
     streams      CUDA compute / copy streams of a stage (no-ops on CPU)
     rng          per-micro-batch seeds so that every random op replays under recompute

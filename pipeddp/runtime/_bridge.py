@@ -26,7 +26,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 
 from .microbatch import tree_map, tree_tensors
-from .stage import Grads
+from .spec import Grads
 
 __all__ = ["attach"]
 

@@ -5,7 +5,7 @@ row of the schedule, dispatching each action to the stage it names, pulls
 inputs from the channels of the devices that send them, pushes outputs to
 the devices that take them, and records a span per action when tracing.
 ``ThreadRunner`` runs it for every device of a process on one ``Workers``
-thread per device, joined by ``LocalChannel``s::
+thread per device (``workers``), joined by ``LocalChannel``s::
 
     caller --run(rows, spec)--> ThreadRunner
                                   device 0 thread: run_actions(F0 F1 B0 ...) --LocalChannel--.
@@ -18,9 +18,8 @@ form a ring. The process that owns one device of a multi-process pipeline
 runs the same ``run_actions`` on its main thread
 (``pipeddp.distributed.stage_runner``).
 
-Threads are persistent (a step is far too short to pay for thread start-up
-per stage), daemonic (a forgotten pipeline can never block interpreter exit)
-and are stopped and joined by ``ThreadRunner.close``, which the public classes
+The threads (``workers``) are persistent and daemonic, and are stopped and
+joined by ``ThreadRunner.close``, which the public classes
 call from ``close()``, ``__exit__`` and a ``weakref.finalize`` hook.
 """
 
@@ -28,17 +27,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Dict, List, Mapping, Optional, Sequence
+from typing import Any, ContextManager, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
 from .channels import Channel, Inbox, LocalChannel, PipelineAborted
-from .schedule import Action, Kind, row_of
-from .stage import Grads, Stage, StepSpec
+from .schedule.actions import Action, Kind, row_of
+from .spec import Grads, StepSpec
+from .stage import Stage
 from .trace import Trace
+from .workers import Workers
 
 __all__ = ["Workers", "StageResults", "Device", "run_actions", "ThreadRunner", "group_rows"]
 
@@ -221,123 +221,6 @@ def _timed(trace: Optional[Trace], stage: int, kind: str, mb: int, stream: Any, 
            lane: str = "compute") -> ContextManager[Any]:
     """A span of the trace around the body, or nothing when the step is not traced."""
     return _UNTIMED if trace is None else trace.span(stage, kind, mb, stream, lane=lane, row=row)
-
-
-class _Worker:
-    """One persistent thread: runs the jobs it is given, one at a time, and reports each to ``done``.
-
-    Its setup (the intra-op thread count) can fail; the error is kept and
-    every job, the current and every later one, is answered with it, so a
-    caller never waits for a thread that is gone.
-    """
-
-    def __init__(self, name: str, threads: Optional[int], done: "queue.SimpleQueue[tuple]") -> None:
-        self.jobs: "queue.SimpleQueue[Optional[tuple]]" = queue.SimpleQueue()
-        self.done = done
-        self.fatal: Optional[BaseException] = None
-        self.thread = threading.Thread(target=self._loop, args=(threads,), name=name, daemon=True)
-        self.thread.start()
-
-    def _loop(self, threads: Optional[int]) -> None:
-        try:
-            if threads is not None:
-                torch.set_num_threads(threads)
-        except BaseException as exc:  # noqa: BLE001 - every job is answered with it
-            self.fatal = exc
-        while True:
-            job = self.jobs.get()
-            if job is None:
-                return
-            run, k, fn, grad_mode = job
-            try:
-                if self.fatal is not None:
-                    raise RuntimeError(f"pipeddp: the worker thread {self.thread.name} could not start: "
-                                       f"{self.fatal!r}") from self.fatal
-                with torch.set_grad_enabled(grad_mode):
-                    result = fn()
-                self.done.put((run, k, True, result))
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                self.done.put((run, k, False, exc))
-            finally:
-                del fn, job
-
-
-class Workers:
-    """A fixed set of worker threads, one per device.
-
-    ``run(fns)`` runs ``fns[i]`` on worker ``i`` and waits for all of them:
-    each reports to one queue, the cheapest wake-up there is. If one fails,
-    ``on_error`` is called (the pipeline aborts its inboxes so waiting devices
-    wake up), the rest are awaited, and the first real error is re-raised in
-    the caller with its original traceback. A worker thread that died is
-    noticed within a second and reported instead of waited for.
-    """
-
-    def __init__(self, n: int, *, threads: Optional[int] = None, name: str = "pipeddp") -> None:
-        self._done: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
-        self._workers = [_Worker(f"{name}-stage{i}", threads, self._done) for i in range(n)]
-        self._closed = False
-        self._run = 0
-
-    def __len__(self) -> int:
-        return len(self._workers)
-
-    def run(self, fns: Sequence[Callable[[], Any]], on_error: Callable[[BaseException], None]) -> List[Any]:
-        if self._closed:
-            raise RuntimeError("this pipeline was closed; create a new one")
-        self._run += 1
-        run = self._run
-        grad_mode = torch.is_grad_enabled()
-        for k, (worker, fn) in enumerate(zip(self._workers, fns)):
-            worker.jobs.put((run, k, fn, grad_mode))
-        n = len(fns)
-        results: List[Any] = [None] * n
-        errors: List[BaseException] = []
-        pending = set(range(n))
-        while pending:
-            try:
-                got_run, k, ok, value = self._done.get(timeout=1.0)
-            except queue.Empty:
-                dead = [self._workers[k].thread.name for k in pending if not self._workers[k].thread.is_alive()]
-                if dead:
-                    exc = RuntimeError(f"pipeddp: worker thread(s) {dead} died without finishing the step")
-                    if not errors:
-                        on_error(exc)
-                    errors.append(exc)
-                    pending -= {k for k in pending if not self._workers[k].thread.is_alive()}
-                continue
-            if got_run != run:  # left over from a step its caller stopped waiting for
-                continue
-            pending.discard(k)
-            if ok:
-                results[k] = value
-            else:
-                if not errors:
-                    on_error(value)
-                errors.append(value)
-        if errors:
-            real = [e for e in errors if not isinstance(e, PipelineAborted)]
-            raise (real[0] if real else errors[0])
-        return results
-
-    def close(self) -> None:
-        """Stop and join every worker (idempotent)."""
-        if self._closed:
-            return
-        self._closed = True
-        for w in self._workers:
-            w.jobs.put(None)
-        for w in self._workers:
-            if w.thread is not threading.current_thread():
-                w.thread.join()
-
-    @property
-    def threads(self) -> List[threading.Thread]:
-        return [w.thread for w in self._workers]
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
 
 class ThreadRunner:

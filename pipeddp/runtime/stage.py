@@ -19,32 +19,35 @@ Gradients are summed over micro-batches by autograd itself (``.grad``
 accumulates); the last stage multiplies each micro-batch's loss by its share
 of the batch (``n_i / N``) before backward, so the sum *is* the mean-loss
 gradient, uneven micro-batches included, and nothing is rescaled afterwards.
+
+What a step asks of the stage and what it keeps per micro-batch are in
+``spec``; the layers run as they are or through ``compiled``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import threading
-import types
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from .microbatch import tree_map, tree_tensors
-from .amp import Autocast
 from .batchnorm import batch_norms, frozen_statistics
-from .rng import Replay, checkpointing, is_checkpointing, is_recomputing, recomputing
-from .split import WeightGrads, backward_input
+from .compiled import Compiled
+from .microbatch import tree_map, tree_tensors
+from .rng import Replay, checkpointing, recomputing
+from .spec import Grads, Saved, StepSpec
+from .split import backward_input
 from .streams import StageStreams
 from .tied import layers_of, stage_of_layers
 
+# StepSpec and Grads are handed on: callers that drive a stage name them with it
 __all__ = ["Stage", "StepSpec", "Grads", "build_stages", "register_layers"]
 
-Grads = List[Optional[torch.Tensor]]
+#: A backward root and the gradient it starts from (None: a loss, or no gradient given).
+Pair = Tuple[torch.Tensor, Optional[torch.Tensor]]
 
 _NOTHING = contextlib.nullcontext()  # reusable no-op context: entered on every action where nothing is needed
 
@@ -55,52 +58,6 @@ def _clone(t: torch.Tensor) -> torch.Tensor:
 
 def _detach(t: torch.Tensor) -> torch.Tensor:
     return t.detach()
-
-
-@dataclass
-class StepSpec:
-    """What one step asks of every stage.
-
-    ``grad``: keep what backward needs. ``recompute(i)``: drop activations of
-    micro-batch i and recompute them in backward. ``seed``: base seed for random
-    stages (None: no random stage). ``loss_fn``/``targets``/``weights``: the last
-    stage turns outputs into weighted losses. ``sync``: this step's last backward
-    on each stage must trigger the data-parallel gradient all-reduce.
-    ``autocast``/``loss_scale``: mixed precision (see ``amp``).
-    """
-
-    grad: bool
-    recompute: Callable[[int], bool] = lambda i: False
-    seed: Optional[int] = None
-    loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None
-    targets: Optional[Sequence[Any]] = None
-    weights: Optional[Sequence[float]] = None
-    sync: bool = False
-    #: the caller's autocast state, re-entered around every forward and recompute
-    autocast: Autocast = field(default_factory=Autocast)
-    #: scales the loss before backward (a GradScaler's ``scale``); the returned loss stays unscaled
-    loss_scale: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
-    #: per stage, what forward kept for backward, by micro-batch. It lives in the
-    #: step (not the stage) so several outstanding ``pipe(x)`` calls never mix.
-    saved: List[Dict[int, "_Saved"]] = field(default_factory=list)
-
-    def store(self, stage: int) -> Dict[int, "_Saved"]:
-        while len(self.saved) <= stage:
-            self.saved.append({})
-        return self.saved[stage]
-
-
-@dataclass
-class _Saved:
-    """What forward keeps of one micro-batch for its backward."""
-
-    inputs: Any
-    #: what backward starts from (the outputs, or the weighted loss); None: recompute it first
-    roots: Optional[Any]
-    target: Any = None
-    weight: float = 1.0
-    #: after an input-gradient backward (I): what its weight half (W) needs
-    weight_grads: Optional[WeightGrads] = None
 
 
 def _may_write_its_input(module: nn.Module) -> bool:
@@ -114,52 +71,6 @@ def _may_write_its_input(module: nn.Module) -> bool:
     gives its layers a copy of each micro-batch's input (one copy per micro-batch).
     """
     return any(getattr(m, "inplace", False) for m in module.modules())
-
-
-class Compiled:
-    """A stage's layers under ``torch.compile``, compiled once per mode, each mode a cache of its own.
-
-    Dynamo keeps its compiled graphs, and counts recompiles against its limit
-    (8), per *code object*. Every stage is an ``nn.Sequential`` and runs in up
-    to three modes (a forward that keeps the graph, a forward without grad, a
-    recompute replay), which differ in grad mode, in whether the input
-    requires grad and in the BatchNorm flags: one code object for all of them
-    recompiles on every switch and, past the limit, silently falls back to
-    eager. So each (stage, mode) gets a function with a code object of its
-    own, compiled the first time that mode runs::
-
-        mode (grad enabled, recomputing, checkpointing, layers' training flags) -> torch.compile(run_<stage>_<k>)
-    """
-
-    def __init__(self, module: nn.Module, options: Dict[str, Any], index: int) -> None:
-        self.module = module
-        self.options = options
-        self.index = index
-        self.by_mode: Dict[Tuple[Any, ...], Callable[[Any], Any]] = {}
-        self._lock = threading.Lock()
-
-    def mode(self) -> Tuple[Any, ...]:
-        return (torch.is_grad_enabled(), is_recomputing(), is_checkpointing(), tuple(m.training for m in self.module))
-
-    def __call__(self, value: Any) -> Any:
-        key = self.mode()
-        fn = self.by_mode.get(key)
-        if fn is None:
-            with self._lock:
-                fn = self.by_mode.get(key)
-                if fn is None:
-                    fn = self.by_mode[key] = self._compile(len(self.by_mode))
-        return fn(value)
-
-    def _compile(self, k: int) -> Callable[[Any], Any]:
-        module = self.module
-
-        def run(value: Any) -> Any:
-            return module(value)
-
-        code = run.__code__.replace(co_name=f"pipeddp_stage{self.index}_mode{k}")
-        own = types.FunctionType(code, run.__globals__, code.co_name, run.__defaults__, run.__closure__)
-        return torch.compile(own, **self.options)
 
 
 class Stage:
@@ -209,7 +120,7 @@ class Stage:
         """What backward starts from: the weighted loss, scaled for mixed precision when asked."""
         return spec.loss_scale(loss) if spec.loss_scale is not None else loss
 
-    def _loss(self, out: Any, saved: _Saved, spec: StepSpec) -> torch.Tensor:
+    def _loss(self, out: Any, saved: Saved, spec: StepSpec) -> torch.Tensor:
         if spec.loss_fn is None:
             raise RuntimeError(f"stage {self.index} was asked for a loss without a loss_fn")
         loss = spec.loss_fn(out, saved.target)
@@ -231,11 +142,11 @@ class Stage:
             if not spec.grad:
                 with torch.no_grad():
                     out = self._run(value)
-                    loss = self._loss(out, _Saved(value, None, target, weight), spec) if wants_loss else None
+                    loss = self._loss(out, Saved(value, None, target, weight), spec) if wants_loss else None
                 return out, loss
 
             inputs = self._leaf(value) if type(value) is torch.Tensor else tree_map(self._leaf, value)
-            saved = _Saved(inputs, None, target, weight)
+            saved = Saved(inputs, None, target, weight)
             if spec.recompute(mb):
                 # on copies: an in-place op must not change what the replay will see
                 with torch.no_grad(), checkpointing():
@@ -266,7 +177,7 @@ class Stage:
 
     # -- backward: whole (B), or input half (I) then weight half (W) ----------------------------------
 
-    def _take(self, spec: StepSpec, mb: int, *, keep: bool) -> _Saved:
+    def _take(self, spec: StepSpec, mb: int, *, keep: bool) -> Saved:
         """What forward kept for micro-batch ``mb`` (removed from the step unless ``keep``)."""
         store = spec.store(self.index)
         if mb not in store:
@@ -276,7 +187,7 @@ class Stage:
             )
         return store[mb] if keep else store.pop(mb)
 
-    def _roots(self, saved: _Saved, spec: StepSpec, mb: int) -> Any:
+    def _roots(self, saved: Saved, spec: StepSpec, mb: int) -> Any:
         """What backward starts from; recomputed here, once, where forward dropped the activations.
 
         The replay runs from the micro-batch's own seed (the same random numbers
@@ -292,7 +203,7 @@ class Stage:
                     if (self.last and spec.loss_fn is not None) else out
         return saved.roots
 
-    def _pairs(self, roots: Any, grads: Optional[Grads]) -> List[Tuple[torch.Tensor, Optional[torch.Tensor]]]:
+    def _pairs(self, roots: Any, grads: Optional[Grads]) -> List[Pair]:
         """(root tensor, its gradient) for every root that backward must start from."""
         tensors = tree_tensors(roots)
         if grads is None:
@@ -301,7 +212,7 @@ class Stage:
             raise RuntimeError(f"stage {self.index}: got {len(grads)} output gradients for {len(tensors)} outputs")
         return [(t, g) for t, g in zip(tensors, grads) if t.requires_grad and g is not None]
 
-    def _arm(self, pairs: List[Tuple[torch.Tensor, Optional[torch.Tensor]]]) -> List[Tuple[torch.Tensor, Optional[torch.Tensor]]]:
+    def _arm(self, pairs: List[Pair]) -> List[Pair]:
         """Pass the roots through the data-parallel engine's arming call (see ``distributed/ddp.py``)."""
         if self.sync_roots is None:
             return pairs
@@ -309,7 +220,7 @@ class Stage:
         return [(t, g) for t, (_, g) in zip(synced, pairs)]
 
     @staticmethod
-    def _input_grads(saved: _Saved) -> Grads:
+    def _input_grads(saved: Saved) -> Grads:
         return [t.grad if t.requires_grad else None for t in tree_tensors(saved.inputs)]
 
     def backward(self, mb: int, grads: Optional[Grads], spec: StepSpec, *, sync: bool = False) -> Grads:

@@ -32,8 +32,10 @@ from .batchnorm import DeferredStatistics
 from .executor import StageResults
 from .microbatch import merge, split, split_sizes, tree_map
 from .rng import draw_base_seed
-from .schedule import Action, Schedule, ScheduleFn, backward_only, forward_only, get_schedule, row_of
-from .stage import Grads, Stage, StepSpec
+from .schedule.actions import Action, Schedule, ScheduleFn, row_of
+from .schedule.builders import backward_only, forward_only, get_schedule
+from .spec import Grads, StepSpec
+from .stage import Stage
 from .tied import LocalTies, Tie
 from .trace import Trace
 

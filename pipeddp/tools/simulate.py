@@ -8,7 +8,9 @@
     all-reduce                         [==== s1 ====]    ring: 2 (R-1)/R bytes / bw + 2 (R-1) latency,
                                              [== s0 ==]   overlapped with that stage's last backward
 
-The schedule itself is played by ``schedule.play`` (the same function that
+The cost model (``StageCost``, ``Link``, the ring all-reduce) lives in
+``costs``, the replay on shared cores in ``contention``; this module puts
+them together. The schedule itself is played by ``schedule.play`` (the same function that
 checks schedules for deadlocks), so the simulator and the executor agree on
 what may run when. The result is the predicted step time, the bubble (idle
 share of stage time), and how many micro-batches of activations each stage
@@ -52,77 +54,27 @@ keyword arguments, for hosts where they matter:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-from ..runtime.schedule import (Action, Kind, Played, Schedule, ScheduleFn, get_schedule, normalize, play, produces,
-                                ready_time, row_of, stage_count)
+from ..runtime.schedule.actions import Action, Kind, ScheduleFn, row_of
+from ..runtime.schedule.builders import get_schedule
+from ..runtime.schedule.replay import Played, play
+from .contention import play_shared, play_with_collectives
+from .costs import (
+    LINKS,
+    Link,
+    StageCost,
+    bubble_bound,
+    contention_factor,
+    resolve_link,
+    ring_allreduce_time,
+    split_buckets,
+)
 
-__all__ = ["StageCost", "Link", "LINKS", "Prediction", "simulate", "ring_allreduce_time", "bubble_bound", "resolve_link",
-           "play_shared", "contention_factor"]
-
-
-@dataclass(frozen=True)
-class StageCost:
-    """One stage at one micro-batch size: seconds per micro-batch, bytes it sends, bytes it owns.
-
-    ``backward_input`` is the input-gradient half of ``backward`` (what a
-    zero-bubble schedule's I costs; W costs the rest). Unknown (None), it is
-    taken as half, except on the first stage, which has no input gradient.
-    """
-
-    forward: float
-    backward: float
-    activation_bytes: int = 0
-    param_bytes: int = 0
-    backward_input: Optional[float] = None
-
-    def cost(self, kind: Kind, first: bool) -> float:
-        """Seconds of one action of ``kind`` on this stage (``first``: the pipeline's first stage)."""
-        if kind is Kind.F:
-            return self.forward
-        if kind is Kind.B:
-            return self.backward
-        i = self.backward_input if self.backward_input is not None else (0.0 if first else self.backward / 2)
-        i = min(max(i, 0.0), self.backward)
-        return i if kind is Kind.I else self.backward - i
-
-
-@dataclass(frozen=True)
-class Link:
-    """A connection: ``bandwidth`` in bytes/s, ``latency`` in seconds per message."""
-
-    bandwidth: float
-    latency: float = 0.0
-
-    def time(self, nbytes: float) -> float:
-        if math.isinf(self.bandwidth) and self.latency == 0.0:
-            return 0.0
-        return self.latency + nbytes / self.bandwidth
-
-
-#: Typical links (per direction). "local" is two stages sharing one memory (CPU threads).
-LINKS: Dict[str, Link] = {
-    "local": Link(math.inf, 0.0),
-    "nvlink": Link(150e9, 5e-6),
-    "pcie": Link(12e9, 10e-6),
-    "infiniband": Link(25e9, 5e-6),
-    "ethernet": Link(1.25e9, 50e-6),
-}
-
-
-def ring_allreduce_time(nbytes: float, replicas: int, link: Link) -> float:
-    """A ring all-reduce of ``nbytes`` over ``replicas``: 2 (R-1) steps of nbytes/R each."""
-    if replicas <= 1 or nbytes <= 0:
-        return 0.0
-    steps = 2 * (replicas - 1)
-    return steps * link.latency + steps / replicas * nbytes / link.bandwidth
-
-
-def bubble_bound(stages: int, chunks: int) -> float:
-    """The ideal speedup of p stages over one with m micro-batches: m p / (m + p - 1)."""
-    return chunks * stages / (chunks + stages - 1)
+# the cost model's names are handed on: ``simulate`` is where users find them
+__all__ = ["StageCost", "Link", "LINKS", "Prediction", "simulate", "ring_allreduce_time", "bubble_bound",
+           "resolve_link", "play_shared", "contention_factor"]
 
 
 @dataclass
@@ -140,154 +92,6 @@ class Prediction:
     def makespan(self) -> float:
         """Forward+backward time of the pipeline, before any exposed all-reduce."""
         return self.played.makespan
-
-
-def contention_factor(contention: Optional[Sequence[float]], workers: int) -> float:
-    """How much slower compute runs with ``workers`` computing at once (see the module docstring)."""
-    if not contention or workers < 1:
-        return 1.0
-    if workers <= len(contention):
-        return float(contention[workers - 1])
-    return float(contention[-1]) * workers / len(contention)
-
-
-def play_shared(
-    schedule: Schedule,
-    duration: Callable[[int, Action], float],
-    transfer: Callable[[int, int, Action], float],
-    slowdown: Callable[[int], float],
-) -> Played:
-    """``schedule.play`` on shared compute: with n stages busy, each progresses at 1 / slowdown(n).
-
-    Event-driven: at every start or end of an action the number of busy
-    stages, and with it every running action's speed, is re-evaluated.
-    ``duration`` is the solo compute time; transfers are not slowed down.
-    With ``slowdown`` always 1 the result equals ``play``'s.
-    """
-    events, _ = _play_shared(schedule, duration, transfer, slowdown)
-    return Played(events)
-
-
-Span = Tuple[float, float]
-
-
-def _last_weight(schedule: Schedule) -> Dict[int, Tuple[int, int]]:
-    """Per stage, (row, position) of its last action that accumulates weight gradients (B or W)."""
-    out: Dict[int, Tuple[int, int]] = {}
-    for r, row in enumerate(schedule):
-        for k, a in enumerate(row):
-            if a.kind is Kind.B or a.kind is Kind.W:
-                out[a.stage] = (r, k)
-    return out
-
-
-def _play_shared(
-    schedule: Schedule,
-    duration: Callable[[int, Action], float],
-    transfer: Callable[[int, int, Action], float],
-    slowdown: Callable[[int], float],
-    collectives: Optional[Sequence[Sequence[Tuple[float, float]]]] = None,
-) -> Tuple[List[List[Tuple[Action, float, float]]], List[List[Span]]]:
-    """``play_shared``, optionally with collectives that compete for the same cores.
-
-    ``collectives[s]`` lists stage s's reductions as ``(fraction, seconds)``:
-    reduction k may start once the stage's last weight-gradient action (its
-    last B or W) has done ``fraction`` of its work and reduction k-1 has
-    finished; ``seconds`` is its duration when only the collectives run (that
-    is how it was measured). A running reduction counts as one more busy
-    worker: with n busy (actions + reductions), an action progresses at 1 /
-    slowdown(n) and a reduction at slowdown(1) / slowdown(n). Returns each
-    device row's events and each stage's reduction spans.
-    """
-    schedule = normalize(schedule)
-    n_stages = stage_count(schedule)
-    p = len(schedule)
-    jobs = [list(j) for j in collectives] if collectives is not None else [[] for _ in range(n_stages)]
-    last_w = _last_weight(schedule)
-    done: Dict[Tuple[str, int, int], float] = {}
-    events: List[List[Tuple[Action, float, float]]] = [[] for _ in range(p)]
-    reduced: List[List[Span]] = [[] for _ in range(n_stages)]
-    pos = [0] * p
-    running: List[Optional[List[Any]]] = [None] * p  # [action, start, solo work left, solo work, index in row]
-    comm: List[Optional[List[float]]] = [None] * n_stages  # [start, work left]
-    queued = [0] * n_stages  # next reduction of each stage
-    total = sum(len(r) for r in schedule) + sum(len(j) for j in jobs)
-    finished = 0
-    now = 0.0
-
-    def progress(s: int) -> Optional[float]:
-        """Share of stage s's last weight-gradient action done so far (None before it starts)."""
-        if s not in last_w:
-            return None
-        r, k = last_w[s]
-        if pos[r] <= k:
-            return None
-        run = running[r]
-        if run is not None and run[4] == k and run[3] > 0:
-            return 1.0 - run[2] / run[3]
-        return 1.0
-
-    while finished < total:
-        pending: List[float] = []
-        for r in range(p):
-            if running[r] is not None or pos[r] >= len(schedule[r]):
-                continue
-            a = schedule[r][pos[r]]
-            ready = ready_time(a, done, transfer, n_stages)
-            if ready is None:
-                continue
-            if ready <= now:
-                work = max(duration(r, a), 0.0)
-                running[r] = [a, now, work, work, pos[r]]
-                pos[r] += 1
-            else:
-                pending.append(ready)
-        for s in range(n_stages):
-            if comm[s] is None and queued[s] < len(jobs[s]):
-                share = progress(s)
-                if share is not None and share >= jobs[s][queued[s]][0] - 1e-12:
-                    comm[s] = [now, max(jobs[s][queued[s]][1], 0.0)]
-                    queued[s] += 1
-        busy = [r for r in range(p) if running[r] is not None]
-        talking = [s for s in range(n_stages) if comm[s] is not None]
-        n = len(busy) + len(talking)
-        factor = slowdown(n) if n else 1.0
-        comm_factor = factor / slowdown(1) if n else 1.0
-        ends = {r: now + running[r][2] * factor for r in busy}
-        comm_ends = {s: now + comm[s][1] * comm_factor for s in talking}
-        triggers = []
-        for r in busy:  # a running last weight action reaching the share at which the next reduction may start
-            run = running[r]
-            s = run[0].stage
-            if last_w.get(s) == (r, run[4]) and comm[s] is None and queued[s] < len(jobs[s]):
-                left = run[2] - (1.0 - jobs[s][queued[s]][0]) * run[3]
-                if left > 0:
-                    triggers.append(now + left * factor)
-        candidates = list(ends.values()) + list(comm_ends.values()) + pending + triggers
-        if not candidates:
-            stuck = ", ".join(f"device {r} at {schedule[r][pos[r]].label(False)}"
-                              for r in range(p) if pos[r] < len(schedule[r]))
-            raise ValueError(f"the schedule deadlocks: no stage can proceed ({stuck})")
-        nxt = min(candidates)
-        for r in busy:
-            if ends[r] <= nxt:
-                a, start = running[r][0], running[r][1]
-                events[r].append((a, start, nxt))
-                for e in produces(a):
-                    done[e] = nxt
-                running[r] = None
-                finished += 1
-            else:
-                running[r][2] -= (nxt - now) / factor
-        for s in talking:
-            if comm_ends[s] <= nxt:
-                reduced[s].append((comm[s][0], nxt))
-                comm[s] = None
-                finished += 1
-            else:
-                comm[s][1] -= (nxt - now) / comm_factor
-        now = nxt
-    return events, reduced
 
 
 def simulate(
@@ -348,7 +152,7 @@ def simulate(
         sender = src if a.kind is Kind.F else dst
         return link.time(costs[sender].activation_bytes)
 
-    buckets = [_buckets(c.param_bytes, bucket_bytes) for c in costs]
+    buckets = [split_buckets(c.param_bytes, bucket_bytes) for c in costs]
     reduce = [sum(ring_allreduce_time(b, replicas, ar_link) for b in bs) for bs in buckets]
     if collectives_share_cores:
         if contention is None:
@@ -363,7 +167,7 @@ def simulate(
                 share = produced / c.param_bytes if bucket_bytes is not None else 0.0
                 row.append((share, ring_allreduce_time(size, replicas, ar_link)))
             jobs.append(row if replicas > 1 else [])
-        events, spans = _play_shared(plan, duration, transfer,
+        events, spans = play_with_collectives(plan, duration, transfer,
                                      lambda n: contention_factor(contention, n * replicas), jobs)
         played = Played(events)
         end = max([played.makespan] + [stop for row in spans for _, stop in row])
@@ -398,24 +202,3 @@ def simulate(
         exposed_allreduce=end - played.makespan,
         played=played,
     )
-
-
-def _buckets(nbytes: float, bucket_bytes: Optional[float]) -> List[float]:
-    """``nbytes`` of gradients as DDP-like buckets of ``bucket_bytes`` (one piece without a size)."""
-    if nbytes <= 0:
-        return []
-    if bucket_bytes is None or nbytes <= bucket_bytes:
-        return [float(nbytes)]
-    full = int(nbytes // bucket_bytes)
-    rest = nbytes - full * bucket_bytes
-    return [float(bucket_bytes)] * full + ([float(rest)] if rest > 0 else [])
-
-
-def resolve_link(value: Union[None, str, Link]) -> Link:
-    if value is None:
-        return LINKS["local"]
-    if isinstance(value, Link):
-        return value
-    if value not in LINKS:
-        raise ValueError(f"unknown link {value!r}; choose one of {sorted(LINKS)} or pass a Link(bandwidth, latency)")
-    return LINKS[value]

@@ -1,0 +1,72 @@
+"""What one step asks of every stage, and what a stage keeps of a micro-batch between its forward and backward.
+
+::
+
+    StepSpec (one per step)  grad, recompute, seed, loss_fn / targets / weights, sync, autocast, loss_scale
+       saved[stage][mb] -> Saved   inputs (leaves), roots (outputs or weighted loss; None: recompute),
+                                   target, weight, weight_grads (after an I, for its W)
+
+The saved state lives in the step, not in the stage, so several outstanding
+``pipe(x)`` calls on one pipeline never mix their micro-batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from .amp import Autocast
+from .split import WeightGrads
+
+__all__ = ["StepSpec", "Saved", "Grads"]
+
+#: Gradients aligned with a value's tensor leaves (None where a leaf has none).
+Grads = List[Optional[torch.Tensor]]
+
+
+@dataclass
+class StepSpec:
+    """What one step asks of every stage.
+
+    ``grad``: keep what backward needs. ``recompute(i)``: drop activations of
+    micro-batch i and recompute them in backward. ``seed``: base seed for random
+    stages (None: no random stage). ``loss_fn``/``targets``/``weights``: the last
+    stage turns outputs into weighted losses. ``sync``: this step's last backward
+    on each stage must trigger the data-parallel gradient all-reduce.
+    ``autocast``/``loss_scale``: mixed precision (see ``amp``).
+    """
+
+    grad: bool
+    recompute: Callable[[int], bool] = lambda i: False
+    seed: Optional[int] = None
+    loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None
+    targets: Optional[Sequence[Any]] = None
+    weights: Optional[Sequence[float]] = None
+    sync: bool = False
+    #: the caller's autocast state, re-entered around every forward and recompute
+    autocast: Autocast = field(default_factory=Autocast)
+    #: scales the loss before backward (a GradScaler's ``scale``); the returned loss stays unscaled
+    loss_scale: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    #: per stage, what forward kept for backward, by micro-batch. It lives in the
+    #: step (not the stage) so several outstanding ``pipe(x)`` calls never mix.
+    saved: List[Dict[int, "Saved"]] = field(default_factory=list)
+
+    def store(self, stage: int) -> Dict[int, "Saved"]:
+        while len(self.saved) <= stage:
+            self.saved.append({})
+        return self.saved[stage]
+
+
+@dataclass
+class Saved:
+    """What forward keeps of one micro-batch for its backward."""
+
+    inputs: Any
+    #: what backward starts from (the outputs, or the weighted loss); None: recompute it first
+    roots: Optional[Any]
+    target: Any = None
+    weight: float = 1.0
+    #: after an input-gradient backward (I): what its weight half (W) needs
+    weight_grads: Optional[WeightGrads] = None
