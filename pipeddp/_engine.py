@@ -7,12 +7,12 @@ expose of the step they run is the same, so it is written here once.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, TypeVar
+from typing import Any, Dict, List, Mapping, Optional, Tuple, TypeVar
 
 import torch
 from torch import nn
 
-from .runtime.clip import clip_grad_norm
+from .runtime.clip import Combine, clip_grad_norm
 from .runtime.names import Names
 from .runtime.stage import Stage
 from .runtime.step import Step
@@ -21,9 +21,6 @@ from .runtime.trace import Trace
 __all__ = ["StepModule"]
 
 Self = TypeVar("Self", bound="StepModule")
-
-#: ``combine(part, is_max)``: the shares of a norm held by the processes of one pipeline, joined
-Combine = Callable[[torch.Tensor, bool], torch.Tensor]
 
 
 class StepModule(nn.Module):

@@ -3,12 +3,12 @@
 Both classes take the same model and micro-batch settings; checking them
 twice is how the copies drift apart (a misspelt ``checkpoint=`` refused by
 one class and silently taken as "never" by the other). So both call
-``check_settings`` and keep the ``Settings`` it returns.
+``check_settings`` and keep the ``Settings`` it returns (plain data, defined
+in ``runtime.settings`` so that the distributed builder can read it too).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Dict, Optional, Sequence, Union
 
@@ -20,31 +20,13 @@ from .partitioning.solve import check_stage_count
 from .runtime.microbatch import batch_size
 from .runtime.schedule.actions import ScheduleFn
 from .runtime.schedule.builders import accepts_virtual_stages, get_schedule, schedule_name
+from .runtime.settings import Settings
 
 __all__ = ["Settings", "check_settings", "CHECKPOINT_MODES", "choose_partition"]
 
 CHECKPOINT_MODES = ("never", "except_last", "always")
 
 Timeout = Union[float, int, timedelta]
-
-
-@dataclass(frozen=True)
-class Settings:
-    """What was asked for, checked: micro-batching, schedule, recompute, and the timeout in seconds."""
-
-    chunks: Optional[int]
-    split_size: Optional[int]
-    schedule: Union[str, ScheduleFn]
-    checkpoint: str
-    timeout: float
-    #: options for ``torch.compile`` of each stage's module, or None for eager stages
-    compile: Optional[Dict[str, Any]] = None
-    #: stages per device: the model is cut into ``devices x virtual_stages`` stages
-    virtual_stages: int = 1
-
-    @property
-    def timeout_delta(self) -> timedelta:
-        return timedelta(seconds=self.timeout)
 
 
 def _positive_int(value: Any, name: str, meaning: str) -> None:

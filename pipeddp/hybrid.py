@@ -17,6 +17,12 @@ stage's copies, so identical stages average gradients once per step::
 
 Training on R replicas with local batches of n gives the same model as one
 device training on the concatenated global batch of R*n (mean loss).
+
+The class is the public face; the work is done below it::
+
+    HybridParallel --build_replica--> Replica (distributed.replica): agreement, step, groups, DDP
+         |  train_step / forward / evaluate --> Replica --> Step (runtime.step): passes, schedule, runner
+         |  checkpoints, data position --> distributed.state
 """
 
 from __future__ import annotations
@@ -29,28 +35,19 @@ from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ._engine import Combine, StepModule
 from ._settings import check_settings, choose_partition
 from .distributed import state
-from .distributed.agreement import Agreement
+from .distributed.build import build_replica
 from .distributed.elastic import POSITION_KEY, DataPosition, GlobalBatch, plan_global_batch
-from .distributed.ddp import CommHook, attach_stages, check_ddp_kwargs, with_sync_batchnorm
-from .distributed.groups import choose_backend, current_topology, init_process_group, local_devices, make_groups
-from .distributed.stage_runner import ProcessRunner
-from .distributed.ties import TieExchange
+from .distributed.ddp import CommHook
+from .distributed.groups import current_topology
 from .partitioning.report import Partition
 from .runtime.devices import DeviceLike
-from .runtime.executor import ThreadRunner
-from .runtime.microbatch import batch_size as samples_of, split, tree_map
 from .runtime.names import Names
-from .runtime.schedule.actions import ScheduleFn, row_of
-from .runtime.stage import build_stages, register_layers
-from .runtime.step import Runner, Step
-from .runtime.tied import find_ties
-from .runtime.trace import Trace
+from .runtime.schedule.actions import ScheduleFn
 from .runtime.warn import warn
 
 __all__ = ["HybridParallel", "resume"]
@@ -97,34 +94,16 @@ class HybridParallel(StepModule):
             memory a pass needs); default: the whole replica batch in one pass.
     """
 
-    def __init__(
-        self,
-        model: nn.Sequential,
-        *,
-        stages: int,
-        chunks: Optional[int] = None,
-        split_size: Optional[int] = None,
-        balance: Union[None, str, Sequence[int]] = None,
-        sample: Optional[Any] = None,
-        schedule: Union[str, ScheduleFn] = "1f1b",
-        checkpoint: str = "never",
-        mode: str = "replica",
-        devices: Union[None, str, Sequence[DeviceLike]] = None,
-        backend: Optional[str] = None,
-        layout: str = "pipeline",
-        ddp_kwargs: Optional[Dict[str, Any]] = None,
-        comm_hook: Optional[CommHook] = None,
-        sync_batchnorm: bool = False,
-        timeout: Union[float, timedelta] = timedelta(minutes=30),
-        trace: bool = False,
-        threads: Optional[int] = None,
-        skip_nonfinite: bool = False,
-        deferred_batch_norm: bool = False,
-        compile: Union[bool, Dict[str, Any]] = False,
-        virtual_stages: Optional[int] = None,
-        global_batch: Optional[int] = None,
-        batch_size: Optional[int] = None,
-    ) -> None:
+    def __init__(self, model: nn.Sequential, *, stages: int, chunks: Optional[int] = None,
+                 split_size: Optional[int] = None, balance: Union[None, str, Sequence[int]] = None,
+                 sample: Optional[Any] = None, schedule: Union[str, ScheduleFn] = "1f1b", checkpoint: str = "never",
+                 mode: str = "replica", devices: Union[None, str, Sequence[DeviceLike]] = None,
+                 backend: Optional[str] = None, layout: str = "pipeline", ddp_kwargs: Optional[Dict[str, Any]] = None,
+                 comm_hook: Optional[CommHook] = None, sync_batchnorm: bool = False,
+                 timeout: Union[float, timedelta] = timedelta(minutes=30), trace: bool = False,
+                 threads: Optional[int] = None, skip_nonfinite: bool = False, deferred_batch_norm: bool = False,
+                 compile: Union[bool, Dict[str, Any]] = False, virtual_stages: Optional[int] = None,
+                 global_batch: Optional[int] = None, batch_size: Optional[int] = None) -> None:
         super().__init__()
         self.topology = topo = current_topology(stages, mode, layout)
         self.global_batch_plan: Optional[GlobalBatch] = plan_global_batch(global_batch, batch_size, topo.replicas)
@@ -137,55 +116,21 @@ class HybridParallel(StepModule):
                                                          "sync_batchnorm": sync_batchnorm,
                                                          "skip_nonfinite": skip_nonfinite},
                                                   balance=balance, sample=sample)
-        n_stages = stages * settings.virtual_stages
-        check_ddp_kwargs(ddp_kwargs, comm_hook)
         self.key_names = Names.of(model)
         self.skip_nonfinite = skip_nonfinite
-        self.skipped_steps = 0
-        self.devices = devs = local_devices(topo, devices)
-        self.backend = choose_backend(backend, devs, topo)
-        self._owns_group = topo.world_size > 1 and not dist.is_initialized()
-        if self._owns_group:
-            init_process_group(self.backend, settings.timeout_delta)
-        self.agreement = Agreement(topo, devs[0] if self.backend == "nccl" else torch.device("cpu"))
-        self.partition: Partition = self.agreement.from_rank0(
-            lambda: choose_partition(model, n_stages, balance, sample, settings, devs[0]))
+        cut = partial(choose_partition, model, stages * settings.virtual_stages, balance, sample, settings)
+        self._replica = wired = build_replica(self, model, topo, settings, partition=cut, devices=devices,
+                                              backend=backend, ddp_kwargs=ddp_kwargs, comm_hook=comm_hook,
+                                              sync_batchnorm=sync_batchnorm, trace=trace, threads=threads,
+                                              deferred_batch_norm=deferred_batch_norm)
+        self.devices, self.backend, self.agreement = wired.devices, wired.backend, wired.agreement
+        self.partition: Partition = wired.partition
         self.balance: List[int] = list(self.partition.balance)
-        self._groups = make_groups(topo, self.backend, settings.timeout_delta, settings.virtual_stages)
-        if sync_batchnorm:  # after profiling: a SyncBatchNorm would wait for the other ranks there
-            model = with_sync_batchnorm(model, devs, topo.replicas, topo.rank)
-        if mode == "replica":
-            indices = list(range(n_stages))
-            placed = [devs[row_of(s, stages)] for s in indices]
-        else:
-            indices = list(range(topo.stage, n_stages, stages))
-            placed = [devs[0]] * len(indices)
-        local = build_stages(model, self.balance, placed, indices, compile=settings.compile)
-        register_layers(self, local)
-        runner: Runner
-        if mode == "replica":
-            runner = ThreadRunner(local, threads=threads, timeout=settings.timeout, rank=topo.rank, rows=stages,
-                                  n_stages=n_stages)
-        else:
-            runner = ProcessRunner.connect(local, topo, n_stages=n_stages, comm_device=self.agreement.comm_device,
-                                           timeout=settings.timeout_delta)
-        ties = find_ties(model, self.balance)
-        self._step = step = Step(local, n_stages, runner, chunks=settings.chunks, split_size=settings.split_size,
-                                 schedule=settings.schedule, checkpoint=settings.checkpoint, ties=ties,
-                                 deferred_batch_norm=deferred_batch_norm, virtual_stages=settings.virtual_stages)
-        step.sync = topo.replicas > 1
-        self._ties = exchange = TieExchange(ties, step.ties, topo, backend=self.backend,
-                                            timeout=settings.timeout_delta, comm_device=self.agreement.comm_device)
-        step.before_forward.append(exchange.refresh)
-        step.ties.across = exchange  # the gains of ties' uses in other processes join the step's fold
-        self._finalizer = weakref.finalize(self, runner.close)
+        self._step, self._ddps = wired.step, wired.ddps
+        self._finalizer = weakref.finalize(self, wired.close)
         self._saver = state.Saver(topo, settings.timeout_delta)
-        self.trace = Trace(topo.rank) if trace else None
-        self._ddps = attach_stages(local, self._groups.stage, ddp_kwargs=ddp_kwargs, comm_hook=comm_hook,
-                                   trace=self.trace) if topo.replicas > 1 else []
 
     # -- structure ---------------------------------------------------------------------------------
-
 
     @property
     def is_first(self) -> bool:
@@ -200,20 +145,22 @@ class HybridParallel(StepModule):
     @property
     def global_batch(self) -> Optional[int]:
         """Samples per optimizer step, all replicas together (None: not fixed, each call is one pass)."""
-        plan = self.global_batch_plan
-        return plan.total if plan is not None else None
+        return self.global_batch_plan.total if self.global_batch_plan is not None else None
 
     @property
     def replica_batch(self) -> Optional[int]:
         """Samples ``train_step`` takes on each replica: ``global_batch / replicas`` (None without global_batch)."""
-        plan = self.global_batch_plan
-        return plan.replica_batch if plan is not None else None
+        return self.global_batch_plan.replica_batch if self.global_batch_plan is not None else None
 
     @property
     def accumulation(self) -> int:
         """Forward + backward passes per ``train_step`` on each replica (1 without global_batch)."""
-        plan = self.global_batch_plan
-        return plan.accumulation if plan is not None else 1
+        return self.global_batch_plan.accumulation if self.global_batch_plan is not None else 1
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped on every rank because their loss or gradients were not finite (``skip_nonfinite``)."""
+        return self._replica.skipped_steps
 
     # -- running -----------------------------------------------------------------------------------
 
@@ -232,40 +179,8 @@ class HybridParallel(StepModule):
         run as ``engine.accumulation`` passes; the gradients are still those of
         the mean loss over the whole global batch, reduced across replicas once.
         """
-        n = self.agreement.local_batch(x, y, need_y=True)  # a collective: every rank sees the same n
-        if scaler is not None:
-            scaler.scale(torch.ones((), device=self.devices[0]))  # every rank's scaler is set up, not only the last's
-        scale = scaler.scale if scaler is not None else None
-        plan = self.global_batch_plan
-        if plan is None:
-            loss = self._step.train(x, y, loss_fn, n, loss_scale=scale)
-        else:
-            if n != plan.replica_batch:
-                raise ValueError(f"rank {self.topology.rank}: train_step got {n} samples per replica, but "
-                                 f"global_batch={plan.total} over {plan.replicas} replica(s) makes "
-                                 f"{plan.replica_batch} per replica (engine.replica_batch); "
-                                 "pipeddp.data.loader(dataset, engine=engine) yields batches of that size")
-            loss = self._accumulate(x, y, loss_fn, plan, scale)
-        loss, skipped = self.agreement.finish_step(0.0 if loss is None else loss.item(), self.parameters(),
-                                                   skip_nonfinite=self.skip_nonfinite, skipped=self.skipped_steps,
-                                                   overflow_to_scaler=scaler is not None)
-        self.skipped_steps += skipped
-        return loss
-
-    def _accumulate(self, x: Any, y: Any, loss_fn: Callable[[Any, Any], torch.Tensor], plan: GlobalBatch,
-                    scale: Optional[Callable[[torch.Tensor], torch.Tensor]]) -> Optional[torch.Tensor]:
-        """``plan.accumulation`` passes of ``plan.batch_size``; each weighs its share, the last one reduces."""
-        passes = plan.accumulation
-        sizes = [plan.batch_size] * passes
-        xs = split(x, sizes) if x is not None else [None] * passes
-        ys = split(y, sizes) if y is not None else [None] * passes
-        total: Optional[torch.Tensor] = None
-        for i, (xi, yi) in enumerate(zip(xs, ys)):
-            loss = self._step.train(xi, yi, loss_fn, plan.batch_size, loss_scale=scale, share=1.0 / passes,
-                                    first=i == 0, final=i == passes - 1)
-            if loss is not None:
-                total = loss if total is None else total + loss
-        return total
+        return self._replica.train(x, y, loss_fn, self.parameters(), plan=self.global_batch_plan, scaler=scaler,
+                                   skip_nonfinite=self.skip_nonfinite)
 
     def forward(self, x: Any) -> Any:  # type: ignore[override]
         """Run ``x`` through this replica's pipeline, as ``Pipeline.forward`` does.
@@ -277,11 +192,7 @@ class HybridParallel(StepModule):
         numbers of batches).
         """
         need_grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
-        if self.topology.mode == "replica":
-            n = samples_of(x, name="input")
-        else:
-            n = self.agreement.local_batch(x, None, need_y=False, group=self._groups.pipeline)
-        return self._step.forward(x, n, need_grad=need_grad)
+        return self._replica.forward(x, need_grad=need_grad)
 
     @torch.no_grad()
     def eval_step(self, x: Any) -> Any:
@@ -297,33 +208,15 @@ class HybridParallel(StepModule):
         result is the sample-weighted mean over the whole set, plus ``"samples"``.
         Every rank returns the same dict.
         """
-        was_training = self.training
-        self.eval()
-        sums: Dict[str, float] = {}
-        count = 0
-        try:
-            for x, y in loader:
-                out = self.eval_step(x)
-                if self.is_last:
-                    n = samples_of(y, name="y")
-                    for k, v in metric_fn(out, tree_map(lambda t: t.to(self._step.stages[-1].device), y)).items():
-                        sums[k] = sums.get(k, 0.0) + float(v) * n
-                    count += n
-        finally:
-            self.train(was_training)
-        return self.agreement.mean_metrics(count, sums)
+        return self._replica.evaluate(self, loader, metric_fn)
 
     def check_replicas(self) -> None:
         """None when every stage's copies agree bit for bit (a CRC32 per parameter), else ``RuntimeError``
         naming the stage, parameter and ranks. A collective: call it on every rank."""
-        self.agreement.check_replicas(self._step.stages, self._groups.stage, rename=self.key_names.original)
+        self.agreement.check_replicas(self._step.stages, self._replica.groups.stage, rename=self.key_names.original)
 
     def _norm_scope(self) -> Tuple[List[nn.Parameter], torch.device, Optional[Combine]]:
-        """In stage mode the norm is joined over this replica's processes (replicas agree after DDP)."""
-        if self.topology.mode == "replica" or not self.agreement.distributed:
-            return [], self.agreement.comm_device, None
-        return self._ties.copies(), self.agreement.comm_device, partial(self.agreement.join_norm,
-                                                                         group=self._groups.pipeline)
+        return self._replica.norm_scope()
 
     # -- state -------------------------------------------------------------------------------------
 
@@ -405,10 +298,6 @@ class HybridParallel(StepModule):
             self._saver.close()  # a failed background save raises here, after everything below is stopped
         finally:
             self._finalizer()
-            if self._owns_group and dist.is_initialized():
-                dist.destroy_process_group()
-                self._owns_group = False
-
 
     def extra_repr(self) -> str:
         t = self.topology

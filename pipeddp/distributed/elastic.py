@@ -52,6 +52,14 @@ class GlobalBatch:
         """Passes (forward + backward, gradients accumulating) per optimizer step on each replica."""
         return self.replica_batch // self.batch_size
 
+    def check(self, samples: int, rank: int) -> None:
+        """Refuse a ``train_step`` batch of ``samples`` on a replica unless it is ``replica_batch``."""
+        if samples != self.replica_batch:
+            raise ValueError(f"rank {rank}: train_step got {samples} samples per replica, but "
+                             f"global_batch={self.total} over {self.replicas} replica(s) makes "
+                             f"{self.replica_batch} per replica (engine.replica_batch); "
+                             "pipeddp.data.loader(dataset, engine=engine) yields batches of that size")
+
 
 def _divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]

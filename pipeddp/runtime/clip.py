@@ -22,7 +22,10 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
-__all__ = ["clip_grad_norm", "local_part", "total_from_part", "scale_grads"]
+__all__ = ["clip_grad_norm", "local_part", "total_from_part", "scale_grads", "Combine"]
+
+#: ``combine(part, is_max)``: the shares of a norm held by the processes of one pipeline, joined
+Combine = Callable[[torch.Tensor, bool], torch.Tensor]
 
 
 def local_part(grads: Sequence[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
@@ -54,7 +57,7 @@ def scale_grads(params: Iterable[torch.nn.Parameter], max_norm: float, total: to
 
 def clip_grad_norm(params: Sequence[torch.nn.Parameter], copies: Iterable[torch.nn.Parameter], max_norm: float,
                    norm_type: float, *, device: torch.device,
-                   combine: Optional[Callable[[torch.Tensor, bool], torch.Tensor]] = None,
+                   combine: Optional[Combine] = None,
                    error_if_nonfinite: bool = False) -> torch.Tensor:
     """Clip the gradients of ``params`` by the norm of all of them but ``copies``; returns that norm (float64).
 

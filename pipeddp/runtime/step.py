@@ -15,8 +15,9 @@ the total number of stages, the micro-batch settings and a *runner*:
 * ``ProcessRunner`` (``pipeddp.distributed.stage_runner``): the one stage
   this process owns, its neighbours in other processes.
 
-Splitting, seeding, the recompute policy, choosing the schedule and reading
-the results are written here and nowhere else, so ``Pipeline`` and both modes
+Splitting, seeding, the recompute policy, choosing the schedule, reading
+the results and accumulating several passes into one optimizer step
+(``train_passes``) are written here and nowhere else, so ``Pipeline`` and both modes
 of ``HybridParallel`` train, evaluate and recompute with the same code.
 """
 
@@ -186,6 +187,30 @@ class Step:
             return None
         losses = results[-1].losses
         return torch.stack([losses[i] for i in range(m)]).sum()
+
+    def train_passes(self, x: Any, y: Any, loss_fn: LossFn, n: int, passes: int = 1, *,
+                     loss_scale: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> Optional[torch.Tensor]:
+        """One optimizer step's gradients from a batch of ``n`` run as ``passes`` equal passes (accumulation).
+
+        A pass is a ``train`` of ``n / passes`` samples weighing ``1 / passes``
+        of the step; only the last one reduces across replicas. The passes'
+        losses are summed, so the result is the whole batch's mean loss, as
+        one pass of ``n`` would give (where this process runs the last stage).
+        """
+        if passes == 1:
+            return self.train(x, y, loss_fn, n, loss_scale=loss_scale)
+        if passes < 1 or n % passes:
+            raise ValueError(f"a batch of {n} does not divide into {passes} equal accumulation passes")
+        sizes = [n // passes] * passes
+        xs = split(x, sizes) if x is not None else [None] * passes
+        ys = split(y, sizes) if y is not None else [None] * passes
+        total: Optional[torch.Tensor] = None
+        for i, (xi, yi) in enumerate(zip(xs, ys)):
+            loss = self.train(xi, yi, loss_fn, sizes[i], loss_scale=loss_scale, share=1.0 / passes, first=i == 0,
+                              final=i == passes - 1)
+            if loss is not None:
+                total = loss if total is None else total + loss
+        return total
 
     def forward(self, x: Any, n: int, *, need_grad: bool) -> Any:
         """Forward of a batch of ``n``; the merged output where this process runs the last stage, else None.

@@ -1,0 +1,119 @@
+"""Wiring one process's part of a replicated pipeline: what ``HybridParallel(...)`` builds, in order.
+
+::
+
+    topology (torchrun's env) -> devices, backend -> process group (unless one exists) -> Agreement
+        -> partition: measured on rank 0, the same on every rank
+        -> stage groups (and pipeline groups in stage mode)
+        -> [SyncBatchNorm] -> this process's stages, registered on the owner under the model's names
+        -> runner: ThreadRunner (replica mode: every stage, on threads) | ProcessRunner (stage mode: one stage)
+        -> Step, with the exchange of tied weights between processes
+        -> DDP over each stage's group (several replicas)
+
+Every rank runs these steps in the same order, because several are
+collectives (``new_group``, the partition's broadcast, DDP's first broadcast
+of the weights): a rank that skipped one would leave the others waiting. The
+arguments are checked before (``pipeddp._settings`` for what ``Pipeline``
+shares, ``check_ddp_kwargs`` here, first thing), so a mistake raises on every
+rank before any group or thread exists.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ..partitioning.report import Partition
+from ..runtime.devices import DeviceLike
+from ..runtime.executor import ThreadRunner
+from ..runtime.schedule.actions import row_of
+from ..runtime.settings import Settings
+from ..runtime.stage import Stage, build_stages, register_layers
+from ..runtime.step import Runner, Step
+from ..runtime.tied import find_ties
+from ..runtime.trace import Trace
+from .agreement import Agreement
+from .ddp import CommHook, attach_stages, check_ddp_kwargs, with_sync_batchnorm
+from .groups import Groups, choose_backend, init_process_group, local_devices, make_groups
+from .replica import Replica
+from .stage_runner import ProcessRunner
+from .ties import TieExchange
+from .topology import Topology
+
+__all__ = ["build_replica"]
+
+
+def build_replica(owner: nn.Module, model: nn.Sequential, topology: Topology, settings: Settings, *,
+                  partition: Callable[[torch.device], Partition],
+                  devices: Union[None, str, Sequence[DeviceLike]] = None, backend: Optional[str] = None,
+                  ddp_kwargs: Optional[Dict[str, Any]] = None, comm_hook: Optional[CommHook] = None,
+                  sync_batchnorm: bool = False, trace: bool = False, threads: Optional[int] = None,
+                  deferred_batch_norm: bool = False) -> Replica:
+    """Wire this process's stages of ``model`` into ``topology``; their layers are registered on ``owner``.
+
+    ``partition(device)`` cuts the model (``stages x virtual_stages`` stages);
+    it runs on rank 0 only, on its first device, and every rank takes its
+    result. The other arguments are ``HybridParallel``'s.
+    """
+    check_ddp_kwargs(ddp_kwargs, comm_hook)
+    topo, virtual = topology, settings.virtual_stages
+    n_stages = topo.stages * virtual
+    devs = local_devices(topo, devices)
+    backend = choose_backend(backend, devs, topo)
+    owns_group = topo.world_size > 1 and not dist.is_initialized()
+    if owns_group:
+        init_process_group(backend, settings.timeout_delta)
+    agreement = Agreement(topo, devs[0] if backend == "nccl" else torch.device("cpu"))
+    cut = agreement.from_rank0(lambda: partition(devs[0]))
+    balance = list(cut.balance)
+    groups = make_groups(topo, backend, settings.timeout_delta, virtual)
+    if sync_batchnorm:  # after profiling: a SyncBatchNorm would wait for the other ranks there
+        model = with_sync_batchnorm(model, devs, topo.replicas, topo.rank)
+    if topo.mode == "replica":
+        indices = list(range(n_stages))
+        placed = [devs[row_of(s, topo.stages)] for s in indices]
+    else:
+        indices = list(range(topo.stage, n_stages, topo.stages))
+        placed = [devs[0]] * len(indices)
+    local = build_stages(model, balance, placed, indices, compile=settings.compile)
+    register_layers(owner, local)
+    runner: Runner
+    if topo.mode == "replica":
+        runner = ThreadRunner(local, threads=threads, timeout=settings.timeout, rank=topo.rank, rows=topo.stages,
+                              n_stages=n_stages)
+    else:
+        runner = ProcessRunner.connect(local, topo, n_stages=n_stages, comm_device=agreement.comm_device,
+                                       timeout=settings.timeout_delta)
+    try:
+        step, exchange, ddps = _step_over(model, topo, settings, local, balance, runner, agreement, groups, backend,
+                                       ddp_kwargs=ddp_kwargs, comm_hook=comm_hook, trace=trace,
+                                       deferred_batch_norm=deferred_batch_norm)
+    except BaseException:
+        runner.close()  # its threads (or links) must not outlive a construction that failed
+        raise
+    return Replica(topo, devs, backend, owns_group=owns_group, agreement=agreement, partition=cut, groups=groups,
+                   step=step, runner=runner, ties=exchange, ddps=ddps)
+
+
+def _step_over(model: nn.Sequential, topo: Topology, settings: Settings, local: List[Stage], balance: List[int],
+            runner: Runner, agreement: Agreement, groups: Groups, backend: str, *,
+            ddp_kwargs: Optional[Dict[str, Any]], comm_hook: Optional[CommHook], trace: bool,
+            deferred_batch_norm: bool) -> Tuple[Step, TieExchange, List[Optional[DistributedDataParallel]]]:
+    """The step over ``runner``, tied weights exchanged between processes, DDP over each stage's group."""
+    ties = find_ties(model, balance)
+    step = Step(local, topo.stages * settings.virtual_stages, runner, chunks=settings.chunks,
+                split_size=settings.split_size, schedule=settings.schedule, checkpoint=settings.checkpoint, ties=ties,
+                deferred_batch_norm=deferred_batch_norm, virtual_stages=settings.virtual_stages)
+    step.sync = topo.replicas > 1
+    exchange = TieExchange(ties, step.ties, topo, backend=backend, timeout=settings.timeout_delta,
+                           comm_device=agreement.comm_device)
+    step.before_forward.append(exchange.refresh)
+    step.ties.across = exchange  # the gains of ties' uses in other processes join the step's fold
+    step.trace = Trace(topo.rank) if trace else None
+    ddps = attach_stages(local, groups.stage, ddp_kwargs=ddp_kwargs, comm_hook=comm_hook,
+                         trace=step.trace) if topo.replicas > 1 else []
+    return step, exchange, ddps

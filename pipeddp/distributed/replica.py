@@ -1,0 +1,120 @@
+"""This process's part of a replicated pipeline, as one member of the job: a step the ranks agree on.
+
+``Step`` (the runtime) trains and evaluates the stages this process holds.
+Around it, a replica adds what the ranks must agree on::
+
+    train:    batch sizes (one collective) -> Step.train_passes (accumulation, DDP on the last pass)
+              -> the global mean loss, a non-finite step skipped on every rank alike
+    forward:  in stage mode the pipeline's processes agree on the batch size first
+    evaluate: every sample counted once, metrics summed over the ranks that see outputs
+
+``build_replica`` (``build``) wires one; ``HybridParallel`` is its public
+face: the ``nn.Module`` that holds the layers, the checkpoints and the data
+position.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ..partitioning.report import Partition
+from ..runtime.clip import Combine
+from ..runtime.microbatch import batch_size as samples_of, tree_map
+from ..runtime.step import Runner, Step
+from .agreement import Agreement
+from .elastic import GlobalBatch
+from .groups import Groups
+from .ties import TieExchange
+from .topology import Topology
+
+__all__ = ["Replica"]
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+class Replica:
+    """The wired parts of one process (see ``build``) and the steps they run together with the other ranks."""
+
+    def __init__(self, topology: Topology, devices: List[torch.device], backend: str, *, owns_group: bool,
+                 agreement: Agreement, partition: Partition, groups: Groups, step: Step, runner: Runner,
+                 ties: TieExchange, ddps: List[Optional[DistributedDataParallel]]) -> None:
+        self.topology = topology
+        self.devices = devices
+        self.backend = backend
+        #: whether the process group was started here (and is destroyed by ``close``)
+        self.owns_group = owns_group
+        self.agreement = agreement
+        self.partition = partition
+        self.groups = groups
+        self.step = step
+        self.runner = runner
+        self.ties = ties
+        self.ddps = ddps
+        #: steps skipped because their loss or gradients were not finite somewhere (``skip_nonfinite``)
+        self.skipped_steps = 0
+
+    def train(self, x: Any, y: Any, loss_fn: LossFn, params: Iterable[nn.Parameter], *,
+              plan: Optional[GlobalBatch], scaler: Optional[torch.amp.GradScaler],
+              skip_nonfinite: bool) -> torch.Tensor:
+        """One optimizer step's gradients on this rank's batch; the global mean loss, the same on every rank."""
+        n = self.agreement.local_batch(x, y, need_y=True)  # a collective: every rank sees the same n
+        if scaler is not None:
+            scaler.scale(torch.ones((), device=self.devices[0]))  # every rank's scaler is set up, not only the last's
+        if plan is not None:
+            plan.check(n, self.topology.rank)
+        loss = self.step.train_passes(x, y, loss_fn, n, plan.accumulation if plan is not None else 1,
+                                      loss_scale=scaler.scale if scaler is not None else None)
+        mean, skipped = self.agreement.finish_step(0.0 if loss is None else loss.item(), params,
+                                                   skip_nonfinite=skip_nonfinite, skipped=self.skipped_steps,
+                                                   overflow_to_scaler=scaler is not None)
+        self.skipped_steps += skipped
+        return mean
+
+    def forward(self, x: Any, *, need_grad: bool) -> Any:
+        """``Step.forward``; in stage mode after the pipeline's processes agree on the batch size."""
+        if self.topology.mode == "replica":
+            n = samples_of(x, name="input")
+        else:
+            n = self.agreement.local_batch(x, None, need_y=False, group=self.groups.pipeline)
+        return self.step.forward(x, n, need_grad=need_grad)
+
+    def evaluate(self, model: nn.Module, loader: Iterable[Tuple[Any, Any]],
+                 metric_fn: Callable[[Any, Any], Dict[str, Any]]) -> Dict[str, float]:
+        """``metric_fn``'s means over every sample of ``loader`` (run through ``model`` in eval mode), once each."""
+        was_training = model.training
+        model.eval()
+        sums: Dict[str, float] = {}
+        count = 0
+        last = self.step.last.device if self.step.last is not None else None
+        try:
+            for x, y in loader:
+                with torch.no_grad():
+                    out = model(x)
+                if last is not None:
+                    n = samples_of(y, name="y")
+                    for k, v in metric_fn(out, tree_map(partial(torch.Tensor.to, device=last), y)).items():
+                        sums[k] = sums.get(k, 0.0) + float(v) * n
+                    count += n
+        finally:
+            model.train(was_training)
+        return self.agreement.mean_metrics(count, sums)
+
+    def norm_scope(self) -> Tuple[List[nn.Parameter], torch.device, Optional[Combine]]:
+        """For clipping: in stage mode the norm is joined over this replica's processes (replicas agree after DDP)."""
+        if self.topology.mode == "replica" or not self.agreement.distributed:
+            return [], self.agreement.comm_device, None
+        return self.ties.copies(), self.agreement.comm_device, partial(self.agreement.join_norm,
+                                                                        group=self.groups.pipeline)
+
+    def close(self) -> None:
+        """Stop the runner and, if it was started here, the process group (idempotent)."""
+        self.runner.close()
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self.owns_group = False

@@ -1,0 +1,35 @@
+"""What a pipeline was asked for, checked: plain data that every layer may read.
+
+The public classes check their arguments once (``pipeddp._settings``) and
+hand this record down: to the ``Step`` they build, and in ``HybridParallel``
+to the distributed builder (``pipeddp.distributed.build``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Dict, Optional, Union
+
+from .schedule.actions import ScheduleFn
+
+__all__ = ["Settings"]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What was asked for, checked: micro-batching, schedule, recompute, and the timeout in seconds."""
+
+    chunks: Optional[int]
+    split_size: Optional[int]
+    schedule: Union[str, ScheduleFn]
+    checkpoint: str
+    timeout: float
+    #: options for ``torch.compile`` of each stage's module, or None for eager stages
+    compile: Optional[Dict[str, Any]] = None
+    #: stages per device: the model is cut into ``devices x virtual_stages`` stages
+    virtual_stages: int = 1
+
+    @property
+    def timeout_delta(self) -> timedelta:
+        return timedelta(seconds=self.timeout)
