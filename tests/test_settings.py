@@ -144,6 +144,18 @@ def test_a_bad_mode_is_refused_within_a_second_naming_itself():
                             "mode must be one of")
 
 
+def test_a_sample_the_model_cannot_take_is_a_value_error_like_every_bad_argument():
+    wrong = torch.randn(8, 5, dtype=torch.float64)  # the model takes 12 features
+    for build in (lambda: pipeddp.Pipeline(make_mlp(), ["cpu"] * 2, balance="time", sample=wrong, chunks=2),
+                  lambda: pipeddp.partition(make_mlp(), 2, method="time", sample=wrong)):
+        try:
+            build()
+        except ValueError as exc:
+            assert "profiling the sample" in str(exc)
+        else:
+            pytest.fail("a sample the model cannot take was accepted")
+
+
 def test_a_sample_the_model_cannot_take_says_what_was_profiled():
     from pipeddp.partitioning.profile import ProfileError
 

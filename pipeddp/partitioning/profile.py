@@ -29,8 +29,12 @@ from ..runtime.tied import layers_of
 __all__ = ["LayerCost", "ProfileError", "profile_layers", "sample_microbatch", "describe_shapes"]
 
 
-class ProfileError(RuntimeError):
-    """A layer failed while the partitioner profiled it on the sample (the layer's own error is the cause)."""
+class ProfileError(ValueError, RuntimeError):
+    """A layer failed while the partitioner profiled it on the sample (the layer's own error is the cause).
+
+    A ``ValueError`` like every other bad argument (here: a ``sample`` the
+    model cannot take); still a ``RuntimeError`` too, so code that caught it so keeps working.
+    """
 
 
 def describe_shapes(value: Any) -> str:
