@@ -121,6 +121,21 @@ def test_timeline_out_is_checked_before_the_step_runs(tmp_path, capsys, monkeypa
     assert "names a folder, not a file" in capsys.readouterr().out
 
 
+def test_text_in_brackets_prints_as_written_not_as_markup(tmp_path, capsys, monkeypatch):
+    """rich reads ``[plot]`` or ``[b]`` as markup and drops it: the hint, paths and errors are printed escaped."""
+    import pipeddp.tools.timeline
+
+    monkeypatch.setattr(pipeddp.tools.timeline, "have_matplotlib", lambda: False)
+    out = tmp_path / "run[b]" / "tl"
+    assert main(["timeline", "--stages", "2", "--chunks", "2", "--batch", "4", "--steps", "1", "--out", str(out)]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "pip install 'pipeddp[plot]'" in text
+    assert f"wrote {out}.json" in text
+    assert main(["timeline", "--out", str(tmp_path / "[plot]") + "/"]) == 2
+    text = " ".join(capsys.readouterr().out.split())
+    assert "names a folder, not a file" in text and "[plot]" in text
+
+
 def test_partition_table_says_not_measured_for_what_it_did_not_measure(capsys):
     assert main(["partition", "--model", "mlp", "--stages", "2", "--batch", "8", "--method", "params"]) == 0
     text = " ".join(capsys.readouterr().out.split())

@@ -39,14 +39,14 @@ def _progress(console: Console, what: str) -> Iterator[Callable[[int, int], None
             task = bar.add_task(what, total=None)
             yield lambda done, total: bar.update(task, completed=done, total=total)
         return
-    console.print(f"{what} ...")
+    console.print(f"{escape(what)} ...")
     shown = [0]
 
     def report(done: int, total: int) -> None:
         quarter = 4 * done // total
         if quarter > shown[0]:
             shown[0] = quarter
-            console.print(f"  {what}: {25 * quarter}% ({done}/{total} layer runs)")
+            console.print(f"  {escape(what)}: {25 * quarter}% ({done}/{total} layer runs)")
 
     yield report
 
@@ -133,12 +133,12 @@ def _timeline(args: argparse.Namespace, console: Console) -> int:
     held = [pipe.trace.peak_in_flight.get(r, 0) for r in range(p)]
     console.print(f"micro-batches of activations held at peak, per device: measured {held}, predicted "
                   f"{theory.peak_activations}")
-    console.print(f"wrote {json_path} (open in ui.perfetto.dev or chrome://tracing)")
+    console.print(f"wrote {escape(str(json_path))} (open in ui.perfetto.dev or chrome://tracing)")
     if have_matplotlib():
         draw(spans, png_path, title=f"{args.model}, {p} devices, {m} micro-batches, {what}", bound=bound)
-        console.print(f"wrote {png_path}")
+        console.print(f"wrote {escape(str(png_path))}")
     else:
-        console.print("for the PNG picture install matplotlib: pip install 'pipeddp[plot]'")
+        console.print(escape("for the PNG picture install matplotlib: pip install 'pipeddp[plot]'"))
     return 0
 
 
@@ -158,7 +158,8 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     found = plan(layers, args.devices, args.batch, link=args.link, allreduce_link=args.allreduce_link,
                  memory=budget, optimizer_slots=args.optimizer_slots)
     if not found:
-        console.print(f"[red]no configuration of {args.devices} devices fits {args.memory} per device[/red]; "
+        memory = escape(str(args.memory))
+        console.print(f"[red]no configuration of {args.devices} devices fits {memory} per device[/red]; "
                       "raise --memory, add devices, or use a smaller batch")
         return 1
     table = Table(title=f"{args.model} on {args.devices} devices, global batch {args.batch}, link {args.link}"
@@ -172,7 +173,7 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
                       f"{c.step_time * 1e3:.1f}", f"{c.prediction.bubble:.0%}", f"{max(c.memory) / 2**30:.2f} GiB")
     console.print(table)
     for i, c in enumerate(found[:args.top]):
-        console.print(f"{i + 1}: cut {c.balance}; {c.why}")
+        console.print(escape(f"{i + 1}: cut {c.balance}; {c.why}"))
     console.print(f"{len(found)} configurations fit; layer costs were measured on this machine "
                   f"({'cuda' if torch.cuda.is_available() else 'cpu'}), link and all-reduce costs are modelled.")
     best = found[0]
@@ -184,8 +185,8 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     if best.stages == 1 and best.replicas > 1:
         console.print("plain data parallelism wins: torch.nn.parallel.DistributedDataParallel does this alone; "
                       "with pipeddp:")
-    console.print(f"  engine = {best.arguments()}")
-    console.print(f"  {best.command(per_node)}")
+    console.print(escape(f"  engine = {best.arguments()}"))
+    console.print(escape(f"  {best.command(per_node)}"))
     return 0
 
 
@@ -193,8 +194,9 @@ def _convert(args: argparse.Namespace, console: Console) -> int:
     from ..distributed.sharded import to_file
 
     meta = to_file(args.directory, args.out)
-    console.print(f"wrote {args.out} (format pipeddp/2) from {args.directory}, saved by {meta['stages']} stage(s) x "
-                  f"{meta['replicas']} replica(s); open it with torch.load: its 'model' loads into the plain model")
+    console.print(escape(f"wrote {args.out} (format pipeddp/2) from {args.directory}, saved by {meta['stages']} "
+                         f"stage(s) x {meta['replicas']} replica(s); open it with torch.load: its 'model' loads into "
+                         "the plain model"))
     return 0
 
 
@@ -296,7 +298,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             warnings.showwarning = _warning_printer(console)
             return fn(args, console)
     except (ValueError, TypeError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        console.print(f"[red]error:[/red] {escape(str(exc))}")
         return 2
 
 
