@@ -8,6 +8,7 @@ be checked against a reference before anything is timed (benchmarks/README.md, "
 from __future__ import annotations
 
 import copy
+import itertools
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -67,6 +68,14 @@ def check_grads(steps: Sequence[Step], reference: Union[str, Callable[[Step], Gr
         if diff > 1e-4 and step.name not in exempt:
             print(f"  warning: {step.name} gradients differ from {label}'s by {diff:.2e} (relative)", flush=True)
     return out
+
+
+def mb_text(sizes: Sequence[int]) -> str:
+    """Micro-batch sizes in short: ``15 x 8``, ``7 x 16 + 8``, ``1 x 120`` (always a count, then a size)."""
+    groups = [(len(list(g)), k) for k, g in itertools.groupby(sizes)]
+    if len(groups) == 1:
+        return f"{groups[0][0]} x {groups[0][1]}"
+    return " + ".join(f"{n} x {k}" if n > 1 else str(k) for n, k in groups)
 
 
 def idle(name: str, procs: int = 1) -> Step:

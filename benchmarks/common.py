@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import itertools
 import json
 import os
 import platform
@@ -119,6 +118,11 @@ def median_ms(seconds: Sequence[float]) -> float:
     return statistics.median(seconds) * 1e3
 
 
+def fmt(value: Optional[float], spec: str = ".0f", suffix: str = "") -> str:
+    """A table cell: ``value`` formatted, or "-" where there is none."""
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
 def parallel_probe(workers: int = 2, size: int = 256, reps: int = 50) -> Tuple[Callable[[], None], Callable[[], None]]:
     """A fixed 1-thread matmul kernel that fits in L2: ``(solo, together)`` runs it once, or once on each of
     ``workers`` threads. A VM's cores are not always all there: timed next to the steps, ``probe_speedup`` is
@@ -164,14 +168,15 @@ def host_cpu_seconds() -> Tuple[float, float]:
     return (user + nice + system + irq + softirq) / _TICK, steal / _TICK
 
 
-def parser(doc: str, quick: str, out: Optional[str], out_help: str = "",
+def parser(doc: str, quick: str, out: Optional[str] = None, out_help: str = "",
            spawns: bool = False) -> argparse.ArgumentParser:
-    """The flags every script has: --quick (a smoke run, small and short), --seed, --out (the JSON), and
-    --timeout where the script spawns a job: every multi-process job is bounded."""
+    """The flags every script has: --quick (a smoke run, small and short), --seed, --out (the JSON; by default
+    ``Run`` writes results/<script>[_quick].json) and --timeout where the script spawns a job: each is bounded."""
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help=f"smoke run: {quick}")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=out, help=f"JSON path (default {out or out_help})")
+    p.add_argument("--out", default=out, help="JSON path (default "
+                   f"{out or out_help or 'results/<script>[_quick].json'})")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the configurations run")
     if spawns:
         p.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole spawned job")
@@ -357,14 +362,6 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
-def mb_text(sizes: Sequence[int]) -> str:
-    """Micro-batch sizes in short: ``15 x 8``, ``7 x 16 + 8``, ``1 x 120`` (always a count, then a size)."""
-    groups = [(len(list(g)), k) for k, g in itertools.groupby(sizes)]
-    if len(groups) == 1:
-        return f"{groups[0][0]} x {groups[0][1]}"
-    return " + ".join(f"{n} x {k}" if n > 1 else str(k) for n, k in groups)
-
-
 class Run:
     """One run of a benchmark script, the one report writer: its clock, its tables and its JSON. The commit is
     read at the start (spawned processes import the code as it was then); tables are 160 columns wide (in a
@@ -372,6 +369,7 @@ class Run:
 
     def __init__(self, benchmark: str, args: argparse.Namespace, timing: str = INTERLEAVED) -> None:
         use_device(getattr(args, "device", "cpu"))
+        args.out = args.out or f"results/{benchmark}{'_quick' if args.quick else ''}.json"
         self.benchmark, self.out = benchmark, args.out
         self.settings: Dict[str, Any] = {**vars(args), "timing": timing}  # every flag, as resolved
         self.commit = pipeddp_commit()

@@ -20,8 +20,9 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # started as a script
 import pipeddp  # noqa: E402
 from benchmarks import baselines  # noqa: E402
+from benchmarks.baselines import mb_text  # noqa: E402
 from benchmarks.common import (  # noqa: E402
-    BARRIER, Run, barrier_rounds, check_same, gather, init_job, log0, mb_text, median_ratio, parser,
+    BARRIER, Run, barrier_rounds, check_same, fmt, gather, init_job, log0, median_ratio, parser,
 )
 from benchmarks.workloads import WORKLOADS, names  # noqa: E402
 from pipeddp.runtime.microbatch import split_sizes  # noqa: E402
@@ -166,14 +167,10 @@ def analyse(res: Dict[str, Any]) -> List[Dict[str, Any]]:
     return rows
 
 
-def _ms(v: Optional[float]) -> str:
-    return "-" if v is None else f"{v:.0f}"
-
-
 def report(res: Dict[str, Any], rows: List[Dict[str, Any]], rounds: int, run: Run) -> None:
     table = [[r["name"], r["procs_x_threads"], f"{r['batch_per_process']}{'/proc' if r['procs'] > 1 else ''}",
-              mb_text(r["microbatch_sizes"]), str(r.get("balance", "-")), _ms(r["fwd_ms"]), _ms(r["bwd_ms"]),
-              _ms(r["other_ms"]), _ms(r["step_ms"]), f"{r['speedup_vs_one_device']:.2f}x",
+              mb_text(r["microbatch_sizes"]), str(r.get("balance", "-")), fmt(r["fwd_ms"]), fmt(r["bwd_ms"]),
+              fmt(r["other_ms"]), fmt(r["step_ms"]), f"{r['speedup_vs_one_device']:.2f}x",
               f"{min(r['speedup_per_round']):.2f}-{max(r['speedup_per_round']):.2f}",
               " / ".join(f"{v:.0f}" for v in r["F_busy_ms"]), " / ".join(f"{v:.0f}" for v in r["B_busy_ms"])]
              for r in rows]
@@ -189,7 +186,7 @@ def report(res: Dict[str, Any], rows: List[Dict[str, Any]], rounds: int, run: Ru
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = parser(__doc__, "3x32x32, 1 round", None, "results/iteration_table[_quick].json", spawns=True)
+    p = parser(__doc__, "3x32x32, 1 round", spawns=True)
     p.add_argument("--model", default="resnet50", choices=names(SCRIPT))
     p.add_argument("--side", type=int, default=None, help="image side (default 64; 32 with --quick)")
     p.add_argument("--batch", type=int, default=128, help="global batch (default 128; must be even)")
@@ -210,7 +207,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args.side = args.side or (32 if args.quick else 64)
     args.rounds = args.rounds if args.rounds is not None else WORKLOADS[args.model].default_rounds(SCRIPT, args.quick)
     args.warmup = args.warmup if args.warmup is not None else (0 if args.quick else 1)
-    args.out = args.out or f"results/iteration_table{'_quick' if args.quick else ''}.json"
     if args.batch < 2 or args.batch % PROCS or args.chunks < 1 or args.rounds < 1 or args.warmup < 0:
         p.error("need an even --batch, --chunks >= 1, --rounds >= 1 and --warmup >= 0")
     run = Run(SCRIPT, args, BARRIER)

@@ -155,7 +155,7 @@ def report(results: Dict[str, Any], run: Run) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     choices = names(SCRIPT)
-    p = parser(__doc__, "resnet18 + mlp, 2 and 4 stages, 2 rounds", None, "results/partition_quality[_quick].json")
+    p = parser(__doc__, "resnet18 + mlp, 2 and 4 stages, 2 rounds")
     p.add_argument("--models", nargs="+", default=None, choices=choices,
                    help="default: resnet50 resnet18 mlp (resnet18 mlp with --quick)")
     p.add_argument("--stages", nargs="+", type=int, default=None, help="stage counts (default 2 3 4; 2 4 with --quick)")
@@ -167,7 +167,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if any(s < 1 for s in stage_counts) or (args.rounds is not None and args.rounds < 1):
         p.error("--stages and --rounds must be >= 1")
     torch.set_num_threads(1)
-    args.out = args.out or f"results/partition_quality{'_quick' if args.quick else ''}.json"
     run = Run(SCRIPT, args)
     results: Dict[str, Any] = {}
     for name in models:

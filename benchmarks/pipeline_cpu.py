@@ -16,8 +16,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # started as a script
 from benchmarks import baselines  # noqa: E402
+from benchmarks.baselines import mb_text  # noqa: E402
 from benchmarks.common import (  # noqa: E402
-    Run, interleaved, mb_text, median_ms, median_ratio, parallel_probe, parser, probe_speedup, timed_call,
+    Run, interleaved, median_ms, median_ratio, parallel_probe, parser, probe_speedup, timed_call,
 )
 from benchmarks.workloads import WORKLOADS, Workload, names  # noqa: E402
 from pipeddp.runtime.schedule import get_schedule, play  # noqa: E402

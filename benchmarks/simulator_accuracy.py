@@ -23,7 +23,7 @@ import pipeddp  # noqa: E402
 from benchmarks import baselines  # noqa: E402
 from benchmarks.baselines import Step  # noqa: E402
 from benchmarks.common import (  # noqa: E402
-    BARRIER, Run, StepTime, barrier_rounds, barrier_timed, check_same, gather, init_job, log0, parser,
+    BARRIER, Run, StepTime, barrier_rounds, barrier_timed, check_same, fmt, gather, init_job, log0, parser,
 )
 from benchmarks.simulator_calibration import (  # noqa: E402
     BATCH, DDP_BUCKET, SPECS, WORK, Calib, Spec, calibrate_allreduce, calibrate_engine_collectives, calibrate_p2p,
@@ -217,10 +217,6 @@ def job(settings: Dict[str, Any]) -> Optional[Dict[str, Any]]:
             "calibration_s": calib_s}
 
 
-def _pct(v: Optional[float]) -> str:
-    return "-" if v is None else f"{v * 100:+.1f}%"
-
-
 def report(res: Dict[str, Any], run: Run) -> Dict[str, Any]:
     """The per-configuration table, the accuracy summary against the targets, and the calibration line."""
     rows = res["rows"]
@@ -232,8 +228,8 @@ def report(res: Dict[str, Any], run: Run) -> Dict[str, Any]:
               [[r["name"], r["micro_batch"], "/".join(map(str, r["balance"])) if len(r["balance"]) > 1 else "-",
                 f"x{r['prediction']['contention']:.2f}" if r["layout"] != "1x1" else "-",
                 f"{r['prediction']['bubble']:.0%}", f"{r['predicted_s'] * 1e3:.0f}", f"{r['measured_s'] * 1e3:.0f}",
-                _pct(r["error"]), f"{r['prior_predicted_s'] * 1e3:.0f}", _pct(r["prior_error"]),
-                f"{r['plain_predicted_s'] * 1e3:.0f}", _pct(r["plain_error"]), _pct(r["paired_error"]),
+                fmt(r["error"], "+.1%"), f"{r['prior_predicted_s'] * 1e3:.0f}", fmt(r["prior_error"], "+.1%"),
+                f"{r['plain_predicted_s'] * 1e3:.0f}", fmt(r["plain_error"], "+.1%"), fmt(r["paired_error"], "+.1%"),
                 f"{r['host']['median_ours']:.2f}/{r['host']['median_others']:.2f}",
                 f"{statistics.median(r['host']['page_faults_minor']):.0f}/"
                 f"{statistics.median(r['host']['page_faults_major']):.0f}"] for r in rows],

@@ -109,7 +109,7 @@ def report(per_rank: List[Dict[str, Any]], args: argparse.Namespace, run: Run) -
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = parser(__doc__, "200 steps", None, "results/soak[_quick].json", spawns=True)
+    p = parser(__doc__, "200 steps", spawns=True)
     p.add_argument("--steps", type=int, default=None, help="training steps (default 2000; 200 with --quick)")
     p.add_argument("--warmup", type=int, default=50, help="steps before the first (start) sample")
     p.add_argument("--samples", type=int, default=11, help="samples from start to end, evenly spaced (default 11)")
@@ -124,7 +124,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args.steps = steps = args.steps or (200 if args.quick else 2000)
     if args.warmup < 1 or steps <= args.warmup or args.samples < 2:
         p.error("need --warmup >= 1, --steps > --warmup and --samples >= 2")
-    args.out = args.out or f"results/soak{'_quick' if args.quick else ''}.json"
     settings = vars(args)
     run = Run("soak", args, "one spawned gloo job of 2 replicas; samples after gc.collect()")
     run.console.print(f"soak: {steps} steps of HybridParallel(mode='replica') {PROCS} replicas x {STAGES} stages, "

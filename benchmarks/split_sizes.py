@@ -16,7 +16,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # started as a script
 from benchmarks import baselines  # noqa: E402
-from benchmarks.common import Run, interleaved, mb_text, median_ms, median_ratio, parser  # noqa: E402
+from benchmarks.baselines import mb_text  # noqa: E402
+from benchmarks.common import Run, interleaved, median_ms, median_ratio, parser  # noqa: E402
 from benchmarks.workloads import WORKLOADS, names  # noqa: E402
 from pipeddp.runtime.microbatch import split_sizes  # noqa: E402
 
