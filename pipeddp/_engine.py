@@ -34,6 +34,7 @@ class StepModule(nn.Module):
     #: the layers' keys to and from the original model's (the identity for a plain nn.Sequential)
     key_names: Names = Names()
 
+    # ignore: nn.Module.state_dict is overloaded on destination's type; this one takes the common keywords only
     def state_dict(self, *, destination: Optional[Dict[str, Any]] = None, prefix: str = "",  # type: ignore[override]
                    keep_vars: bool = False) -> Dict[str, Any]:
         """The state of the layers held here, keyed by the original model's names."""
@@ -45,7 +46,7 @@ class StepModule(nn.Module):
             out[prefix + key] = value
         return out
 
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,  # type: ignore[override]
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
                         assign: bool = False) -> Any:
         """Load a state dict keyed by the original model's names (the pipeline's own names are taken too).
 

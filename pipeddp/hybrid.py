@@ -41,8 +41,8 @@ from ._engine import Combine, StepModule
 from ._settings import check_settings, choose_partition
 from .distributed import state
 from .distributed.build import build_replica
-from .distributed.elastic import POSITION_KEY, DataPosition, GlobalBatch, plan_global_batch
 from .distributed.ddp import CommHook
+from .distributed.elastic import POSITION_KEY, DataPosition, GlobalBatch, plan_global_batch
 from .distributed.groups import current_topology
 from .partitioning.report import Partition
 from .runtime.devices import DeviceLike
@@ -57,22 +57,19 @@ class HybridParallel(StepModule):
     """Pipeline replicas x DDP, for one script run by ``torchrun`` (or ``pipeddp.spawn``, or alone).
 
     Args:
-        model: the ``nn.Sequential`` (built identically on every rank; DDP
-            copies rank 0's weights to the other replicas at start).
+        model: the ``nn.Sequential`` (built identically on every rank; DDP copies rank 0's weights to the others).
         stages: pipeline stages per replica.
         chunks, split_size, balance, sample, schedule, checkpoint, timeout, deferred_batch_norm, compile,
             virtual_stages: as in ``Pipeline`` (tied weights and autocast too, across processes in
             stage mode). A measured balance is computed on rank 0 and sent to every rank. With
             ``virtual_stages=v`` the model has ``stages * v`` stages; device r of each replica (a
             thread in replica mode, a process in stage mode) holds stages r, r + stages, ...
-        mode: ``"replica"`` (one process per replica, driving ``stages`` devices
-            with threads) or ``"stage"`` (one process per stage).
+        mode: ``"replica"`` (one process per replica, driving ``stages`` devices with threads) or ``"stage"``.
         devices: this process's devices (``stages`` of them in replica mode, one in stage mode).
             Default: consecutive CUDA devices by local rank, else CPU (one process with fewer GPUs
             than stages shares them); ``"auto"``: the CPU too where the GPUs are too few.
         backend: ``"nccl"`` or ``"gloo"``; default nccl for CUDA, gloo for CPU.
-        layout: stage mode only: ``"pipeline"`` (ranks 0..S-1 are replica 0) or
-            ``"data"`` (ranks 0..R-1 hold stage 0).
+        layout: stage mode only: ``"pipeline"`` (ranks 0..S-1 are replica 0) or ``"data"`` (0..R-1 hold stage 0).
         ddp_kwargs: passed to every stage's DDP (``bucket_cap_mb``, ``gradient_as_bucket_view``,
             ``find_unused_parameters``, ``broadcast_buffers``, ...).
         comm_hook: ``"fp16"``, ``"bf16"``, ``"powersgd"`` or a DDP comm hook function.
@@ -80,18 +77,15 @@ class HybridParallel(StepModule):
             (CUDA only, as torch's SyncBatchNorm; no effect with one replica).
         trace: record a timeline (``engine.trace``), gradient all-reduces included.
         threads: intra-op threads per CPU stage thread (replica mode).
-        skip_nonfinite: skip (on every rank together) a step whose loss or
-            gradients are not finite anywhere; see ``train_step``.
-        global_batch: samples per optimizer step, all replicas together, fixed
-            whatever the replica count (an elastic job restarted with fewer
-            replicas trains the same math): ``train_step`` then takes
-            ``engine.replica_batch`` = global_batch / replicas samples and runs
-            them as ``engine.accumulation`` passes of ``batch_size``. Checkpoints
-            record the data position (``engine.position``), which
+        skip_nonfinite: skip (on every rank together) a step whose loss or gradients are not finite anywhere.
+        global_batch: samples per optimizer step, all replicas together, fixed whatever the replica count
+            (an elastic job restarted with fewer replicas trains the same math): ``train_step`` then takes
+            ``engine.replica_batch`` = global_batch / replicas samples and runs them as ``engine.accumulation``
+            passes of ``batch_size``. Checkpoints record the data position (``engine.position``), which
             ``pipeddp.data.loader(dataset, engine=engine)`` follows. See ``distributed/elastic.py``.
             (``out = engine(x); loss.backward()`` is not accumulated: it reduces every call.)
-        batch_size: with ``global_batch``, the samples per pass of one replica (the
-            memory a pass needs); default: the whole replica batch in one pass.
+        batch_size: with ``global_batch``, the samples per pass of one replica (the memory a pass needs);
+            default: the whole replica batch in one pass.
     """
 
     def __init__(self, model: nn.Sequential, *, stages: int, chunks: Optional[int] = None,
@@ -168,28 +162,26 @@ class HybridParallel(StepModule):
                    scaler: Optional[torch.amp.GradScaler] = None) -> torch.Tensor:
         """One training step on this rank's local batch; returns the global mean loss (same on every rank).
 
-        In stage mode the rank of stage 0 needs ``x`` and the rank of the last
-        stage needs ``y``; the others may pass None. Gradients land in ``.grad``
-        of ``engine.parameters()``, already averaged over replicas. A non-finite
-        step is skipped on every rank alike, with ``skip_nonfinite=True`` (counted
-        in ``engine.skipped_steps``) or by each rank's ``scaler`` (a GradScaler:
-        then ``scaler.step(optimizer); scaler.update()``); see ``Agreement.finish_step``.
+        In stage mode the rank of stage 0 needs ``x`` and the rank of the last stage needs ``y``; the others
+        may pass None. Gradients land in ``.grad`` of ``engine.parameters()``, already averaged over replicas.
+        A non-finite step is skipped on every rank alike, with ``skip_nonfinite=True`` (counted in
+        ``engine.skipped_steps``) or by each rank's ``scaler`` (a GradScaler: then ``scaler.step(optimizer);
+        scaler.update()``); see ``Agreement.finish_step``.
 
-        With ``global_batch``, the local batch is ``engine.replica_batch`` samples,
-        run as ``engine.accumulation`` passes; the gradients are still those of
-        the mean loss over the whole global batch, reduced across replicas once.
+        With ``global_batch``, the local batch is ``engine.replica_batch`` samples, run as
+        ``engine.accumulation`` passes; the gradients are still those of the mean loss over the whole global
+        batch, reduced across replicas once.
         """
         return self._replica.train(x, y, loss_fn, self.parameters(), plan=self.global_batch_plan, scaler=scaler,
                                    skip_nonfinite=self.skip_nonfinite)
 
-    def forward(self, x: Any) -> Any:  # type: ignore[override]
+    def forward(self, x: Any) -> Any:
         """Run ``x`` through this replica's pipeline, as ``Pipeline.forward`` does.
 
-        With autograd on (replica mode), the output answers ``backward`` (gradients
-        averaged over replicas). Under ``torch.no_grad()`` (or ``eval_step``) it
-        evaluates in both modes: the output on the last stage's rank, None on the
-        others; only the replica's processes communicate (replicas may run different
-        numbers of batches).
+        With autograd on (replica mode), the output answers ``backward`` (gradients averaged over replicas).
+        Under ``torch.no_grad()`` (or ``eval_step``) it evaluates in both modes: the output on the last stage's
+        rank, None on the others; only the replica's processes communicate (replicas may run different numbers
+        of batches).
         """
         need_grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
         return self._replica.forward(x, need_grad=need_grad)
@@ -202,11 +194,10 @@ class HybridParallel(StepModule):
     def evaluate(self, loader: Any, metric_fn: Callable[[Any, Any], Dict[str, Any]]) -> Dict[str, float]:
         """Metrics over a whole evaluation set, each sample counted exactly once.
 
-        ``loader`` yields ``(x, y)`` for this replica (``pipeddp.data.loader(...,
-        train=False)`` shards without the padding ``DistributedSampler`` adds).
-        ``metric_fn(output, y)`` returns a dict of *means over the batch*; the
-        result is the sample-weighted mean over the whole set, plus ``"samples"``.
-        Every rank returns the same dict.
+        ``loader`` yields ``(x, y)`` for this replica (``pipeddp.data.loader(..., train=False)`` shards without
+        the padding ``DistributedSampler`` adds). ``metric_fn(output, y)`` returns a dict of *means over the
+        batch*; the result is the sample-weighted mean over the whole set, plus ``"samples"``. Every rank returns
+        the same dict.
         """
         return self._replica.evaluate(self, loader, metric_fn)
 
@@ -262,7 +253,7 @@ class HybridParallel(StepModule):
     def load(self, path: str, optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, Any]:
         """Load a checkpoint, a file or a sharded directory, written by any stages/replicas layout; returns its
         ``extra``."""
-        return self._restore_position(state.load(self, path, optimizer, saver=self._saver))
+        return self._restore_position(state.load(self, path, optimizer, saver=self._saver)) or {}
 
     def resume(self, directory: str, optimizer: Optional[torch.optim.Optimizer] = None) -> Optional[Dict[str, Any]]:
         """Load the newest complete checkpoint of ``directory`` (either format); returns its ``extra`` (with

@@ -152,12 +152,12 @@ class Pipeline(StepModule):
         n_stages = len(devs) * settings.virtual_stages
         self.partition: Partition = choose_partition(model, n_stages, balance, sample, settings, devs[0])
         self.balance: List[int] = list(self.partition.balance)
-        stages = build_stages(model, self.balance, [devs[row_of(s, len(devs))] for s in range(n_stages)],
-                              compile=settings.compile)
-        register_layers(self, stages)
-        self._runner = ThreadRunner(stages, threads=threads, timeout=settings.timeout, rows=len(devs),
+        local = build_stages(model, self.balance, [devs[row_of(s, len(devs))] for s in range(n_stages)],
+                             compile=settings.compile)
+        register_layers(self, local)
+        self._runner = ThreadRunner(local, threads=threads, timeout=settings.timeout, rows=len(devs),
                                     n_stages=n_stages)
-        self._step = Step(stages, n_stages, self._runner, chunks=settings.chunks, split_size=settings.split_size,
+        self._step = Step(local, n_stages, self._runner, chunks=settings.chunks, split_size=settings.split_size,
                           schedule=settings.schedule, checkpoint=settings.checkpoint,
                           ties=find_ties(model, self.balance), deferred_batch_norm=deferred_batch_norm,
                           virtual_stages=settings.virtual_stages)
@@ -201,7 +201,7 @@ class Pipeline(StepModule):
     def stage_parameters(self, stage: int) -> Iterator[nn.Parameter]:
         return self._step.stages[stage].module.parameters()
 
-    def to(self, *args: Any, **kwargs: Any) -> "Pipeline":  # type: ignore[override]
+    def to(self, *args: Any, **kwargs: Any) -> "Pipeline":
         if _device_arg(args, kwargs):
             raise TypeError(
                 "a Pipeline places each stage on its own device; it cannot be moved with .to(device). "
@@ -209,11 +209,13 @@ class Pipeline(StepModule):
             )
         return super().to(*args, **kwargs)
 
-    def cuda(self, device: Any = None) -> "Pipeline":  # type: ignore[override]
-        raise TypeError("a Pipeline places each stage on its own device; build it with devices=[...] instead of .cuda()")
+    def cuda(self, device: Any = None) -> "Pipeline":
+        raise TypeError("a Pipeline places each stage on its own device; build it with devices=[...] instead of "
+                        ".cuda()")
 
-    def cpu(self) -> "Pipeline":  # type: ignore[override]
-        raise TypeError("a Pipeline places each stage on its own device; build it with devices=['cpu', ...] instead of .cpu()")
+    def cpu(self) -> "Pipeline":
+        raise TypeError("a Pipeline places each stage on its own device; build it with devices=['cpu', ...] instead "
+                        "of .cpu()")
 
     def close(self) -> None:
         """Stop and join the stage threads. The pipeline cannot run afterwards."""
@@ -234,7 +236,7 @@ class Pipeline(StepModule):
 
     # -- running -----------------------------------------------------------------------------------
 
-    def forward(self, x: Any) -> Any:  # type: ignore[override]
+    def forward(self, x: Any) -> Any:
         """Run ``x`` through the pipeline; the output lives on the last device.
 
         With autograd on, the result is connected to the graph: ``backward`` on

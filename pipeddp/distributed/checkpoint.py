@@ -47,10 +47,9 @@ import pickletools
 import random
 import tempfile
 import zipfile
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, cast
 
 import numpy as np
-
 import torch
 
 __all__ = ["atomic_save", "FORMAT", "rng_state", "set_rng_state", "load", "check_plain", "check_model_keys",
@@ -116,7 +115,8 @@ def _pickle_globals(data: bytes) -> Optional[List[str]]:
         memo: Dict[int, Optional[str]] = {}
         names: List[str] = []
         try:
-            for op, arg, at in pickletools.genops(data[pos:]):
+            # over bytes genops always knows the position, and the memo opcodes' argument is an int
+            for op, arg, at in cast(Iterator[Tuple[Any, Any, int]], pickletools.genops(data[pos:])):
                 if op.name in ("GLOBAL", "INST"):
                     names.append(str(arg).replace(" ", "."))
                 elif op.name == "STACK_GLOBAL":
@@ -262,7 +262,7 @@ def rng_state() -> Dict[str, Any]:
     state: Dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),
-        "numpy": {"name": str(name), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+        "numpy": {"name": str(name), "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
                   "has_gauss": int(has_gauss), "cached_gaussian": float(gauss)},
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():

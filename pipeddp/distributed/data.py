@@ -189,7 +189,7 @@ def loader(
     if replicas is None or replica is None:
         raise ValueError("pass engine=<HybridParallel> or both replicas= and replica=")
     generator = dataloader_kwargs.pop("generator", None) or torch.Generator().manual_seed(seed)
-    if train and plan is not None:
+    if train and plan is not None and engine is not None:
         if batch_size is not None and batch_size != plan.replica_batch:
             raise ValueError(f"batch_size={batch_size}, but the engine fixes global_batch={plan.total} over "
                              f"{plan.replicas} replica(s): each replica's batch is {plan.replica_batch}; leave "

@@ -123,7 +123,8 @@ def _traced(fn: Callable[..., Any], trace: Trace, stage: int) -> Callable[..., A
 
 
 def attach_ddp(stage: Stage, group: Any, *, ddp_kwargs: Optional[Dict[str, Any]] = None,
-               comm_hook: Optional[CommHook] = None, trace: Optional[Trace] = None) -> Optional[DistributedDataParallel]:
+               comm_hook: Optional[CommHook] = None,
+               trace: Optional[Trace] = None) -> Optional[DistributedDataParallel]:
     """Wrap ``stage`` in DDP over ``group`` and make its last backward of a step reduce.
 
     Returns the DDP module (None for a stage without trainable parameters,

@@ -23,8 +23,7 @@ from typing import Any, Dict, Iterable, List, Optional
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
 from ..runtime.names import names_of
 
@@ -75,7 +74,7 @@ def load_named_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimiz
     groups = []
     for g in state["param_groups"]:
         groups.append(dict(g, params=[p for p in g["params"] if p in names]))
-    own = {"state": {k: v for k, v in state["state"].items() if k in names}, "param_groups": groups}
+    own: Dict[str, Any] = {"state": {k: v for k, v in state["state"].items() if k in names}, "param_groups": groups}
     set_optimizer_state_dict(module, optimizer, own)
 
 

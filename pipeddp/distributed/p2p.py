@@ -200,8 +200,8 @@ class P2PChannel:
         if kind == "F":
             if ("F", stage, mb) not in self._pending:
                 buf = torch.empty((_HEADER,), dtype=torch.int64, device=self.comm_device)
-                self._pending[("F", stage, mb)] = _Pending((dist.irecv(buf, self.peer, tag=self._tag("F", stage, mb, 0)),
-                                                            buf))
+                work = dist.irecv(buf, self.peer, tag=self._tag("F", stage, mb, 0))
+                self._pending[("F", stage, mb)] = _Pending((work, buf))
             return
         self._want_grads.add(("B", stage, mb))
         if _activation("B", stage, mb) in self._meta:  # its activation was sent already (a backward-only call)
@@ -222,16 +222,19 @@ class P2PChannel:
 
     def _advance(self) -> None:
         """Post the tensors of every activation whose header is in (cheap: one completion check per header)."""
-        for (kind, stage, mb), pending in self._pending.items():
+        for (_kind, stage, mb), pending in self._pending.items():
             if pending.header is not None and pending.meta is None and pending.header[0].is_completed():
                 self._read_header(pending, stage, mb)
 
-    def _read_header(self, pending: _Pending, stage: int, mb: int) -> None:
-        work, buf = pending.header  # type: ignore[misc]
+    def _read_header(self, pending: _Pending, stage: int, mb: int) -> Meta:
+        if pending.header is None:  # expect() posts an activation's header first, always
+            raise RuntimeError(f"pipeddp: no header was posted for micro-batch {mb} of stage {stage}")
+        work, buf = pending.header
         self._wait([work], "F", stage, mb)
-        pending.meta = _decode(buf.cpu())
-        self._meta[_activation("F", stage, mb)] = pending.meta
-        self._post(pending, pending.meta[1], "F", stage, mb)
+        meta = pending.meta = _decode(buf.cpu())
+        self._meta[_activation("F", stage, mb)] = meta
+        self._post(pending, meta[1], "F", stage, mb)
+        return meta
 
     def _wait(self, works: List[Any], kind: str, stage: int, mb: int) -> None:
         try:
@@ -247,12 +250,11 @@ class P2PChannel:
             if pending is None:
                 self.expect("F", stage, mb)
                 pending = self._pending.pop(("F", stage, mb))
-            if pending.meta is None:
-                self._read_header(pending, stage, mb)
+            meta = pending.meta if pending.meta is not None else self._read_header(pending, stage, mb)
             self._wait(pending.works, kind, stage, mb)
             self._advance()
             tensors = [b.to(self.device) for b in pending.bufs]
-            container = pending.meta[0]  # type: ignore[index]
+            container = meta[0]
             if container == 0:
                 return tensors[0]
             return tuple(tensors) if container == 1 else list(tensors)

@@ -25,7 +25,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..partitioning.report import Partition
 from ..runtime.clip import Combine
-from ..runtime.microbatch import batch_size as samples_of, tree_map
+from ..runtime.microbatch import batch_size as samples_of
+from ..runtime.microbatch import tree_map
 from ..runtime.step import Runner, Step
 from .agreement import Agreement
 from .elastic import GlobalBatch

@@ -107,7 +107,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         loaded = torch.load(value, weights_only=True)
         fqn = read_item.dest_index.fqn
         if self.flatten_state_dict:
-            where, path = self.original_state_dict, self.mappings[fqn]
+            where: Any = self.original_state_dict  # nested dicts and lists, addressed by the key path
+            path = self.mappings[fqn]
             for key in path[:-1]:
                 where = where[key]
             where[path[-1]] = loaded
@@ -161,7 +162,9 @@ def write(state: Dict[str, Any], path: str, *, group: Any, async_save: bool) -> 
     writer = _storage_writer(path)
     with _told_one_process():
         if async_save:
-            return dcp.async_save(state, storage_writer=writer, process_group=group, no_dist=group is None)
+            pending: Any = dcp.async_save(state, storage_writer=writer, process_group=group, no_dist=group is None)
+            # newer torch may answer with a staging and an upload future: the checkpoint is complete at the upload
+            return getattr(pending, "upload_completion", pending)
         dcp.save(state, storage_writer=writer, process_group=group, no_dist=group is None)
     return None
 

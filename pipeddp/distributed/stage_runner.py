@@ -96,14 +96,14 @@ class ProcessRunner:
         rows, last = self.device.rows, self.device.n_stages - 1
         for a in actions:
             kind = Kind(a.kind)
-            if kind is Kind.F and a.stage > 0:
-                peer = row_of(a.stage - 1, rows)
-                if peer != self.device.row:
-                    self.links[peer].expect("F", a.stage, a.mb)  # type: ignore[attr-defined]
-            elif (kind is Kind.B or kind is Kind.I) and a.stage < last:
-                peer = row_of(a.stage + 1, rows)
-                if peer != self.device.row:
-                    self.links[peer].expect("B", a.stage, a.mb)  # type: ignore[attr-defined]
+            if kind is Kind.F and a.at > 0:
+                link, what = self.links[row_of(a.at - 1, rows)], "F"
+            elif (kind is Kind.B or kind is Kind.I) and a.at < last:
+                link, what = self.links[row_of(a.at + 1, rows)], "B"
+            else:
+                continue
+            if isinstance(link, P2PChannel):  # another process (a stage of this device comes by its own inbox)
+                link.expect(what, a.at, a.mb)
 
     def close(self) -> None:
         """Nothing to stop: the stages run on the caller's thread."""

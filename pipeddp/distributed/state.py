@@ -34,11 +34,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import catalog
-from . import checkpoint as files
-from . import optim_state, sharded
-from .agreement import Agreement
 from ..runtime.warn import warn
+from . import catalog, optim_state, sharded
+from . import checkpoint as files
+from .agreement import Agreement
 from .topology import Topology
 
 __all__ = ["Engine", "Saver", "gather_state_dict", "own_entries", "save", "save_checkpoint", "load", "resume",

@@ -25,7 +25,6 @@ import os
 from dataclasses import dataclass
 from typing import List
 
-
 __all__ = ["Topology", "env_world"]
 
 MODES = ("replica", "stage")

@@ -15,6 +15,7 @@ must not move a cut.
 from __future__ import annotations
 
 import copy
+import functools
 import statistics
 import time
 from dataclasses import dataclass
@@ -35,6 +36,11 @@ class ProfileError(ValueError, RuntimeError):
     A ``ValueError`` like every other bad argument (here: a ``sample`` the
     model cannot take); still a ``RuntimeError`` too, so code that caught it so keeps working.
     """
+
+
+def _leaf(want_grad: bool, t: torch.Tensor) -> torch.Tensor:
+    """A profiled layer's input: detached, and asking for a gradient where the pipeline's would."""
+    return t.detach().requires_grad_(want_grad and t.is_floating_point())
 
 
 def describe_shapes(value: Any) -> str:
@@ -159,7 +165,7 @@ def profile_layers(
         for i, work in enumerate(works):
             # the first layer gets no input gradient, as in the pipeline (the batch does not require grad)
             want = i > 0 or any(t.requires_grad for t in tree_tensors(sample))
-            leaf = tree_map(lambda t: t.detach().requires_grad_(want and t.is_floating_point()), inputs[i])
+            leaf = tree_map(functools.partial(_leaf, want), inputs[i])
             # a fresh non-leaf copy: in-place layers (ReLU(inplace=True)) may write into it
             inp = tree_map(lambda t: t.clone(), leaf)
             _sync(device)
@@ -172,7 +178,8 @@ def profile_layers(
                 if grads:
                     torch.autograd.backward(grads, [torch.ones_like(t) for t in grads])
             except Exception as exc:
-                raise _failed(exc, sample, whole, i, named[i][0], named[i][1], inputs[i], "forward or backward") from exc
+                raise _failed(exc, sample, whole, i, named[i][0], named[i][1], inputs[i],
+                              "forward or backward") from exc
             _sync(device)
             fwd[i].append(mid - start)
             bwd[i].append(time.perf_counter() - mid)

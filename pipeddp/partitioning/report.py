@@ -178,7 +178,8 @@ def check_balance(balance: Sequence[int], n_layers: int, stages: Optional[int] =
             "the numbers of layers per stage must add up to len(model)"
         )
     if stages is not None and len(bal) != stages:
-        raise ValueError(f"balance {bal} has {len(bal)} stages but {stages} devices were given; give one entry per device")
+        raise ValueError(f"balance {bal} has {len(bal)} stages but {stages} devices were given; "
+                         "give one entry per device")
     return bal
 
 
@@ -213,7 +214,8 @@ def partition(
         layers = profile_layers(model, None)
         return Partition(bal, "explicit", layers, [1.0] * n, [float(b) for b in bal], timed=False, sized=False)
     if method not in METHODS:
-        raise ValueError(f"unknown partition method {method!r}; choose one of {METHODS} or give a list of layers per stage")
+        raise ValueError(f"unknown partition method {method!r}; choose one of {METHODS} or give a list of layers "
+                         "per stage")
     if method in ("time", "memory") and sample is None:
         raise ValueError(
             f"method={method!r} measures the model on a sample batch: pass sample=<one input batch>, "

@@ -47,7 +47,7 @@ class _Handle:
 
 class _Emit(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, handle: _Handle, link: torch.Tensor) -> Tuple[torch.Tensor, ...]:  # type: ignore[override]
+    def forward(ctx: Any, handle: _Handle, link: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         ctx.handle = handle
         flat = [tree_tensors(o) for o in handle.outputs]
         merged = tuple(torch.cat([f[k] for f in flat], dim=0) for k in range(len(flat[0])))
@@ -55,16 +55,16 @@ class _Emit(torch.autograd.Function):
         return merged
 
     @staticmethod
-    def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> Tuple[None, torch.Tensor]:  # type: ignore[override]
+    def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> Tuple[None, torch.Tensor]:
         handle: _Handle = ctx.handle
-        per_mb: List[Optional[Grads]] = [[] for _ in handle.sizes]
+        per_mb: List[Grads] = [[] for _ in handle.sizes]
         for g in grads:
             parts: Sequence[Optional[torch.Tensor]] = (
                 torch.split(g, handle.sizes, dim=0) if g is not None else [None] * len(handle.sizes)
             )
             for i, part in enumerate(parts):
-                per_mb[i].append(part)  # type: ignore[union-attr]
-        handle.grads = per_mb
+                per_mb[i].append(part)
+        handle.grads = [mb for mb in per_mb]
         cuda = [g for g in grads if g is not None and g.is_cuda]
         if cuda:
             handle.event = torch.cuda.current_stream(cuda[0].device).record_event()
@@ -73,23 +73,24 @@ class _Emit(torch.autograd.Function):
 
 class _Collect(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, handle: _Handle, token: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, handle: _Handle, token: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
         ctx.handle = handle
         ctx.n_inputs = len(inputs)
         return torch.zeros(())
 
     @staticmethod
-    def backward(ctx: Any, _: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
+    def backward(ctx: Any, _: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
         handle: _Handle = ctx.handle
         if torch.is_grad_enabled():
-            raise RuntimeError("higher-order gradients (create_graph=True) through a pipeddp Pipeline are not supported")
+            raise RuntimeError("higher-order gradients (create_graph=True) through a pipeddp Pipeline are not "
+                               "supported")
         if handle.used:
             raise RuntimeError(
                 "backward ran twice through the same Pipeline output; the pipeline frees its activations "
                 "after the first backward (call pipe(x) again for a new graph)"
             )
         handle.used = True
-        grads = handle.grads if handle.grads is not None else [None] * len(handle.sizes)
+        grads: List[Optional[Grads]] = handle.grads if handle.grads is not None else [None] * len(handle.sizes)
         input_grads = handle.run_backward(grads, handle.event)
         if ctx.n_inputs == 0:
             return (None, None)
@@ -97,7 +98,8 @@ class _Collect(torch.autograd.Function):
         merged: List[Optional[torch.Tensor]] = []
         for k in range(len(input_grads[0])):
             col = [g[k] for g in input_grads]
-            merged.append(None if any(c is None for c in col) else torch.cat(col, dim=0))  # type: ignore[arg-type]
+            present = [c for c in col if c is not None]
+            merged.append(torch.cat(present, dim=0) if len(present) == len(col) else None)
         wanted = [m for m, keep in zip(merged, handle.wants) if keep]
         return (None, None, *wanted)
 

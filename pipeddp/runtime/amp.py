@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import ContextManager, Tuple
+from typing import Any, ContextManager, Tuple
 
 import torch
 
@@ -45,7 +45,7 @@ class Autocast:
         return cls(tuple((dt, torch.get_autocast_dtype(dt), cache) for dt in _DEVICE_TYPES
                          if torch.is_autocast_enabled(dt)))
 
-    def __call__(self) -> ContextManager[None]:
+    def __call__(self) -> ContextManager[Any]:
         """Enter the captured regions (nothing when none was enabled)."""
         if not self.regions:
             return _OFF

@@ -56,6 +56,10 @@ def frozen_statistics(layers: List[_BatchNorm]) -> Iterator[None]:
             m.track_running_stats = True
 
 
+#: the attribute that marks a layer holding back its statistics update during a micro-batch's forward
+_HELD = "pipeddp_deferred"
+
+
 class _Sums:
     """Per-channel sums of one BatchNorm layer's inputs over the micro-batches of a step."""
 
@@ -72,16 +76,24 @@ class _Sums:
         self.count += flat.shape[1]
 
 
+def _hold(layer: _BatchNorm, held: bool) -> None:
+    """Normalise with the micro-batch's statistics and update nothing (``held``), or undo that.
+
+    The mark is a plain attribute of the layer (``setattr``: nn.Module's typed
+    ``__setattr__`` knows only tensors and modules), read back by ``_after`` and ``reset``.
+    """
+    layer.track_running_stats = not held
+    setattr(layer, _HELD, held)
+
+
 def _before(layer: _BatchNorm, args: Any) -> None:
     if layer.training and layer.track_running_stats:
-        layer.track_running_stats = False  # normalise with the micro-batch's statistics, update nothing
-        layer.pipeddp_deferred = True  # type: ignore[attr-defined]
+        _hold(layer, True)
 
 
 def _after(owner: "weakref.ReferenceType[DeferredStatistics]", layer: _BatchNorm, args: Any, output: Any) -> None:
-    if getattr(layer, "pipeddp_deferred", False):
-        layer.track_running_stats = True
-        layer.pipeddp_deferred = False  # type: ignore[attr-defined]
+    if getattr(layer, _HELD, False):
+        _hold(layer, False)
         held = owner()
         if held is not None and not is_recomputing():
             held.add(layer, args[0])
@@ -108,9 +120,8 @@ class DeferredStatistics:
     def reset(self) -> None:
         """Forget the sums of a step that did not finish (and undo a hold-back its failure interrupted)."""
         for m in self.layers:
-            if getattr(m, "pipeddp_deferred", False):
-                m.track_running_stats = True
-                m.pipeddp_deferred = False  # type: ignore[attr-defined]
+            if getattr(m, _HELD, False):
+                _hold(m, False)
         self._sums = {id(m): _Sums() for m in self.layers}
 
     @torch.no_grad()
@@ -118,13 +129,13 @@ class DeferredStatistics:
         """Apply one update per layer from the whole batch's sums (no-op for a layer that saw nothing)."""
         for m in self.layers:
             sums = self._sums[id(m)]
-            if sums.count == 0 or sums.s1 is None or sums.s2 is None or m.running_mean is None:
+            if sums.count == 0 or sums.s1 is None or sums.s2 is None or m.running_mean is None \
+                    or m.running_var is None or m.num_batches_tracked is None:
                 continue
             n = sums.count
             mean = sums.s1 / n
             var = (sums.s2 - n * mean * mean) / max(n - 1, 1)
-            if m.num_batches_tracked is not None:
-                m.num_batches_tracked.add_(1)
+            m.num_batches_tracked.add_(1)
             factor = m.momentum if m.momentum is not None else 1.0 / float(m.num_batches_tracked)
             m.running_mean.mul_(1 - factor).add_(mean.to(m.running_mean.dtype), alpha=factor)
             m.running_var.mul_(1 - factor).add_(var.to(m.running_var.dtype), alpha=factor)

@@ -29,7 +29,7 @@ class Compiled:
         mode (grad enabled, recomputing, checkpointing, layers' training flags) -> torch.compile(run_<stage>_<k>)
     """
 
-    def __init__(self, module: nn.Module, options: Dict[str, Any], index: int) -> None:
+    def __init__(self, module: nn.Sequential, options: Dict[str, Any], index: int) -> None:
         self.module = module
         self.options = options
         self.index = index

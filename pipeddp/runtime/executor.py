@@ -141,7 +141,7 @@ def last_weight_actions(actions: Sequence[Action]) -> Dict[int, int]:
     out: Dict[int, int] = {}
     for k, a in enumerate(actions):
         if a.kind is Kind.B or a.kind is Kind.W:
-            out[a.stage] = k
+            out[a.at] = k
     return out
 
 
@@ -167,7 +167,7 @@ def _run(
             where.clear()  # the message says where it stopped; no action was interrupted
             raise PipelineAborted(f"device {device.row} stopped before {a.label(False)} because another stage failed")
         where.append(a)
-        kind, s, mb = a.kind, a.stage, a.mb
+        kind, s, mb = a.kind, a.at, a.mb
         st = stages.get(s)
         if st is None:
             raise RuntimeError(f"device {device.row} runs an action of stage {s}, which it does not hold "

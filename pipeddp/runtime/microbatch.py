@@ -78,7 +78,8 @@ def split_sizes(total: int, chunks: Optional[int] = None, split_size: Optional[i
     one sample and the larger ones come first, like ``torch.tensor_split``.
     """
     if (chunks is None) == (split_size is None):
-        raise ValueError("give exactly one of chunks= (number of micro-batches) or split_size= (samples per micro-batch)")
+        raise ValueError("give exactly one of chunks= (number of micro-batches) or split_size= (samples per "
+                         "micro-batch)")
     if total < 1:
         raise ValueError(f"cannot split an empty batch (batch size {total})")
     if chunks is not None:

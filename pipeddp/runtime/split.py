@@ -86,7 +86,7 @@ class WeightGrads:
                     torch.autograd.backward(edges, [g for g in got if g is not None], inputs=params,
                                             retain_graph=True)
             for root, grad in self.roots:
-                params = self.reachable.get(root.grad_fn, [])
+                params = self.reachable.get(root.grad_fn, []) if root.grad_fn is not None else []
                 if params:
                     torch.autograd.backward([root], None if grad is None else [grad], inputs=params,
                                             retain_graph=True)

@@ -32,8 +32,9 @@ class StageStreams:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
-        self.compute: Optional[Any] = torch.cuda.Stream(device) if self.cuda else None
-        self.copy: Optional[Any] = torch.cuda.Stream(device) if self.cuda else None
+        # Any, not Optional: None on CPU, but every use is behind ``self.cuda`` (which mypy cannot follow)
+        self.compute: Any = torch.cuda.Stream(device) if self.cuda else None
+        self.copy: Any = torch.cuda.Stream(device) if self.cuda else None
 
     def computing(self) -> ContextManager[Any]:
         """Make the compute stream current on this thread (no-op on CPU)."""

@@ -50,7 +50,7 @@ def layers_of(model: nn.Sequential) -> List[Tuple[str, nn.Module]]:
     ``named_children()`` lists a module object once, however many positions
     it fills; ``len(model)`` and ``model(x)`` count every position.
     """
-    return list(model._modules.items())  # type: ignore[arg-type]
+    return list(model._modules.items())
 
 
 def stage_of_layers(balance: Sequence[int]) -> List[int]:
@@ -86,11 +86,16 @@ def find_ties(model: nn.Sequential, balance: Sequence[int]) -> List[Tie]:
 
 
 class StageLike(Protocol):
-    """What ``LocalTies`` needs of a stage (``runtime.stage.Stage`` has it)."""
+    """What ``LocalTies`` needs of a stage (``runtime.stage.Stage`` has it): read only, so any module type does."""
 
-    index: int
-    module: nn.Module
-    device: torch.device
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def module(self) -> nn.Module: ...
+
+    @property
+    def device(self) -> torch.device: ...
 
 
 def _resolve(root: nn.Module, dotted: str) -> Tuple[nn.Module, str]:
@@ -193,7 +198,8 @@ class LocalTies:
         shared tie, in tie order, whether or not this process gained anything).
         """
         for tie, group in self.entries:
-            shared = self.across is not None and self.across.shares(tie)
+            across = self.across
+            shared = across is not None and across.shares(tie)
             if len(group) < 2 and not shared:
                 continue
             gains = [g for g in (self._gain(p) for p in group) if g is not None]
@@ -202,8 +208,8 @@ class LocalTies:
             total = gains[0].clone() if gains else torch.zeros_like(group[0])
             for g in gains[1:]:
                 total.add_(g.to(total.device))
-            if shared:
-                total = self.across.sum(tie, total)  # type: ignore[union-attr]
+            if shared and across is not None:
+                total = across.sum(tie, total)
             for p in group:
                 before = None if self._before is None else self._before.get(id(p))
                 mine = total.to(p.device, copy=True)

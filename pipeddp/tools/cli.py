@@ -54,8 +54,8 @@ def _progress(console: Console, what: str) -> Iterator[Callable[[int, int], None
 def _partition(args: argparse.Namespace, console: Console) -> int:
     import torch
 
-    from .models import build
     from ..partitioning.report import partition
+    from .models import build
 
     torch.set_num_threads(args.threads)
     model, make_sample = build(args.model)
@@ -83,7 +83,8 @@ def timeline_paths(out: str) -> Tuple[str, str]:
     if suffix.lower() not in _TIMELINE_SUFFIXES:
         stem = out
     if not os.path.basename(stem):
-        raise ValueError(f"--out {out!r} names a folder, not a file: give a path such as {os.path.join(out, 'timeline')!r}")
+        raise ValueError(f"--out {out!r} names a folder, not a file: give a path such as "
+                         f"{os.path.join(out, 'timeline')!r}")
     folder = os.path.dirname(os.path.abspath(stem))
     try:
         os.makedirs(folder, exist_ok=True)
@@ -102,6 +103,7 @@ def _timeline(args: argparse.Namespace, console: Console) -> int:
     from torch import nn
 
     from ..pipeline import Pipeline
+    from ..runtime.trace import Trace
     from .models import build
     from .simulate import StageCost, simulate
     from .timeline import draw, have_matplotlib, measured_bubble
@@ -114,14 +116,14 @@ def _timeline(args: argparse.Namespace, console: Console) -> int:
     with torch.no_grad():
         y = copy.deepcopy(model)(x)
     pipe = Pipeline(model, ["cpu"] * args.stages, chunks=args.chunks, sample=x, schedule=args.schedule,
-                    checkpoint=args.checkpoint, threads=1, trace=True, virtual_stages=args.virtual_stages)
+                    checkpoint=args.checkpoint, threads=1, virtual_stages=args.virtual_stages)
+    trace = pipe.trace = Trace()
     with pipe:
-        for step in range(args.steps):
-            if pipe.trace is not None:
-                pipe.trace.clear()
+        for _ in range(args.steps):
+            trace.clear()
             pipe.train_step(x, torch.randn_like(y), nn.functional.mse_loss)
-        spans = pipe.trace.spans
-        pipe.trace.save(json_path)
+        spans = trace.spans
+        trace.save(json_path)
     p, m, v = args.stages, min(args.chunks, args.batch), pipe.virtual_stages
     # the schedule's own bubble with equal stages (F = 1, B = 2): (p - 1) / (m + p - 1) for GPipe and 1F1B
     theory = simulate([StageCost(1.0, 2.0)] * (p * v), args.schedule, stages=p, chunks=m, virtual_stages=v)
@@ -130,7 +132,7 @@ def _timeline(args: argparse.Namespace, console: Console) -> int:
     what = f"{args.schedule}" + (f" (virtual_stages={v})" if v > 1 else "")
     console.print(f"{args.model}: {p} devices {pipe.balance}, {m} micro-batches, {what}: step {span * 1e3:.1f} ms, "
                   f"measured bubble {bubble:.1%} (equal stages: {bound:.1%})")
-    held = [pipe.trace.peak_in_flight.get(r, 0) for r in range(p)]
+    held = [trace.peak_in_flight.get(r, 0) for r in range(p)]
     console.print(f"micro-batches of activations held at peak, per device: measured {held}, predicted "
                   f"{theory.peak_activations}")
     console.print(f"wrote {escape(str(json_path))} (open in ui.perfetto.dev or chrome://tracing)")
@@ -222,7 +224,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--layers", type=int, default=8, help="Linear + ReLU blocks in the MLP")
     d.add_argument("--width", type=int, default=512, help="features of each hidden layer")
     d.add_argument("--schedule", default="1f1b", choices=schedules, help="pipeline schedule")
-    d.add_argument("--replicas", type=int, default=2, help="pipeline replicas of the hybrid run (spawned processes, gloo)")
+    d.add_argument("--replicas", type=int, default=2,
+                   help="pipeline replicas of the hybrid run (spawned processes, gloo)")
     d.add_argument("--stages", type=int, default=2, help="stages per replica")
     d.add_argument("--mode", default="replica", choices=["replica", "stage"],
                    help="hybrid run: one process per replica (stage threads) or one process per stage")
@@ -259,7 +262,8 @@ def _parser() -> argparse.ArgumentParser:
                         "its folder is created")
     t.set_defaults(fn=_timeline)
 
-    n = sub.add_parser("plan", formatter_class=fmt, help="rank stages x replicas x micro-batches x schedule by simulation",
+    n = sub.add_parser("plan", formatter_class=fmt,
+                       help="rank stages x replicas x micro-batches x schedule by simulation",
                        description="measure a model's layers here, then rank layouts of it on DEVICES devices "
                                    "by a simulated step time")
     n.add_argument("--model", default="resnet50", metavar="MODEL", help="the model to plan for; " + MODEL_HELP)

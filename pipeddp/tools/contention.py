@@ -47,7 +47,7 @@ def _last_weight(schedule: Schedule) -> Dict[int, Tuple[int, int]]:
     for r, row in enumerate(schedule):
         for k, a in enumerate(row):
             if a.kind is Kind.B or a.kind is Kind.W:
-                out[a.stage] = (r, k)
+                out[a.at] = (r, k)
     return out
 
 
@@ -118,17 +118,17 @@ def play_with_collectives(
                 if share is not None and share >= jobs[s][queued[s]][0] - 1e-12:
                     comm[s] = [now, max(jobs[s][queued[s]][1], 0.0)]
                     queued[s] += 1
-        busy = [r for r in range(p) if running[r] is not None]
-        talking = [s for s in range(n_stages) if comm[s] is not None]
+        busy = {r: run for r, run in enumerate(running) if run is not None}
+        talking = {c: job for c, job in enumerate(comm) if job is not None}
         n = len(busy) + len(talking)
         factor = slowdown(n) if n else 1.0
         comm_factor = factor / slowdown(1) if n else 1.0
-        ends = {r: now + running[r][2] * factor for r in busy}
-        comm_ends = {s: now + comm[s][1] * comm_factor for s in talking}
+        ends = {r: now + run[2] * factor for r, run in busy.items()}
+        comm_ends = {c: now + job[1] * comm_factor for c, job in talking.items()}
         triggers = []
-        for r in busy:  # a running last weight action reaching the share at which the next reduction may start
-            run = running[r]
-            s = run[0].stage
+        # a running last weight action reaching the share at which the next reduction may start
+        for r, run in busy.items():
+            s = run[0].at
             if last_w.get(s) == (r, run[4]) and comm[s] is None and queued[s] < len(jobs[s]):
                 left = run[2] - (1.0 - jobs[s][queued[s]][0]) * run[3]
                 if left > 0:
@@ -139,22 +139,22 @@ def play_with_collectives(
                               for r in range(p) if pos[r] < len(schedule[r]))
             raise ValueError(f"the schedule deadlocks: no stage can proceed ({stuck})")
         nxt = min(candidates)
-        for r in busy:
+        for r, run in busy.items():
             if ends[r] <= nxt:
-                a, start = running[r][0], running[r][1]
+                a, start = run[0], run[1]
                 events[r].append((a, start, nxt))
                 for e in produces(a):
                     done[e] = nxt
                 running[r] = None
                 finished += 1
             else:
-                running[r][2] -= (nxt - now) / factor
-        for s in talking:
-            if comm_ends[s] <= nxt:
-                reduced[s].append((comm[s][0], nxt))
-                comm[s] = None
+                run[2] -= (nxt - now) / factor
+        for c, job in talking.items():
+            if comm_ends[c] <= nxt:
+                reduced[c].append((job[0], nxt))
+                comm[c] = None
                 finished += 1
             else:
-                comm[s][1] -= (nxt - now) / comm_factor
+                job[1] -= (nxt - now) / comm_factor
         now = nxt
     return events, reduced

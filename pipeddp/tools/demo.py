@@ -21,8 +21,8 @@ from rich.progress import Progress
 from rich.table import Table
 from torch import nn
 
-from .models import mlp
 from ..pipeline import Pipeline
+from .models import mlp
 
 __all__ = ["run_demo", "synthetic_regression"]
 
@@ -43,7 +43,7 @@ def _batches(data: Dict[str, torch.Tensor], batch: int, steps: int) -> List[tupl
             for i in range(steps)]
 
 
-def _hybrid_job(model: nn.Module, batches: List[tuple], stages: int, chunks: int, schedule: str,
+def _hybrid_job(model: nn.Sequential, batches: List[tuple], stages: int, chunks: int, schedule: str,
                 mode: str) -> Dict[str, object]:
     """Runs in every spawned process: train on this replica's slice of each global batch."""
     from ..hybrid import HybridParallel
@@ -136,9 +136,9 @@ def run_demo(
                 results = spawn(_hybrid_job, nprocs, args=(init, batches, stages, chunks, schedule, mode),
                                 timeout=600)
             res = results[0]
-            times = res["times"]  # type: ignore[index]
+            times = res["times"]
             rows[f"hybrid {replicas} x {stages} ({mode}) {res['balance']}"] = {
-                "ms": _median_ms(times), "loss": res["loss"], "diff": _max_diff(plain, res["state"]),  # type: ignore
+                "ms": _median_ms(times), "loss": res["loss"], "diff": _max_diff(plain, res["state"]),
                 "speedup": _median_ms(t_plain) / _median_ms(times),
             }
         table = Table(title=f"pipeddp demo: MLP {layers}x{width}, global batch {batch}, {chunks} micro-batches, "

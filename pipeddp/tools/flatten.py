@@ -18,13 +18,13 @@ import builtins
 import itertools
 import operator
 from collections import OrderedDict
-from typing import Any, Dict, List, NamedTuple, Optional, Set, Tuple
+from typing import AbstractSet, Any, Dict, List, NamedTuple, Optional, Set, Tuple
 
 import torch
 from torch import fx, nn
 
-from .functional import INPUT, TRAINING, Functional, call_text, describe_value
 from ..runtime import names as key_names
+from .functional import INPUT, TRAINING, Functional, call_text, describe_value
 from .transformer import ENCODER_ARGS, EncoderCall, EncoderLayerCall, encoder_layers, is_plain_encoder
 
 __all__ = ["flatten_sequential"]
@@ -101,7 +101,7 @@ def _is_size(node: fx.Node) -> bool:
          len(node.args) > 1 and node.args[1] in ("shape", "ndim", "dtype", "device"))
 
 
-def _check_single_use(prev: fx.Node, side: Set[fx.Node]) -> None:
+def _check_single_use(prev: fx.Node, side: AbstractSet[fx.Node]) -> None:
     users = [u for u in prev.users if u not in side]
     if len(users) <= 1:
         return
@@ -127,7 +127,8 @@ def _encoder_sites(graph: fx.Graph, root: nn.Module) -> Tuple[Dict[fx.Node, Enco
     sites: Dict[fx.Node, EncoderCall] = {}
     side: Set[fx.Node] = set()
     for n in graph.nodes:
-        if n.op != "call_module" or not n.args or not is_plain_encoder(root.get_submodule(str(n.target))):
+        encoder = root.get_submodule(str(n.target)) if n.op == "call_module" else None
+        if encoder is None or not n.args or not is_plain_encoder(encoder):
             continue
         if len(n.args) > len(ENCODER_ARGS) or any(k not in ENCODER_ARGS[1:] for k in n.kwargs):
             continue
@@ -157,13 +158,13 @@ def _encoder_sites(graph: fx.Graph, root: nn.Module) -> Tuple[Dict[fx.Node, Enco
             todo.extend(a.all_input_nodes)
         if any(u not in mine and u is not n for a in mine for u in a.users):
             continue  # the mask's parts are used by the chain too: the chain check names the place
-        sites[n] = EncoderCall(root.get_submodule(str(n.target)), f"self.{n.target}", mask is not None, sized,
+        sites[n] = EncoderCall(encoder, f"self.{n.target}", mask is not None, sized,
                                hint)
         side |= mine
     return sites, side
 
 
-def _chain(graph: fx.Graph, side: Set[fx.Node] = frozenset(),  # type: ignore[assignment]
+def _chain(graph: fx.Graph, side: AbstractSet[fx.Node] = frozenset(),
            sites: Optional[Dict[fx.Node, EncoderCall]] = None) -> List[fx.Node]:
     """The nodes of a forward that is a chain, in order; else ``_NotAChain`` naming the break.
 
@@ -178,7 +179,8 @@ def _chain(graph: fx.Graph, side: Set[fx.Node] = frozenset(),  # type: ignore[as
     for extra in inputs[1:]:
         if extra.users:
             raise _NotAChain(f"forward uses its argument {extra.name!r} besides the input")
-    prev, steps = inputs[0], []
+    prev = inputs[0]
+    steps: List[fx.Node] = []
     for n in nodes:
         if n.op == "placeholder" or n in side:
             continue
@@ -260,7 +262,7 @@ def _steps(module: nn.Module, call: Optional[EncoderCall] = None) -> List[_Step]
     if isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward:
         return [_Step("module", name, child) for name, child in module.named_children()]
     if is_plain_encoder(module):
-        return [_Step("leaf", path, layer) for path, layer in encoder_layers(module, call)]  # type: ignore[arg-type]
+        return [_Step("leaf", path, layer) for path, layer in encoder_layers(module, call)]
     saved = module.training
     graphs = []
     try:

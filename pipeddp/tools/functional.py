@@ -94,7 +94,8 @@ def call_text(fn: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> str:
         return f"{describe_value(args[0])} {_OPERATORS[fn]} {describe_value(args[1])}"
     if not kwargs and len(args) == 2 and fn is operator.getitem:
         index = args[1]
-        inner = ", ".join(describe_value(i) for i in index) if isinstance(index, tuple) and index else describe_value(index)
+        inner = (", ".join(describe_value(i) for i in index) if isinstance(index, tuple) and index
+                 else describe_value(index))
         return f"{describe_value(args[0])}[{inner}]"
     if not kwargs and len(args) == 1 and fn is operator.neg:
         return f"-{describe_value(args[0])}"

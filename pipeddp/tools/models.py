@@ -48,11 +48,12 @@ def flatten_resnet(model: nn.Module) -> nn.Sequential:
     """A torchvision ResNet as a flat ``nn.Sequential`` of its stem, blocks and head."""
     parts: List[Tuple[str, nn.Module]] = []
     for name in ("conv1", "bn1", "relu", "maxpool"):
-        parts.append((name, getattr(model, name)))
+        parts.append((name, model.get_submodule(name)))
     for stage in ("layer1", "layer2", "layer3", "layer4"):
         for i, block in enumerate(getattr(model, stage)):
             parts.append((f"{stage}_{i}", block))
-    parts += [("avgpool", model.avgpool), ("flatten", nn.Flatten(1)), ("fc", model.fc)]
+    parts += [("avgpool", model.get_submodule("avgpool")), ("flatten", nn.Flatten(1)),
+              ("fc", model.get_submodule("fc"))]
     return nn.Sequential(OrderedDict(parts))
 
 

@@ -29,8 +29,8 @@ from typing import Any, Callable, List, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from ..partitioning.solve import solve
 from ..partitioning.profile import profile_layers
+from ..partitioning.solve import solve
 from .simulate import Link, Prediction, StageCost, resolve_link, simulate
 
 __all__ = ["LayerModel", "fit_layers", "Candidate", "plan", "parse_bytes", "SCHEDULES"]
@@ -80,10 +80,10 @@ def fit_layers(model: nn.Sequential, make_sample: Callable[[int], Any], sizes: S
     small = profile_layers(model, make_sample(b1), device=device, repeat=repeat, progress=half(0))
     large = profile_layers(model, make_sample(b2), device=device, repeat=repeat, progress=half(1))
     out = []
-    for s, l in zip(small, large):
-        fa, fc = _line(s.forward, l.forward, b1, b2)
-        ba, bc = _line(s.backward, l.backward, b1, b2)
-        out.append(LayerModel(s.name, fa, fc, ba, bc, l.activation_bytes / b2, s.param_bytes))
+    for s, big in zip(small, large):
+        fa, fc = _line(s.forward, big.forward, b1, b2)
+        ba, bc = _line(s.backward, big.backward, b1, b2)
+        out.append(LayerModel(s.name, fa, fc, ba, bc, big.activation_bytes / b2, s.param_bytes))
     return out
 
 
@@ -233,12 +233,12 @@ def _stages(layers: Sequence[LayerModel], balance: Sequence[int], b: int) -> tup
     for count in balance:
         chunk = layers[start:start + count]
         costs.append(StageCost(
-            forward=sum(l.forward(b) for l in chunk),
-            backward=sum(l.backward(b) for l in chunk),
+            forward=sum(layer.forward(b) for layer in chunk),
+            backward=sum(layer.backward(b) for layer in chunk),
             activation_bytes=int(chunk[-1].activation_bytes_per_sample * b),
-            param_bytes=sum(l.param_bytes for l in chunk),
+            param_bytes=sum(layer.param_bytes for layer in chunk),
         ))
-        saved.append(sum(l.activation_bytes_per_sample * b for l in chunk))
+        saved.append(sum(layer.activation_bytes_per_sample * b for layer in chunk))
         start += count
     return costs, saved
 
@@ -255,6 +255,7 @@ def _why(costs: Sequence[StageCost], pred: Prediction, balance: Sequence[int], s
         parts.append(f"bubble {pred.bubble:.0%}")
     if max(pred.allreduce_time) > 0:
         hidden = max(pred.allreduce_time) - pred.exposed_allreduce
-        parts.append(f"all-reduce {max(pred.allreduce_time) * 1e3:.1f} ms, {max(hidden, 0.0) * 1e3:.1f} ms of it hidden")
+        parts.append(f"all-reduce {max(pred.allreduce_time) * 1e3:.1f} ms, "
+                     f"{max(hidden, 0.0) * 1e3:.1f} ms of it hidden")
     return "; ".join(parts) if parts else "no pipeline, no replicas: the plain model"
 

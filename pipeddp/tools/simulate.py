@@ -143,7 +143,7 @@ def simulate(
     plan = get_schedule(schedule, rows, chunks, virtual_stages)
 
     def duration(row: int, a: Action) -> float:
-        return costs[a.stage].cost(a.kind, a.stage == 0)
+        return costs[a.at].cost(a.kind, a.at == 0)
 
     def transfer(src: int, dst: int, a: Action) -> float:
         if row_of(src, rows) == row_of(dst, rows):
@@ -159,16 +159,16 @@ def simulate(
             raise ValueError("collectives_share_cores=True needs contention= (how the shared cores slow down)")
         jobs: List[List[Tuple[float, float]]] = []
         for c, bs in zip(costs, buckets):
-            produced, row = 0.0, []
+            produced, pieces = 0.0, []
             for size in bs:
                 produced += size
                 # a bucket may start once the backward has produced it; one piece (no bucket size) may start
                 # with the last weight-gradient action, as in the model without sharing
                 share = produced / c.param_bytes if bucket_bytes is not None else 0.0
-                row.append((share, ring_allreduce_time(size, replicas, ar_link)))
-            jobs.append(row if replicas > 1 else [])
+                pieces.append((share, ring_allreduce_time(size, replicas, ar_link)))
+            jobs.append(pieces if replicas > 1 else [])
         events, spans = play_with_collectives(plan, duration, transfer,
-                                     lambda n: contention_factor(contention, n * replicas), jobs)
+                                              lambda n: contention_factor(contention, n * replicas), jobs)
         played = Played(events)
         end = max([played.makespan] + [stop for row in spans for _, stop in row])
     else:
@@ -181,7 +181,7 @@ def simulate(
         for row in played.events:
             for a, start, stop in row:
                 if a.kind is Kind.B or a.kind is Kind.W:
-                    last[a.stage] = (start, stop)
+                    last[a.at] = (start, stop)
         for s, (start, stop) in sorted(last.items()):
             if reduce[s] <= 0:
                 continue

@@ -36,7 +36,7 @@ COLORS: Dict[str, str] = {
 
 def have_matplotlib() -> bool:
     try:
-        import matplotlib  # noqa: F401
+        import matplotlib  # noqa: F401 - imported only to learn whether it is installed
     except ImportError:
         return False
     return True

@@ -32,10 +32,13 @@ exactly as it does inside the encoder.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:  # typing has TypeGuard from Python 3.10 on; only the checker reads it here
+    from typing import TypeGuard
 
 __all__ = ["EncoderCall", "EncoderLayerCall", "is_plain_encoder", "encoder_layers", "ENCODER_ARGS"]
 
@@ -43,7 +46,7 @@ __all__ = ["EncoderCall", "EncoderLayerCall", "is_plain_encoder", "encoder_layer
 ENCODER_ARGS = ("src", "mask", "src_key_padding_mask", "is_causal")
 
 
-def is_plain_encoder(module: nn.Module) -> bool:
+def is_plain_encoder(module: nn.Module) -> TypeGuard[nn.TransformerEncoder]:
     """An ``nn.TransformerEncoder`` (or a subclass) that runs ``nn.TransformerEncoder.forward``."""
     return isinstance(module, nn.TransformerEncoder) and type(module).forward is nn.TransformerEncoder.forward
 
@@ -143,7 +146,7 @@ class EncoderLayerCall(nn.Module):
         self.kind, self.is_causal = kind, bool(is_causal)
         self.mask = mask
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         mask: Optional[torch.Tensor] = None
         if self.kind == "causal":
             mask = nn.Transformer.generate_square_subsequent_mask(_seq_len(x, self.batch_first), device=x.device,

@@ -36,7 +36,7 @@ class Kind(str, enum.Enum):
 
     F = "F"  #: forward
     B = "B"  #: whole backward: input and weight gradients
-    I = "I"  #: input-gradient half of a backward (sent to the previous stage)  # noqa: E741
+    I = "I"  #: input-gradient half of a backward (sent to the previous stage)  # noqa: E741 - the letter printed
     W = "W"  #: weight-gradient half of a backward, after its I
 
     def __str__(self) -> str:
@@ -66,6 +66,13 @@ class Action(NamedTuple):
     def label(self, short: bool = True) -> str:
         """``F0``, or ``F0@s2`` where a device holds several stages."""
         return str(self) if short or self.stage is None else f"{self.kind}{self.mb}@s{self.stage}"
+
+    @property
+    def at(self) -> int:
+        """The stage, as an int: ``normalize`` gives every action of a schedule its stage before anything runs it."""
+        if self.stage is None:
+            raise ValueError(f"{self!r} names no stage: normalize the schedule first")
+        return self.stage
 
 
 Schedule = List[List[Action]]

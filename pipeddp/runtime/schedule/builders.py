@@ -115,8 +115,9 @@ def list_schedule(stages: int, chunks: int, virtual_stages: int = 1, *, split_ba
     count = 0
 
     def ready(a: Action) -> Optional[float]:
-        times = [done.get(e) for e, _ in deps(a, n_stages)]
-        return None if any(t is None for t in times) else max(times, default=0.0)  # type: ignore[type-var]
+        wanted = [e for e, _ in deps(a, n_stages)]
+        times = [done[e] for e in wanted if e in done]
+        return max(times, default=0.0) if len(times) == len(wanted) else None
 
     def first_ready(order: List[Tuple[int, int]], kind: Kind, now: float) -> Optional[int]:
         for k, (s, i) in enumerate(order[:1] if kind is Kind.F else order):  # forwards strictly in order

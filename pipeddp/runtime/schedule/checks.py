@@ -37,10 +37,10 @@ def validate(schedule: Schedule, chunks: int, *, training: bool = True, stages: 
         seen = set()
         for a in row:
             tag = f"device {r}: {a.label(False)}" if n != rows else f"stage {r}: {a}"
-            if not 0 <= a.stage < n:
+            if not 0 <= a.at < n:
                 raise ValueError(f"{tag} refers to stage {a.stage}, but there are {n}")
-            if row_of(a.stage, rows) != r:
-                raise ValueError(f"{tag}: stage {a.stage} lives on device {row_of(a.stage, rows)} (device r holds "
+            if row_of(a.at, rows) != r:
+                raise ValueError(f"{tag}: stage {a.stage} lives on device {row_of(a.at, rows)} (device r holds "
                                  f"stages r, r + {rows}, ...)")
             if not 0 <= a.mb < chunks:
                 raise ValueError(f"{tag} refers to micro-batch {a.mb}, but there are {chunks}")
