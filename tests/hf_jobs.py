@@ -97,7 +97,8 @@ def _local(x: Any, replica: int, local: int) -> Any:
     return {k: v[part] for k, v in x.items()} if isinstance(x, dict) else x[part]
 
 
-def hybrid_job(mode: str, runs: List[Tuple[str, bool]], steps: int, local: int, lr: float = 0.1) -> List[Dict[str, Any]]:
+def hybrid_job(mode: str, runs: List[Tuple[str, bool]], steps: int, local: int,
+               lr: float = 0.1) -> List[Dict[str, Any]]:
     """Train each (model, padded) flattened with HybridParallel: losses and the consolidated state dict."""
     import torch.distributed as dist
 
