@@ -95,7 +95,7 @@ def template_of(call: Call, hidden: torch.Tensor, extras: Dict[int, int]) -> Tem
 def _walk(template: Any, value: Any, where: str, out: Dict[Any, Any]) -> None:
     """Collect, by marker, the values of ``value`` at the template's markers; refuse another structure."""
     if template is HIDDEN or isinstance(template, Carried):
-        key = "hidden" if template is HIDDEN else template.index
+        key = template.index if isinstance(template, Carried) else "hidden"
         if value is not None and not isinstance(value, torch.Tensor):
             raise ValueError(f"the model gave its first block {type(value).__name__} at {where}, where it gave a "
                              "tensor for the sample it was flattened with")

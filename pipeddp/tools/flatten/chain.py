@@ -158,8 +158,9 @@ def _encoder_sites(graph: fx.Graph, root: nn.Module) -> Tuple[Dict[fx.Node, Enco
             todo.extend(a.all_input_nodes)
         if any(u not in mine and u is not n for a in mine for u in a.users):
             continue  # the mask's parts are used by the chain too: the chain check names the place
-        sites[n] = EncoderCall(root.get_submodule(str(n.target)), f"self.{n.target}", mask is not None, sized,
-                               hint)
+        encoder = root.get_submodule(str(n.target))
+        assert isinstance(encoder, nn.TransformerEncoder)
+        sites[n] = EncoderCall(encoder, f"self.{n.target}", mask is not None, sized, hint)
         side |= mine
     return sites, side
 
@@ -179,7 +180,8 @@ def _chain(graph: fx.Graph, side: Set[fx.Node] = frozenset(),  # type: ignore[as
     for extra in inputs[1:]:
         if extra.users:
             raise NotAChain(f"forward uses its argument {extra.name!r} besides the input")
-    prev, steps = inputs[0], []
+    prev = inputs[0]
+    steps: List[fx.Node] = []
     for n in nodes:
         if n.op == "placeholder" or n in side:
             continue

@@ -110,7 +110,7 @@ class _Event:
 class _Run(TorchFunctionMode):
     """One run of the model on the sample, recorded by module hooks and a torch function mode."""
 
-    def __init__(self, model: nn.Module, blocks: nn.Module, around: Set[int]) -> None:
+    def __init__(self, model: nn.Module, blocks: List[nn.Module], around: Set[int]) -> None:
         super().__init__()
         self.paths = {id(m): p for p, m in model.named_modules(remove_duplicate=False)}
         self.index = {id(b): i for i, b in enumerate(blocks)}
@@ -170,7 +170,7 @@ class _Run(TorchFunctionMode):
         return out
 
 
-def _record(model: nn.Module, blocks: nn.Module, around: Set[int], sample: Any) -> Tuple[_Run, Any]:
+def _record(model: nn.Module, blocks: List[nn.Module], around: Set[int], sample: Any) -> Tuple[_Run, Any]:
     run = _Run(model, blocks, around)
     hooks = []
     for m in {id(m): m for m in model.modules()}.values():
@@ -311,7 +311,7 @@ def _with_input(fn: Any, event: _Event, inp: torch.Tensor) -> Functional:
 Layer = Tuple[str, nn.Module, Dict[str, str]]
 
 
-def stack_layers(model: nn.Module, sample: Any, path: str, blocks: nn.Module) -> List[Layer]:
+def stack_layers(model: nn.Module, sample: Any, path: str, stack: nn.Module) -> List[Layer]:
     """``(name, layer, {suffix: original prefix})`` of the opened stack; ``NotAStack`` naming what stops it.
 
     The suffixes are relative to the layer's name in the flat model (``""``:
@@ -321,6 +321,7 @@ def stack_layers(model: nn.Module, sample: Any, path: str, blocks: nn.Module) ->
     owner_paths = [""] + [path[:i] for i in range(len(path)) if path[i] == "."] + [path]
     around_mods = [model.get_submodule(p) for p in owner_paths]
     around = {id(m) for m in around_mods}
+    blocks: List[nn.Module] = list(stack._modules.values())  # type: ignore[arg-type]
     count = len(blocks)
     with torch.no_grad():
         run, out = _record(model, blocks, around, sample)

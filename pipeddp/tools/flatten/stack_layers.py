@@ -78,6 +78,11 @@ class StackInput(nn.Module):
     on the modules around the blocks (``cls_token``, ``pos_embed``).
     """
 
+    _model: nn.Module
+    _first: nn.Module
+    _around: List[nn.Module]
+    _kept_owners: List[nn.Module]
+
     def __init__(self, model: nn.Module, first: nn.Module, first_path: str, around: Sequence[nn.Module],
                  owned: Dict[str, nn.Module], kept: List[Tuple[str, nn.Module, str, bool, bool]],
                  template: Template, count: int, fixed: Dict[str, Any]) -> None:
