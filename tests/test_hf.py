@@ -126,3 +126,21 @@ def test_a_model_that_cannot_be_taken_names_the_construct_and_the_way_out():
     with pytest.raises(ValueError, match=r"blocks\.1 is not called on the output of blocks\.0 .*test_hf\.py:\d+ in "
                                          r"forward.*one per block of model\.blocks taking and passing on"):
         flatten_sequential(Between(), torch.randint(0, 10, (2, 4)))
+
+
+def test_the_way_out_is_written_with_the_model_s_own_parts():
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(10, 8)
+            self.body = nn.Linear(8, 8)
+            self.head = nn.Linear(8, 2)
+
+        def forward(self, ids):
+            h = self.embed(ids)
+            return self.head(self.body(h) + h)
+
+    with pytest.raises(ValueError, match=r"embed output is used twice.*by hand, e\.g\. "
+                                         r"nn\.Sequential\(model\.embed, model\.body, model\.head\)") as info:
+        flatten_sequential(Twice(), torch.randint(0, 10, (2, 4)))
+    assert "features" not in str(info.value)

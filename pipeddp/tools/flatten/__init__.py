@@ -31,7 +31,7 @@ from torch import nn
 
 from ...runtime import names as key_names
 from ..transformer import EncoderCall, EncoderLayerCall
-from .chain import BY_HAND, NotAChain, chain_layers, configure_encoders, unique_names
+from .chain import NotAChain, by_hand, chain_layers, configure_encoders, unique_names
 from .check import clone, differences
 from .stack import NotAStack, call_model, find_stack, model_output, stack_layers
 
@@ -68,7 +68,7 @@ def _layers(model: nn.Module, sample: Any) -> Tuple[List[Layer], List[EncoderCal
     stack = find_stack(model)
     if stack is None:
         raise ValueError(f"cannot flatten {name}: its forward is not a chain of its children: {chain_reason}. "
-                         f"{BY_HAND}") from None
+                         f"{by_hand(model)}") from None
     try:
         return stack_layers(model, sample, *stack), [], True
     except NotAStack as exc:
@@ -152,7 +152,7 @@ def flatten_sequential(model: nn.Module, sample: Any, *, rtol: float = 1e-5, ato
     bad = differences(got, want, rtol, atol)
     if bad:
         where = "; ".join(f"{w}: {what}" for w, what in bad[:3]) + ("; ..." if len(bad) > 3 else "")
-        hint = _stack_hint(find_stack(model)[0]) if stacked else BY_HAND  # type: ignore[index]
+        hint = _stack_hint(find_stack(model)[0]) if stacked else by_hand(model)  # type: ignore[index]
         what = "the model's output on the sample" if stacked else "model(sample)"
         raise ValueError(f"the flattened {type(model).__name__} does not compute {what} "
                          f"(rtol={rtol:g}, atol={atol:g}): {where}. Its forward may do more than call its layers "

@@ -24,11 +24,20 @@ from torch import fx, nn
 from ..functional import INPUT, TRAINING, Functional, call_text, describe_value
 from ..transformer import ENCODER_ARGS, EncoderCall, encoder_layers, is_plain_encoder
 
-__all__ = ["NotAChain", "chain_layers", "configure_encoders", "unique_names", "BY_HAND"]
+__all__ = ["NotAChain", "chain_layers", "configure_encoders", "unique_names", "BY_HAND", "by_hand"]
 
-#: the way out when a model cannot be flattened, for a model built as a chain (a CNN)
-BY_HAND = ("Wrap the parts of the model in order by hand, e.g. "
-           "nn.Sequential(model.features, nn.Flatten(1), model.classifier)")
+#: the way out when a model cannot be flattened (``by_hand`` adds an example made of the model's own children)
+BY_HAND = "Wrap the parts of the model in order by hand"
+
+
+def by_hand(model: nn.Module) -> str:
+    """The way out, with the model's own children as the example: ``nn.Sequential(model.stem, model.body, ...)``."""
+    children = [name for name, _ in model.named_children()]
+    if len(children) < 2:
+        return f"{BY_HAND}, as an nn.Sequential of its layers"
+    parts = ", ".join(f"model.{c}" for c in children[:4]) + (", ..." if len(children) > 4 else "")
+    return (f"{BY_HAND}, e.g. nn.Sequential({parts}) with a Functional layer for glue between them "
+            "(torch.flatten(x, 1)); a layer may take and return a tuple to carry more than one value")
 
 
 class NotAChain(Exception):
