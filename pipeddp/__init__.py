@@ -6,6 +6,8 @@ The public face is small:
 - ``HybridParallel``: replicas of that pipeline joined by DDP (torchrun or ``spawn``).
 - ``partition``: the balanced cut, with a report of what it measured; ``HeavyLayerWarning`` when one
   layer costs more than a stage's share (split it, e.g. with ``flatten_sequential``).
+- ``flatten_sequential``: a model (torchvision CNNs, transformers' LMs and encoders, timm's vision transformers)
+  as the fine ``nn.Sequential`` of its own layers that the engines cut, under the model's own names.
 - ``spawn``: start a local multi-process job the way torchrun would.
 - ``data.loader``: a DataLoader sharded by replica (not by rank).
 - ``resume``: pick up the newest complete checkpoint of a directory.
@@ -25,9 +27,10 @@ from .runtime.rng import is_checkpointing, is_recomputing
 from .runtime.schedule.actions import Action
 from .runtime.schedule.builders import gpipe, interleaved, one_f_one_b, zero_bubble
 from .runtime.schedule.checks import format_schedule
+from .tools.flatten import flatten_sequential
 from .tools.simulate import simulate
 
 __all__ = ["Pipeline", "HybridParallel", "Partition", "partition", "HeavyLayerWarning", "spawn", "resume", "data",
            "simulate", "gpipe", "one_f_one_b", "interleaved", "zero_bubble", "Action", "format_schedule",
-           "is_recomputing", "is_checkpointing"]
+           "is_recomputing", "is_checkpointing", "flatten_sequential"]
 __version__ = "0.3.0"

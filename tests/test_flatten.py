@@ -115,7 +115,7 @@ def test_an_unbatched_sequence_first_encoder_opens_too():
     torch.testing.assert_close(flat(x), model(x), rtol=1e-5, atol=1e-6)
 
 
-def test_a_size_mask_that_is_not_causal_and_a_padding_mask_are_refused():
+def test_a_size_mask_that_is_not_causal_is_refused():
     class Window(CausalLM):
         def forward(self, x):
             n = x.size(1)
@@ -126,12 +126,29 @@ def test_a_size_mask_that_is_not_causal_and_a_padding_mask_are_refused():
                                          r"the causal mask"):
         flatten_sequential(Window(), _tokens())
 
+
+def test_a_padding_mask_travels_with_the_hidden_state():
+    """A src_key_padding_mask is a per-batch second input: the encoder's layers, a stack of identical blocks,
+    take it along with the hidden state (training mode, gradients included)."""
     class Padded(CausalLM):
         def forward(self, x):
             return self.head(self.encoder(self.emb(x), src_key_padding_mask=x == 0))
 
-    with pytest.raises(ValueError, match=r"passes a src_key_padding_mask: a per-batch mask is a second input"):
-        flatten_sequential(Padded(), _tokens())
+    model = Padded()
+    reference = copy.deepcopy(model)
+    flat = flatten_sequential(model, _tokens())
+    assert _layer_names(flat) == ["embed"] + [f"encoder_layers_{i}" for i in range(N_LAYERS)] + \
+        ["encoder_norm", "head"]
+    x = _tokens(5, seed=3)
+    x[1, 2] = 0
+    out, want = flat(x), reference(x)
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-12) if out.dtype == torch.float64 else \
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    out.square().sum().backward()
+    want.square().sum().backward()
+    got = dict(model.named_parameters())
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(got[name].grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_module_list_loops_and_nested_sequentials_open():

@@ -8,7 +8,7 @@
     plan       rank stages x replicas x micro-batches by simulation
     timeline   draw a recorded trace, measure its bubble
     models     the models of the demo, the command line and the benchmarks
-    flatten    ``flatten_sequential``: a model whose forward is a chain, as a fine nn.Sequential
+    flatten    ``flatten_sequential``: a model as a fine nn.Sequential (chains; transformers/timm block stacks)
     transformer  opening nn.TransformerEncoder into its layers (masks kept exact)
     demo       ``pipeddp demo``
     cli        the ``pipeddp`` command

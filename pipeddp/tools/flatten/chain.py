@@ -1,4 +1,4 @@
-"""``flatten_sequential``: a model whose forward is a chain of its children, as a fine ``nn.Sequential``.
+"""The chain family: a model whose forward is a chain of its children, opened as far as it goes.
 
 The partitioner cuts between the children of an ``nn.Sequential``, so the
 finer the chain, the better the balance. ``torch.fx`` traces the model with
@@ -17,20 +17,30 @@ from __future__ import annotations
 import builtins
 import itertools
 import operator
-from collections import OrderedDict
 from typing import AbstractSet, Any, Dict, List, NamedTuple, Optional, Set, Tuple
 
-import torch
 from torch import fx, nn
 
-from ..runtime import names as key_names
-from .functional import INPUT, TRAINING, Functional, call_text, describe_value
-from .transformer import ENCODER_ARGS, EncoderCall, EncoderLayerCall, encoder_layers, is_plain_encoder
+from ..functional import INPUT, TRAINING, Functional, call_text, describe_value
+from ..transformer import ENCODER_ARGS, EncoderCall, encoder_layers, is_plain_encoder
 
-__all__ = ["flatten_sequential"]
+__all__ = ["NotAChain", "chain_layers", "configure_encoders", "unique_names", "BY_HAND", "by_hand"]
+
+#: the way out when a model cannot be flattened (``by_hand`` adds an example made of the model's own children)
+BY_HAND = "Wrap the parts of the model in order by hand"
 
 
-class _NotAChain(Exception):
+def by_hand(model: nn.Module) -> str:
+    """The way out, with the model's own children as the example: ``nn.Sequential(model.stem, model.body, ...)``."""
+    children = [name for name, _ in model.named_children()]
+    if len(children) < 2:
+        return f"{BY_HAND}, as an nn.Sequential of its layers"
+    parts = ", ".join(f"model.{c}" for c in children[:4]) + (", ..." if len(children) > 4 else "")
+    return (f"{BY_HAND}, e.g. nn.Sequential({parts}) with a Functional layer for glue between them "
+            "(torch.flatten(x, 1)); a layer may take and return a tuple to carry more than one value")
+
+
+class NotAChain(Exception):
     """A forward that is not a chain of its children; the message says where it breaks."""
 
 
@@ -109,11 +119,11 @@ def _check_single_use(prev: fx.Node, side: AbstractSet[fx.Node]) -> None:
         if _is_size(u):
             meets = _meets_data(u)
             used = f"an argument of {_describe(meets)}" if meets is not None else "used further on"
-            raise _NotAChain(f"{_describe(u)} depends on the input and is {used}; a layer of an nn.Sequential sees "
+            raise NotAChain(f"{_describe(u)} depends on the input and is {used}; a layer of an nn.Sequential sees "
                              "only the previous layer's output (torch.flatten(x, 1) or nn.Flatten(1) needs no size)")
     uses = " and ".join(_describe(u) for u in users[:3]) + (f" and {len(users) - 3} more" if len(users) > 3 else "")
     times = "twice" if len(users) == 2 else f"{len(users)} times"
-    raise _NotAChain(f"{_output_of(prev)} is used {times} (by {uses})")
+    raise NotAChain(f"{_output_of(prev)} is used {times} (by {uses})")
 
 
 def _encoder_sites(graph: fx.Graph, root: nn.Module) -> Tuple[Dict[fx.Node, EncoderCall], Set[fx.Node]]:
@@ -135,7 +145,7 @@ def _encoder_sites(graph: fx.Graph, root: nn.Module) -> Tuple[Dict[fx.Node, Enco
         bound = dict(zip(ENCODER_ARGS, n.args))
         bound.update(n.kwargs)
         if bound.get("src_key_padding_mask") is not None:
-            raise _NotAChain(f"{_describe(n)} passes a src_key_padding_mask: a per-batch mask is a second input "
+            raise NotAChain(f"{_describe(n)} passes a src_key_padding_mask: a per-batch mask is a second input "
                              "besides the previous step's output, which an nn.Sequential cannot pass from layer to "
                              "layer")
         hint, mask = bound.get("is_causal"), bound.get("mask")
@@ -149,7 +159,7 @@ def _encoder_sites(graph: fx.Graph, root: nn.Module) -> Tuple[Dict[fx.Node, Enco
             if a in mine:
                 continue
             if a.op in ("placeholder", "call_module"):
-                raise _NotAChain(f"{_describe(n)} passes a mask computed from {_output_of(a)}: only a constant "
+                raise NotAChain(f"{_describe(n)} passes a mask computed from {_output_of(a)}: only a constant "
                                  "mask or one made from the input's size (the causal mask) can be given to each layer")
             mine.add(a)
             if _is_size(a):
@@ -158,15 +168,16 @@ def _encoder_sites(graph: fx.Graph, root: nn.Module) -> Tuple[Dict[fx.Node, Enco
             todo.extend(a.all_input_nodes)
         if any(u not in mine and u is not n for a in mine for u in a.users):
             continue  # the mask's parts are used by the chain too: the chain check names the place
-        sites[n] = EncoderCall(encoder, f"self.{n.target}", mask is not None, sized,
-                               hint)
+        encoder = root.get_submodule(str(n.target))
+        assert isinstance(encoder, nn.TransformerEncoder)
+        sites[n] = EncoderCall(encoder, f"self.{n.target}", mask is not None, sized, hint)
         side |= mine
     return sites, side
 
 
 def _chain(graph: fx.Graph, side: AbstractSet[fx.Node] = frozenset(),
            sites: Optional[Dict[fx.Node, EncoderCall]] = None) -> List[fx.Node]:
-    """The nodes of a forward that is a chain, in order; else ``_NotAChain`` naming the break.
+    """The nodes of a forward that is a chain, in order; else ``NotAChain`` naming the break.
 
     ``side`` nodes (an encoder's mask) are left out; the ``sites`` (encoder
     calls with a mask) may take them besides the previous step's output.
@@ -175,10 +186,10 @@ def _chain(graph: fx.Graph, side: AbstractSet[fx.Node] = frozenset(),
     nodes = list(graph.nodes)
     inputs = [n for n in nodes if n.op == "placeholder"]
     if not inputs:
-        raise _NotAChain("forward takes no input")
+        raise NotAChain("forward takes no input")
     for extra in inputs[1:]:
         if extra.users:
-            raise _NotAChain(f"forward uses its argument {extra.name!r} besides the input")
+            raise NotAChain(f"forward uses its argument {extra.name!r} besides the input")
     prev = inputs[0]
     steps: List[fx.Node] = []
     for n in nodes:
@@ -186,49 +197,49 @@ def _chain(graph: fx.Graph, side: AbstractSet[fx.Node] = frozenset(),
             continue
         if n.op == "output":
             if n.args[0] is not prev:
-                raise _NotAChain(f"forward returns {_describe(n.args[0])}, not {_output_of(prev)}")
+                raise NotAChain(f"forward returns {_describe(n.args[0])}, not {_output_of(prev)}")
             _check_single_use(prev, side)
             return steps
         if n.op == "get_attr":
-            raise _NotAChain(f"{_describe(n)} is read directly by forward, not through a child module")
+            raise NotAChain(f"{_describe(n)} is read directly by forward, not through a child module")
         _check_single_use(prev, side)
         ins = [i for i in n.all_input_nodes if i not in side]
         if prev not in ins:
             if not ins:
-                raise _NotAChain(f"{_describe(n)} does not depend on the input")
-            raise _NotAChain(f"{_describe(n)} does not use {_output_of(prev)}")
+                raise NotAChain(f"{_describe(n)} does not depend on the input")
+            raise NotAChain(f"{_describe(n)} does not use {_output_of(prev)}")
         others = [i for i in ins if i is not prev]
         if others:
             extra = ", ".join(_output_of(o) for o in others)
-            raise _NotAChain(f"{_describe(n)} uses {extra} besides {_output_of(prev)}")
+            raise NotAChain(f"{_describe(n)} uses {extra} besides {_output_of(prev)}")
         if n in sites:
             if n.args[0] is not prev:
-                raise _NotAChain(f"{_describe(n)} is not called on {_output_of(prev)}")
+                raise NotAChain(f"{_describe(n)} is not called on {_output_of(prev)}")
         elif n.op == "call_module" and (tuple(n.args) != (prev,) or n.kwargs):
-            raise _NotAChain(f"{_describe(n)} is called with more than the previous step's output")
+            raise NotAChain(f"{_describe(n)} is called with more than the previous step's output")
         steps.append(n)
         prev = n
-    raise _NotAChain("forward has no output")
+    raise NotAChain("forward has no output")
 
 
 def _merge(a: Any, b: Any, prev: fx.Node) -> Any:
     """One argument of a step traced in training (``a``) and in eval mode (``b``), as a ``Functional`` template."""
     if isinstance(a, fx.Node):
         if not isinstance(b, fx.Node) or a.name != b.name or a is not prev:
-            raise _NotAChain("")
+            raise NotAChain("")
         return INPUT
     if a is True and b is False:
         return TRAINING
     if type(a) is not type(b) and not (isinstance(a, (tuple, list)) and isinstance(b, (tuple, list))):
-        raise _NotAChain("")
+        raise NotAChain("")
     if isinstance(a, (tuple, list)):
         if len(a) != len(b):
-            raise _NotAChain("")
+            raise NotAChain("")
         items = [_merge(x, y, prev) for x, y in zip(a, b)]
         return tuple(items) if isinstance(a, tuple) else items
     if isinstance(a, dict):
         if list(a) != list(b):
-            raise _NotAChain("")
+            raise NotAChain("")
         return {k: _merge(a[k], b[k], prev) for k in a}
     if isinstance(a, slice):
         return slice(_merge(a.start, b.start, prev), _merge(a.stop, b.stop, prev), _merge(a.step, b.step, prev))
@@ -239,7 +250,7 @@ def _merge(a: Any, b: Any, prev: fx.Node) -> Any:
     except Exception:  # noqa: BLE001 - a constant that cannot be compared counts as different
         same = False
     if not same:
-        raise _NotAChain("")
+        raise NotAChain("")
     return a
 
 
@@ -258,7 +269,7 @@ class _Step(NamedTuple):
 
 
 def _steps(module: nn.Module, call: Optional[EncoderCall] = None) -> List[_Step]:
-    """The steps of ``module.forward`` if it is a chain of submodules and glue; else ``_NotAChain``."""
+    """The steps of ``module.forward`` if it is a chain of submodules and glue; else ``NotAChain``."""
     if isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward:
         return [_Step("module", name, child) for name, child in module.named_children()]
     if is_plain_encoder(module):
@@ -273,7 +284,7 @@ def _steps(module: nn.Module, call: Optional[EncoderCall] = None) -> List[_Step]
             graphs.append(graph)
     except Exception as exc:  # noqa: BLE001 - whatever stops torch.fx, reported with its message
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise _NotAChain(f"torch.fx cannot trace {type(module).__name__}.forward "
+        raise NotAChain(f"torch.fx cannot trace {type(module).__name__}.forward "
                          f"({type(exc).__name__}: {first})") from exc
     finally:
         module.training = saved
@@ -285,7 +296,7 @@ def _steps(module: nn.Module, call: Optional[EncoderCall] = None) -> List[_Step]
         if a is None or b is None or (a.op, a.target, a.name) != (b.op, b.target, b.name):
             def runs(n: Optional[fx.Node]) -> str:
                 return "returns" if n is None or n.op == "output" else f"runs {_describe(n)}"
-            raise _NotAChain(f"{type(module).__name__}.forward reads self.training: at this step training mode "
+            raise NotAChain(f"{type(module).__name__}.forward reads self.training: at this step training mode "
                              f"{runs(a)}, eval mode {runs(b)}")
         twins[a] = b
     out: List[_Step] = []
@@ -297,8 +308,8 @@ def _steps(module: nn.Module, call: Optional[EncoderCall] = None) -> List[_Step]
             try:  # constants equal in both modes; True in training and False in eval is self.training
                 args = _merge(tuple(n.args), tuple(twins[n].args), prev)
                 kwargs = _merge(dict(n.kwargs), dict(twins[n].kwargs), prev)
-            except _NotAChain:
-                raise _NotAChain(f"{type(module).__name__}.forward reads self.training: {_describe(n)} in training "
+            except NotAChain:
+                raise NotAChain(f"{type(module).__name__}.forward reads self.training: {_describe(n)} in training "
                                  f"mode is {_describe(twins[n])} in eval mode") from None
             out.append(_Step("glue", n.name, Functional.template(n.target, args, kwargs)))
         prev = n
@@ -319,7 +330,7 @@ def _open(module: nn.Module, call: Optional[EncoderCall]) -> Optional[List[_Step
         return None  # a leaf (an empty nn.Sequential is an identity and contributes nothing)
     try:
         return _steps(module, call)
-    except _NotAChain:
+    except NotAChain:
         return None
 
 
@@ -330,7 +341,7 @@ def _expand(steps: List[_Step], prefix: str, out: List[Tuple[str, nn.Module]], c
         if step.call is not None:
             if inner is None:
                 raise ValueError(f"cannot flatten: {step.call.where} is called with a mask but cannot be opened "
-                                 f"(it has hooks), and as one layer it would get no mask. {_BY_HAND}")
+                                 f"(it has hooks), and as one layer it would get no mask. {BY_HAND}")
             calls.append(step.call)
         if inner is not None:
             _expand(inner, path + ".", out, calls)
@@ -338,7 +349,7 @@ def _expand(steps: List[_Step], prefix: str, out: List[Tuple[str, nn.Module]], c
             out.append((path, step.layer))
 
 
-def _unique_names(paths: List[str]) -> List[str]:
+def unique_names(paths: List[str]) -> List[str]:
     """Paths as layer names: ``layer1.0`` -> ``layer1_0``, made unique and usable as attribute names."""
     used, names, container = set(), [], nn.Sequential()
     for path in paths:
@@ -351,52 +362,7 @@ def _unique_names(paths: List[str]) -> List[str]:
     return names
 
 
-def _clone(value: Any) -> Any:
-    """A copy of the tensors in ``value`` (a forward that starts in place must not change the sample)."""
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
-        return type(value)(*(_clone(v) for v in value))
-    if isinstance(value, (tuple, list)):
-        return type(value)(_clone(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _clone(v) for k, v in value.items()}
-    return value
-
-
-def _differences(got: Any, want: Any, rtol: float, atol: float, where: str = "output") -> List[Tuple[str, str]]:
-    """``(where, what)`` for each place where ``got`` is not ``want``; a tensor's 'what' is its largest difference."""
-    if isinstance(want, torch.Tensor) or isinstance(got, torch.Tensor):
-        if not (isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor)):
-            return [(where, f"{type(got).__name__} instead of {type(want).__name__}")]
-        if got.shape != want.shape:
-            return [(where, f"shape {tuple(got.shape)} instead of {tuple(want.shape)}")]
-        if got.is_floating_point() or got.is_complex() or want.is_floating_point() or want.is_complex():
-            a, b = got.detach().to(torch.complex128 if got.is_complex() else torch.float64), \
-                want.detach().to(torch.complex128 if want.is_complex() else torch.float64)
-            if torch.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True):
-                return []
-            diff = (a - b).abs()
-            both_nan = torch.isnan(a.abs()) & torch.isnan(b.abs())
-            diff = torch.where(both_nan, torch.zeros_like(diff), diff)
-            return [(where, f"largest difference {diff.max().item():.3g}")]
-        return [] if torch.equal(got, want) else [(where, "different values")]
-    if isinstance(want, (tuple, list)) and isinstance(got, (tuple, list)):
-        if len(got) != len(want):
-            return [(where, f"{len(got)} items instead of {len(want)}")]
-        return [d for i, (g, w) in enumerate(zip(got, want)) for d in _differences(g, w, rtol, atol, f"{where}[{i}]")]
-    if isinstance(want, dict) and isinstance(got, dict):
-        if set(got) != set(want):
-            return [(where, f"keys {sorted(map(str, got))} instead of {sorted(map(str, want))}")]
-        return [d for k in want for d in _differences(got[k], want[k], rtol, atol, f"{where}[{k!r}]")]
-    try:
-        same = bool(got == want)
-    except Exception:  # noqa: BLE001
-        same = False
-    return [] if same else [(where, f"{got!r} instead of {want!r}")]
-
-
-def _configure(calls: List[EncoderCall], seen: Dict[int, List[Tuple[Any, Any]]]) -> None:
+def configure_encoders(calls: List[EncoderCall], seen: Dict[int, List[Tuple[Any, Any]]]) -> None:
     """Give each opened encoder's layers the mask its call passed in the sample's run (in the order of the calls)."""
     taken: Dict[int, int] = {}
     for call in calls:
@@ -404,109 +370,19 @@ def _configure(calls: List[EncoderCall], seen: Dict[int, List[Tuple[Any, Any]]])
         runs = seen.get(id(call.encoder), [])
         if k >= len(runs):
             raise ValueError(f"cannot flatten: {call.where} was not called by model(sample) as its forward reads. "
-                             f"{_BY_HAND}")
+                             f"{BY_HAND}")
         taken[id(call.encoder)] = k + 1
         call.configure(*runs[k])
 
 
-_BY_HAND = ("Wrap the parts of the model in order by hand, e.g. "
-            "nn.Sequential(model.features, nn.Flatten(1), model.classifier)")
 
 
-def flatten_sequential(model: nn.Module, sample: Any, *, rtol: float = 1e-5, atol: float = 1e-6) -> nn.Sequential:
-    """``model`` as a flat ``nn.Sequential`` of its own layers, checked against ``model(sample)``.
+def chain_layers(model: nn.Module) -> Tuple[List[Tuple[str, nn.Module]], List[EncoderCall]]:
+    """``(path, layer)`` of the finest chain ``model`` is made of, and the encoder calls whose masks are to be read.
 
-    pipeddp cuts an ``nn.Sequential`` between its children, so the stages can
-    only be as even as the children allow: a torchvision model has a handful
-    of children (``features``, ``avgpool``, ``classifier``), each one too big
-    to balance. This opens the model up into the finest chain it is made of:
-
-    * a child that is an ``nn.Sequential`` (or a subclass that keeps its
-      forward, like torchvision's ``Conv2dNormActivation``) contributes its
-      children, and so does a child whose own forward is a chain of its
-      children; this goes down as far as it can;
-    * a child whose forward is not a chain (a residual block: ResNet's
-      ``Bottleneck``, MobileNetV2's ``InvertedResidual``, EfficientNet's
-      ``MBConv``), or one with hooks, stays one layer;
-    * functional glue between children (``torch.flatten(x, 1)``,
-      ``F.adaptive_avg_pool2d(x, 1)``, ``x.view(-1, 512)``) becomes a
-      ``Functional`` layer.
-
-    The layers are the model's own modules (parameters are shared, nothing is
-    copied), named by their path with ``_`` for ``.`` (``layer1.0`` ->
-    ``layer1_0``); glue is named after the function. The original names are
-    recorded on the result: a ``Pipeline`` or ``HybridParallel`` built from it
-    saves and loads state under them (``layer1.0.conv1.weight``), so its
-    weights load into the original model and the original's into it (the
-    flat ``nn.Sequential``'s own ``state_dict`` keeps the flat names). The chain is read with
-    ``torch.fx`` (each forward traced with the modules it calls as leaves,
-    once in training and once in eval mode). The result is run on ``sample``
-    next to ``model`` (both in eval mode under ``torch.no_grad()``; the
-    training flags are restored, so BatchNorm statistics are untouched)::
-
-        model = torchvision.models.resnet50(weights=None)
-        flat = flatten_sequential(model, torch.randn(2, 3, 64, 64))
-        # 23 layers: conv1 bn1 relu maxpool layer1_0 .. layer4_2 avgpool flatten fc
-        # (model itself has 10 children: its 4 stages of blocks would be 4 indivisible layers)
-        pipe = pipeddp.Pipeline(flat, ["cuda:0", "cuda:1"], sample=torch.randn(16, 3, 64, 64))
-
-    Raises:
-        ValueError: the forward of ``model`` is not a chain (an output used
-            twice, a size read from the input, a parameter used directly,
-            a branch on ``self.training``) or cannot be traced, naming the
-            step where it breaks; or the result differs from ``model(sample)``
-            by more than ``rtol``/``atol`` (the message gives the largest
-            difference). Wrap the parts in order by hand then.
+    ``NotAChain`` (naming the step) when the model's own forward is not a chain.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"flatten_sequential needs an nn.Module, got {type(model).__name__}")
-    try:
-        steps = _steps(model)
-    except _NotAChain as exc:
-        raise ValueError(f"cannot flatten {type(model).__name__}: its forward is not a chain of its children: "
-                         f"{exc}. {_BY_HAND}") from None
     found: List[Tuple[str, nn.Module]] = []
     calls: List[EncoderCall] = []
-    _expand(steps, "", found, calls)
-    if not found:
-        raise ValueError(f"cannot flatten {type(model).__name__}: its forward calls no layer (it returns its input)")
-    names = _unique_names([path for path, _ in found])
-    flat = nn.Sequential(OrderedDict(zip(names, (layer for _, layer in found))))
-
-    modes = [(m, m.training) for m in model.modules()]
-    own = {id(m) for m, _ in modes}
-    new = [layer for layer in flat if id(layer) not in own]  # the glue made here
-    seen: Dict[int, List[Tuple[Any, Any]]] = {}
-    hooks = [call.encoder.register_forward_pre_hook(
-        lambda mod, args, kwargs: seen.setdefault(id(mod), []).append((args, kwargs)), with_kwargs=True)
-        for call in {id(c.encoder): c for c in calls}.values()]
-    try:
-        model.eval()
-        flat.eval()
-        with torch.no_grad():
-            try:
-                want = model(_clone(sample))
-            finally:
-                for hook in hooks:
-                    hook.remove()
-            _configure(calls, seen)
-            got = flat(_clone(sample))
-    finally:
-        for m, mode in modes:
-            m.training = mode
-        for layer in [flat] + new:
-            layer.training = model.training
-    bad = _differences(got, want, rtol, atol)
-    if bad:
-        where = "; ".join(f"{w}: {what}" for w, what in bad[:3]) + ("; ..." if len(bad) > 3 else "")
-        raise ValueError(f"the flattened {type(model).__name__} does not compute model(sample) "
-                         f"(rtol={rtol:g}, atol={atol:g}): {where}. Its forward may do more than call its children "
-                         f"in order (for example behave differently in eval mode). {_BY_HAND}")
-    prefixes: Dict[str, str] = {}
-    for name, (path, layer) in zip(names, found):
-        if isinstance(layer, EncoderLayerCall) and id(layer) not in own:
-            prefixes[f"{name}.layer"] = path  # the wrapper holds no state of its own; its child is the model's
-        elif id(layer) in own:
-            prefixes[name] = path
-    key_names.record(flat, prefixes)
-    return flat
+    _expand(_steps(model), "", found, calls)
+    return found, calls

@@ -1,0 +1,162 @@
+"""The layers of an opened block stack: the model's own code up to its first block, and each block.
+
+``StackInput`` is the first layer. It runs the model's own ``forward`` on the
+batch (embeddings, positions, the rotary table, the attention mask: whatever
+the model computes before its blocks, decorators and branches included) and
+stops it where the model calls its first block, returning what that call was
+given (``carry.take``)::
+
+    StackInput(batch) = model.forward(**batch) up to  model.layers[0](h, attention_mask=m, ...)  -> (h, m, ...)
+
+The stop is a forward pre-hook on the first block that raises only in the
+thread that armed it (``_ARMED``), so the same block called as a layer of a
+stage in another thread runs as usual. It derives from ``BaseException`` so
+that a model's ``except Exception`` does not swallow it. The layer owns the
+modules the model calls before its first block (and the model's own
+parameters such as a ViT's ``cls_token``); the model object itself is held
+without being registered, so a stage holds, moves and saves only what it
+runs.
+
+``BlockCall`` calls one block as the model called it (``carry.fill``) and
+passes the extras on.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from torch import nn
+
+from .carry import Template, fill, take
+
+__all__ = ["StackInput", "BlockCall", "install_stop", "split_call"]
+
+_ARMED = threading.local()
+
+
+class _Reached(BaseException):
+    """The model reached its first block: the call's arguments, and the end of ``StackInput``'s run."""
+
+    def __init__(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        super().__init__()
+        self.call = (args, kwargs)
+
+
+def _stop_at_first_block(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+    """Forward pre-hook of a stack's first block: ends the model's forward there in a thread that armed it."""
+    if getattr(_ARMED, "block", None) is module:
+        raise _Reached(args, kwargs)
+
+
+def install_stop(block: nn.Module) -> None:
+    """Put the stop on ``block`` once (flattening the same model twice adds no second hook)."""
+    if not any(h is _stop_at_first_block for h in block._forward_pre_hooks.values()):
+        block.register_forward_pre_hook(_stop_at_first_block, with_kwargs=True)
+
+
+def split_call(batch: Any, fixed: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+    """The model's arguments for a batch: a dict is keywords, a tuple or list positional, anything else one input."""
+    if isinstance(batch, dict):
+        args: Tuple[Any, ...] = ()
+        kwargs = dict(batch)
+    elif isinstance(batch, (tuple, list)):
+        args, kwargs = tuple(batch), {}
+    else:
+        args, kwargs = (batch,), {}
+    for k, v in fixed.items():
+        kwargs.setdefault(k, v)
+    return args, kwargs
+
+
+class StackInput(nn.Module):
+    """The model's forward up to its first block, as a layer that returns what that block is given.
+
+    ``owned``: the modules the model calls before its first block and those
+    it never calls (their state keeps the model's keys), by their path with
+    ``_`` for ``.``; ``kept``: the model's own parameters and buffers that sit
+    on the modules around the blocks (``cls_token``, ``pos_embed``).
+    """
+
+    _model: nn.Module
+    _first: nn.Module
+    _around: List[nn.Module]
+    _kept_owners: List[nn.Module]
+
+    def __init__(self, model: nn.Module, first: nn.Module, first_path: str, around: Sequence[nn.Module],
+                 owned: Dict[str, nn.Module], kept: List[Tuple[str, nn.Module, str, bool, bool]],
+                 template: Template, count: int, fixed: Dict[str, Any]) -> None:
+        super().__init__()
+        object.__setattr__(self, "_model", model)  # not registered: its blocks and head are other layers'
+        object.__setattr__(self, "_first", first)
+        object.__setattr__(self, "_around", list(around))
+        self.first_path = first_path
+        self.owned = nn.ModuleDict(owned)
+        self.kept = nn.Module()
+        #: (name here, module around the blocks, its attribute, is a parameter, persistent)
+        self.kept_from = [(name, attr) for name, _, attr, _, _ in kept]
+        object.__setattr__(self, "_kept_owners", [owner for _, owner, _, _, _ in kept])
+        for name, owner, attr, is_param, persistent in kept:
+            value = getattr(owner, attr)
+            if is_param:
+                self.kept.register_parameter(name, value)
+            else:
+                self.kept.register_buffer(name, value, persistent=persistent)
+        self.template = template
+        self.count = count
+        self.fixed = dict(fixed)
+
+    def forward(self, batch: Any) -> Any:  # type: ignore[override]
+        for m in self._around:
+            m.training = self.training  # the model's forward may read its own flag (dropout, checkpointing)
+        for (name, attr), owner in zip(self.kept_from, self._kept_owners):
+            if name in self.kept._buffers:  # a buffer moved with this layer (.to) is a new tensor: hand it over
+                owner._buffers[attr] = self.kept._buffers[name]
+        args, kwargs = split_call(batch, self.fixed)
+        before = getattr(_ARMED, "block", None)
+        _ARMED.block = self._first
+        try:
+            self._model(*args, **kwargs)
+        except _Reached as stop:
+            call = stop.call
+        else:
+            raise RuntimeError(f"{type(self._model).__name__}.forward returned without calling {self.first_path} "
+                               "for this batch, though it did for the sample it was flattened with")
+        finally:
+            _ARMED.block = before
+        return take(self.template, call, self.count)
+
+    def extra_repr(self) -> str:
+        return f"{type(self._model).__name__}.forward up to {self.first_path}, passing on {1 + self.count} value(s)"
+
+
+class BlockCall(nn.Module):
+    """One block of the stack called as the model called it; it passes the carried values on.
+
+    ``pick``: where the block's output holds the hidden state (None: it is
+    the output); ``last``: the last block passes the hidden state alone.
+    """
+
+    def __init__(self, block: nn.Module, template: Template, count: int, pick: Optional[int], last: bool) -> None:
+        super().__init__()
+        self.block = block
+        self.template = template
+        self.count = count
+        self.pick = pick
+        self.last = last
+
+    def forward(self, carried: Any) -> Any:  # type: ignore[override]
+        if self.count:
+            hidden, extras = carried[0], tuple(carried[1:])
+        else:
+            hidden, extras = carried, ()
+        args, kwargs = fill(self.template, hidden, extras)
+        out = self.block(*args, **kwargs)
+        if self.pick is not None:
+            out = out[self.pick]
+        return out if self.last or not self.count else (out, *extras)
+
+    def extra_repr(self) -> str:
+        return f"carries {self.count} value(s) besides the hidden state" + (", the last" if self.last else "")
+
+

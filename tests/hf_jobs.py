@@ -1,0 +1,129 @@
+"""Tiny transformers and timm models (random weights, no download) and the jobs the bring-in tests spawn."""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any, Dict, List, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import pipeddp
+from pipeddp.tools.models import flatten_sequential
+
+VOCAB, T = 40, 6
+
+
+def gpt2(seed: int = 0, layers: int = 2) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=layers, n_head=2, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(config).double()
+
+
+def llama(seed: int = 0, layers: int = 2) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                         bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return LlamaForCausalLM(config).double()
+
+
+def vit(seed: int = 0) -> nn.Module:
+    import timm
+
+    torch.manual_seed(seed)
+    return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=3,
+                             embed_dim=32, num_heads=2, num_classes=5).double()
+
+
+MODELS = {"gpt2": gpt2, "llama": llama, "vit": vit}
+
+
+def tokens(n: int, seed: int, padded: bool) -> Tuple[Dict[str, torch.Tensor], torch.Tensor]:
+    """A batch of ``n`` sequences (right-padded where ``padded``: every other row loses its last tokens) and targets."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (n, T), generator=g)
+    targets = torch.randint(0, VOCAB, (n, T), generator=g)
+    if not padded:
+        return {"input_ids": ids}, targets
+    mask = torch.ones(n, T, dtype=torch.long)
+    mask[::2, T - 2:] = 0
+    return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask}, targets
+
+
+def images(n: int, seed: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 3, 32, 32, generator=g, dtype=torch.float64), torch.randint(0, 5, (n,), generator=g)
+
+
+def batch(kind: str, n: int, seed: int, padded: bool = False) -> Tuple[Any, torch.Tensor]:
+    return images(n, seed) if kind == "vit" else tokens(n, seed, padded)
+
+
+def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over every position (the mean over equal-length rows is exact over micro-batches)."""
+    return F.cross_entropy(out.reshape(-1, out.size(-1)), target.reshape(-1))
+
+
+def logits(model: nn.Module, x: Any) -> torch.Tensor:
+    out = model(**x, use_cache=False) if isinstance(x, dict) else model(x)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def reference_training(kind: str, padded: bool, steps: int, n: int, lr: float = 0.1) -> Tuple[List[float], dict]:
+    """Single-device training of the original model: the losses and the final state dict."""
+    model = MODELS[kind]()
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        x, y = batch(kind, n, 100 + step, padded)
+        opt.zero_grad()
+        loss = loss_fn(logits(model, x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, model.state_dict()
+
+
+def _local(x: Any, replica: int, local: int) -> Any:
+    part = slice(replica * local, (replica + 1) * local)
+    return {k: v[part] for k, v in x.items()} if isinstance(x, dict) else x[part]
+
+
+def hybrid_job(mode: str, runs: List[Tuple[str, bool]], steps: int, local: int,
+               lr: float = 0.1) -> List[Dict[str, Any]]:
+    """Train each (model, padded) flattened with HybridParallel: losses and the consolidated state dict."""
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    out = []
+    for kind, padded in runs:
+        model = MODELS[kind]()
+        sample, _ = batch(kind, 4, 0, padded)
+        flat = flatten_sequential(model, sample)
+        engine = pipeddp.HybridParallel(flat, stages=2, mode=mode, chunks=2, balance=[2, len(flat) - 2])
+        opt = torch.optim.SGD(engine.parameters(), lr=lr)
+        losses = []
+        for step in range(steps):
+            x, y = batch(kind, local * engine.topology.replicas, 100 + step, padded)
+            x, y = _local(x, engine.topology.replica, local), y[engine.topology.replica * local:][:local]
+            opt.zero_grad()
+            loss = engine.train_step(x if engine.is_first else None, y if engine.is_last else None, loss_fn)
+            opt.step()
+            losses.append(loss.item())
+        out.append({"kind": kind, "padded": padded, "losses": losses, "state": engine.state_dict()})
+        engine.close()
+    return out
+
+
+def fresh(kind: str) -> nn.Module:
+    """A new instance of the original class with other weights (for strict loads)."""
+    return copy.deepcopy(MODELS[kind](seed=7))
