@@ -1,5 +1,6 @@
 """runtime/warn.py: a warning names the user's line, whatever depth of pipeddp raised it."""
 
+import os
 import warnings
 
 import pytest
@@ -32,7 +33,9 @@ def test_heavy_layer_and_resume_warnings_name_the_users_line_through_every_entry
         heavy = [w for w in _caught(build) if issubclass(w.category, pipeddp.HeavyLayerWarning)]
         assert heavy and all(w.filename == __file__ for w in heavy), [(w.filename, w.lineno) for w in heavy]
 
-    missing = str(tmp_path / "no-such-run")
+    missing = str(tmp_path / "not-a-run")  # a directory without checkpoints (a first run, with none, is quiet)
+    os.makedirs(missing)
+    open(os.path.join(missing, "notes.txt"), "w").close()
     with pipeddp.HybridParallel(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), stages=2,
                                 chunks=2) as engine:
         opt = torch.optim.SGD(engine.parameters(), lr=0.1)

@@ -57,7 +57,7 @@ from .checkpoint import DamagedCheckpointError, UnsafeCheckpointError, first_lin
 from .optim_state import unflatten_optimizer_state
 
 __all__ = ["METADATA", "is_complete", "clear", "write", "read_metadata", "read", "header", "model_shapes",
-           "optimizer_keys", "has_optimizer", "template", "to_file", "SafeReader", "SafeLoadPlanner"]
+           "entry_specs", "optimizer_keys", "has_optimizer", "template", "to_file", "SafeReader", "SafeLoadPlanner"]
 
 METADATA = ".metadata"
 #: What DCP's file system writer leaves in a checkpoint directory (data files, metadata, their temporaries).
@@ -143,11 +143,18 @@ def _storage_writer(path: str) -> FileSystemWriter:
     return FileSystemWriter(path, single_file_per_rank=True, sync_files=True)
 
 
+#: what DCP warns when it saves or loads in one process, even when told so (``no_dist=True``)
+_ONE_PROCESS = "torch.distributed is disabled, unavailable or uninitialized"
+#: where the warning of a one-process async save points (DCP's logging wrapper), from DCP's own thread, where no
+#: ``catch_warnings`` of the caller's thread reaches; so a filter for this message and module stays, once set
+_ASYNC_THREAD = r"torch\.distributed\.checkpoint\.utils"
+
+
 @contextlib.contextmanager
 def _told_one_process() -> Iterator[None]:
     """DCP warns that it assumes one process even when told so (``no_dist=True``); here it was told."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        warnings.filterwarnings("ignore", message=_ONE_PROCESS)
         yield
 
 
@@ -159,6 +166,9 @@ def write(state: Dict[str, Any], path: str, *, group: Any, async_save: bool) -> 
     future completes on every rank once the checkpoint is complete.
     """
     writer = _storage_writer(path)
+    if async_save and group is None:  # DCP's thread warns again, later, outside any catch_warnings of this one
+        warnings.filterwarnings("ignore", message=_ONE_PROCESS + ", assuming the intent is to save",
+                                module=_ASYNC_THREAD)
     with _told_one_process():
         if async_save:
             return dcp.async_save(state, storage_writer=writer, process_group=group, no_dist=group is None)
@@ -276,6 +286,16 @@ def model_shapes(metadata: Metadata) -> Dict[str, torch.Size]:
         if len(path) == 2 and path[0] == "model":
             shapes[str(path[1])] = md.size if isinstance(md, TensorStorageMetadata) else torch.Size()
     return shapes
+
+
+def entry_specs(metadata: Metadata, top: str) -> Dict[str, Tuple[torch.Size, torch.dtype]]:
+    """``(size, dtype)`` of every tensor under the top-level key ``top`` (``"model"``, ``"optimizer"``)."""
+    found = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        path = _path_of(metadata, fqn)
+        if len(path) == 2 and path[0] == top and isinstance(md, TensorStorageMetadata):
+            found[str(path[1])] = (md.size, md.properties.dtype)
+    return found
 
 
 def optimizer_keys(metadata: Metadata) -> List[str]:
