@@ -317,11 +317,20 @@ def to_file(path: str, out: str) -> Dict[str, Any]:
     and ``SafeLoadPlanner`` and reshapes it into the one-file format, which a
     plain model opens with ``torch.load`` (weights_only) and any engine loads.
     """
+    if not os.path.exists(path):
+        raise ValueError(f"{path} does not exist; give a sharded checkpoint, a directory written with sharded=True "
+                         "(e.g. run/step-000000042)")
     if not os.path.isdir(path):
-        raise ValueError(f"{path} is not a directory; a sharded checkpoint is one (written with sharded=True)")
-    if not is_complete(path) and any(n.startswith("step-") for n in os.listdir(path)):
-        raise ValueError(f"{path} is a directory of checkpoints; convert one of them, e.g. "
-                         f"{os.path.join(path, max(n for n in os.listdir(path) if n.startswith('step-')))}")
+        raise ValueError(f"{path} is a file, not a sharded checkpoint (a directory written with sharded=True); a "
+                         "one-file checkpoint needs no converting: torch.load opens it")
+    steps = sorted(n for n in os.listdir(path) if n.startswith("step-"))
+    if not is_complete(path) and steps:
+        shards = [n for n in steps if os.path.isdir(os.path.join(path, n))]
+        if shards:
+            raise ValueError(f"{path} is a directory of checkpoints; convert one of them, e.g. "
+                             f"{os.path.join(path, shards[-1])}")
+        raise ValueError(f"{path} is a directory of one-file checkpoints ({steps[-1]}, ...), which need no "
+                         "converting: torch.load opens them, and their 'model' loads into the plain model")
     metadata = read_metadata(path)
     head = header(path, metadata)
     state = template(metadata, ["*"])

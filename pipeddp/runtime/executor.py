@@ -326,7 +326,7 @@ class Workers:
             raise (real[0] if real else errors[0])
         return results
 
-    def close(self, wait: float = 5.0) -> None:
+    def close(self, wait: float = 2.0) -> None:
         """Stop and join every worker (idempotent), waiting at most ``wait`` seconds in all.
 
         A worker still in a long computation when the caller was interrupted is
