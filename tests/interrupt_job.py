@@ -14,7 +14,9 @@ interrupt comes: neither may keep the process alive.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
+import signal
 import time
 
 import torch
@@ -39,6 +41,7 @@ class Stall(nn.Module):
 
 
 def main() -> None:
+    faulthandler.register(signal.SIGUSR1)  # a test that finds a process still alive dumps its threads' stacks
     p = argparse.ArgumentParser()
     p.add_argument("mode", choices=["replica", "stage", "pipeline"])
     p.add_argument("--stall", action="store_true")
