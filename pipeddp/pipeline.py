@@ -121,6 +121,11 @@ class Pipeline(Checkpointable, StepModule):
     a module placed twice) gets a copy on each later stage; the copies are kept
     one weight (see ``pipeddp.runtime.tied``), and ``parameters()`` lists each:
     clip with ``pipe.clip_grad_norm_``, which counts them once.
+
+    Checkpoints: ``save``, ``save_checkpoint``, ``wait_for_save``, ``load`` and
+    ``resume`` write and read the formats of ``HybridParallel`` (one file, or
+    sharded), by the same code (``pipeddp.distributed.checkpointable``), so
+    each class loads the other's checkpoints.
     """
 
     def __init__(

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Set
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
@@ -107,24 +107,31 @@ def _together(engine: Optional[Engine], fn: Callable[[], Any]) -> Any:
     return result
 
 
-def _load_file(scope: _Scope, payload: Dict[str, Any], path: str, optimizer: Optional[torch.optim.Optimizer]) -> None:
-    """Check ``payload`` whole against this process's share, then load the optimizer state and the weights."""
+def _load_file(scope: _Scope, payload: Dict[str, Any], path: str,
+               optimizer: Optional[torch.optim.Optimizer]) -> Callable[[], None]:
+    """Check ``payload`` whole against this process's share; returns what loads the optimizer state and weights."""
     files.check_model_keys(path, payload["model"], scope.keys)
     files.check_model_tensors(path, files.specs(payload["model"]), scope.own)
     if optimizer is not None:
         optim_state.check_optimizer(path, payload.get("meta", {}).get("optimizer"),
                                     payload.get("optimizer") is not None, optimizer)
         optim_state.check_named_state(path, payload["optimizer"], scope.module, optimizer)
-        optim_state.load_named_optimizer_state(scope.module, optimizer, payload["optimizer"])
-    scope.load({k: v for k, v in payload["model"].items() if k in scope.own})
+
+    def apply() -> None:
+        if optimizer is not None:
+            optim_state.load_named_optimizer_state(scope.module, optimizer, payload["optimizer"])
+        scope.load({k: v for k, v in payload["model"].items() if k in scope.own})
+
+    return apply
 
 
-def _load_sharded(scope: _Scope, path: str, optimizer: Optional[torch.optim.Optimizer], rng: bool) -> Dict[str, Any]:
-    """Read this process's share of a sharded checkpoint; returns its ``extra``.
+def _load_sharded(scope: _Scope, path: str, optimizer: Optional[torch.optim.Optimizer],
+                  rng: bool) -> Tuple[Callable[[], None], Dict[str, Any]]:
+    """Read this process's share of a sharded checkpoint; returns what loads it, and its ``extra``.
 
     The checks (keys, shapes, dtypes, the optimizer's class and state) use the
-    metadata alone. Then each process reads its own keys into new buffers, and
-    only once every read succeeded are they copied into the model and optimizer.
+    metadata alone. Then each process reads its own keys into new buffers; only
+    the returned function copies them into the model and the optimizer.
     """
     metadata = sharded.read_metadata(path)
     head = sharded.header(path, metadata)
@@ -149,29 +156,42 @@ def _load_sharded(scope: _Scope, path: str, optimizer: Optional[torch.optim.Opti
     if rng:
         target["rng"] = {str(scope.rank): None}
     sharded.read(path, target)
-    if optimizer is not None:
-        optim_state.load_flat_optimizer_state(scope.module, optimizer, target["optimizer"])
-    scope.load(target["model"])
-    if rng:
-        files.set_rng_state(target["rng"][str(scope.rank)][0])
-    return head["extra"]
+
+    def apply() -> None:
+        if optimizer is not None:
+            optim_state.load_flat_optimizer_state(scope.module, optimizer, target["optimizer"])
+        scope.load(target["model"])
+        if rng:
+            files.set_rng_state(target["rng"][str(scope.rank)][0])
+
+    return apply, head["extra"]
 
 
 def _load_any(engine: Optional[Engine], scope: _Scope, path: str, optimizer: Optional[torch.optim.Optimizer], *,
               rng: bool, payload: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    """Load ``path`` (either format) into ``scope`` on every rank; any rank's failure is every rank's."""
+    """Load ``path`` (either format) into ``scope`` on every rank; any rank's failure is every rank's.
 
-    def load_here() -> Dict[str, Any]:
+    Two rounds: every rank checks (and reads) what it will load, and only when
+    no rank refused does any rank change anything.
+    """
+
+    def prepare() -> Tuple[Callable[[], None], Dict[str, Any]]:
         if os.path.isdir(path):
             return _load_sharded(scope, path, optimizer, rng)
         contents = payload if payload is not None else files.load(path)
-        _load_file(scope, contents, path, optimizer)
+        load_model = _load_file(scope, contents, path, optimizer)
         rngs = contents.get("rng") or []
-        if rng and len(rngs) == scope.world_size:
-            files.set_rng_state(rngs[scope.rank])
-        return contents.get("extra", {})
 
-    return _together(engine, load_here)
+        def apply() -> None:
+            load_model()
+            if rng and len(rngs) == scope.world_size:
+                files.set_rng_state(rngs[scope.rank])
+
+        return apply, contents.get("extra", {})
+
+    apply, extra = _together(engine, prepare)
+    _together(engine, apply)
+    return extra
 
 
 def load(engine: Engine, path: str, optimizer: Optional[torch.optim.Optimizer] = None, *,
