@@ -256,26 +256,29 @@ def balance_arg(text: str) -> Union[str, List[int]]:
             from None
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` keeps the docstring's layout and ends every flag's help with its default."""
+
+
 def parse(argv: Any = None, description: Optional[str] = None) -> argparse.Namespace:
     """The command line (``argv=None``: ``sys.argv``); the test parses the same flags to build its reference.
 
     ``description``: the help text's head (default: this file's docstring); ``train_transformer.py`` takes
     the same flags with its own.
     """
-    p = argparse.ArgumentParser(description=description or __doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=600)
+    p = argparse.ArgumentParser(description=description or __doc__, formatter_class=HelpFormatter)
+    p.add_argument("--steps", type=int, default=600, help="optimizer steps")
     p.add_argument("--batch", type=int, default=32, help="windows per replica per step (the global batch is "
                    "this times the number of replicas)")
     p.add_argument("--context", type=int, default=64, help="characters per window (and the longest sequence)")
     p.add_argument("--layers", type=int, default=4, help="transformer blocks")
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=128, help="width of the embeddings and of every block")
+    p.add_argument("--heads", type=int, default=4, help="attention heads per block")
     p.add_argument("--dropout", type=float, default=0.1, help="attention, residual and embedding dropout")
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW's learning rate")
     p.add_argument("--clip", type=float, default=0.0, help="clip the gradient norm to this each step "
                    "(engine.clip_grad_norm_, the plain model's norm; 0: no clipping)")
-    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--stages", type=int, default=2, help="pipeline stages (devices, or processes in stage mode)")
     p.add_argument("--balance", type=balance_arg, default="time",
                    help="how to cut the model: time (measured on a batch), params, uniform, or layers per stage "
                    "such as 3,4 (measured cuts can differ between runs, and with them which stage draws which "
@@ -288,14 +291,14 @@ def parse(argv: Any = None, description: Optional[str] = None) -> argparse.Names
     p.add_argument("--hybrid", action="store_true", help="train with HybridParallel (torchrun or alone) "
                    "instead of Pipeline")
     p.add_argument("--mode", choices=["replica", "stage"], default="replica", help="HybridParallel's mode")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="the model's parameters' dtype")
     p.add_argument("--text", nargs="+", default=None, metavar="FILE",
                    help="train on these files instead of the project's README.md and pipeddp/**/*.py (which "
                    "change as the project does: a copy pins the data)")
     p.add_argument("--eval-windows", type=int, default=256, help="held-out windows")
     p.add_argument("--average", type=int, default=20, help="final training loss: mean of this many last steps")
     p.add_argument("--log-every", type=int, default=100, help="print the loss every this many steps (0: never)")
-    p.add_argument("--prompt", default="def ")
+    p.add_argument("--prompt", default="def ", help="the text the generated sample starts from")
     p.add_argument("--sample-length", type=int, default=300, help="characters to generate (0: none)")
     p.add_argument("--temperature", type=float, default=0.8, help="0 for greedy")
     p.add_argument("--out", default=None, help="write the final consolidated state dict here")

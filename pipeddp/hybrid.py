@@ -39,21 +39,21 @@ from torch import nn
 
 from ._engine import Combine, StepModule
 from ._settings import check_settings, choose_partition
-from .distributed import state
+from .distributed import saving, state
 from .distributed.build import build_replica
+from .distributed.checkpointable import Checkpointable
 from .distributed.ddp import CommHook
-from .distributed.elastic import POSITION_KEY, DataPosition, GlobalBatch, plan_global_batch
+from .distributed.elastic import DataPosition, GlobalBatch, plan_global_batch
 from .distributed.groups import current_topology
 from .partitioning.report import Partition
 from .runtime.devices import DeviceLike
 from .runtime.names import Names
 from .runtime.schedule.actions import ScheduleFn
-from .runtime.warn import warn
 
 __all__ = ["HybridParallel", "resume"]
 
 
-class HybridParallel(StepModule):
+class HybridParallel(Checkpointable, StepModule):
     """Pipeline replicas x DDP, for one script run by ``torchrun`` (or ``pipeddp.spawn``, or alone).
 
     Args:
@@ -122,7 +122,7 @@ class HybridParallel(StepModule):
         self.balance: List[int] = list(self.partition.balance)
         self._step, self._ddps = wired.step, wired.ddps
         self._finalizer = weakref.finalize(self, wired.close)
-        self._saver = state.Saver(topo, settings.timeout_delta)
+        self._saver = saving.Saver(topo, settings.timeout_delta)
 
     # -- structure ---------------------------------------------------------------------------------
 
@@ -211,10 +211,6 @@ class HybridParallel(StepModule):
 
     # -- state -------------------------------------------------------------------------------------
 
-    def local_state_dict(self) -> Dict[str, Any]:
-        """This process's part of the model, with the model's keys."""
-        return super().state_dict()
-
     def state_dict(self, **kwargs: Any) -> Dict[str, Any]:  # type: ignore[override]
         """The whole model's state dict with the plain model's keys (a collective in stage mode)."""
         return state.gather_state_dict(super().state_dict(**kwargs), self.topology, self.agreement)
@@ -224,62 +220,6 @@ class HybridParallel(StepModule):
         own = list(super().state_dict().keys())
         return super().load_state_dict(state.own_entries(state_dict, own, strict=strict, rank=self.topology.rank),
                                        strict=strict, assign=assign)
-
-    def save(self, path: str, optimizer: Optional[torch.optim.Optimizer] = None,
-             extra: Optional[Dict[str, Any]] = None, *, sharded: bool = False, async_save: bool = False) -> None:
-        """One checkpoint (call on every rank). ``extra``: plain values.
-
-        By default one file, gathered on rank 0 and written there atomically.
-        ``sharded=True``: ``path`` is a directory that every process writes its
-        own share into, in parallel (torch.distributed.checkpoint), nothing
-        gathered; ``async_save=True`` then returns once the share is copied and
-        writes it in the background (the next save, load or ``close`` waits).
-        """
-        state.save(self, path, optimizer, self._with_position(extra), sharded=sharded, async_save=async_save,
-                   saver=self._saver)
-
-    def save_checkpoint(self, directory: str, step: int, optimizer: Optional[torch.optim.Optimizer] = None, *,
-                        keep: int = 3, extra: Optional[Dict[str, Any]] = None, sharded: bool = False,
-                        async_save: bool = False) -> str:
-        """``directory/step-<step>.pt`` (atomic; with ``sharded=True`` the directory ``step-<step>``), keeping the
-        newest ``keep`` complete ones, with every rank's RNG states; ``sharded`` and ``async_save`` as in ``save``."""
-        return state.save_checkpoint(self, directory, step, optimizer, keep=keep, extra=self._with_position(extra),
-                                     sharded=sharded, async_save=async_save, saver=self._saver)
-
-    def wait_for_save(self) -> Optional[str]:
-        """Wait until the asynchronous save in flight is complete; returns its path (None if there was none)."""
-        return self._saver.wait()
-
-    def load(self, path: str, optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, Any]:
-        """Load a checkpoint, a file or a sharded directory, written by any stages/replicas layout; returns its
-        ``extra``."""
-        return self._restore_position(state.load(self, path, optimizer, saver=self._saver)) or {}
-
-    def resume(self, directory: str, optimizer: Optional[torch.optim.Optimizer] = None) -> Optional[Dict[str, Any]]:
-        """Load the newest complete checkpoint of ``directory`` (either format); returns its ``extra`` (with
-        ``step``), or None, with a warning, when there is none."""
-        return self._restore_position(state.resume(self, directory, optimizer, saver=self._saver))
-
-    def _with_position(self, extra: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
-        """``extra`` plus the data position, with a fixed global batch (so a restart resumes the epoch)."""
-        if self.global_batch_plan is None:
-            return extra
-        if extra and POSITION_KEY in extra:
-            raise ValueError(f"extra may not use the key {POSITION_KEY!r}: with global_batch the engine records the "
-                             "data position there; rename your entry")
-        return dict(extra or {}, **{POSITION_KEY: dict(self.position.state(), global_batch=self.global_batch)})
-
-    def _restore_position(self, extra: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
-        """Take the data position a loaded checkpoint recorded (with a fixed global batch)."""
-        if extra is None or self.global_batch_plan is None:
-            return extra
-        if POSITION_KEY not in extra:
-            warn("pipeddp: the checkpoint holds no data position (it was saved without global_batch), so "
-                 "the loader starts epoch 0 from its beginning; set engine.position.epoch/.consumed "
-                 "yourself if you know where the job stood", RuntimeWarning)
-            return extra
-        self.position.restore(extra[POSITION_KEY])
-        return extra
 
     # -- life cycle --------------------------------------------------------------------------------
 
@@ -296,9 +236,10 @@ class HybridParallel(StepModule):
                 f"devices={[str(d) for d in self.devices]}, balance={self.balance}, backend={self.backend!r}")
 
 
-def resume(engine: HybridParallel, directory: str,
+def resume(engine: Checkpointable, directory: str,
            optimizer: Optional[torch.optim.Optimizer] = None) -> Optional[Dict[str, Any]]:
-    """``engine.resume(directory, optimizer)``: load the newest complete checkpoint, or return None.
+    """``engine.resume(directory, optimizer)`` (a ``HybridParallel`` or a ``Pipeline``): load the newest complete
+    checkpoint, or return None.
 
     The arguments come in the order of ``engine.resume``, ``load`` and
     ``save_checkpoint``; the 0.1 order ``(engine, optimizer, directory)`` still

@@ -29,8 +29,10 @@ from torch import nn
 
 from ._engine import StepModule
 from ._settings import check_settings, choose_partition
-from .distributed import state
+from .distributed.agreement import Agreement
+from .distributed.checkpointable import Checkpointable
 from .distributed.groups import local_devices
+from .distributed.saving import Saver
 from .distributed.topology import Topology
 from .partitioning.report import Partition
 from .runtime.devices import DeviceLike, resolve_devices
@@ -74,7 +76,7 @@ def pipeline_devices(devices: Union[str, Sequence[DeviceLike]], stages: Optional
     return devs
 
 
-class Pipeline(StepModule):
+class Pipeline(Checkpointable, StepModule):
     """Run an ``nn.Sequential`` as a pipeline over ``devices`` (one stage each).
 
     Args:
@@ -119,6 +121,11 @@ class Pipeline(StepModule):
     a module placed twice) gets a copy on each later stage; the copies are kept
     one weight (see ``pipeddp.runtime.tied``), and ``parameters()`` lists each:
     clip with ``pipe.clip_grad_norm_``, which counts them once.
+
+    Checkpoints: ``save``, ``save_checkpoint``, ``wait_for_save``, ``load`` and
+    ``resume`` write and read the formats of ``HybridParallel`` (one file, or
+    sharded), by the same code (``pipeddp.distributed.checkpointable``), so
+    each class loads the other's checkpoints.
     """
 
     def __init__(
@@ -164,6 +171,10 @@ class Pipeline(StepModule):
         self._finalizer = weakref.finalize(self, self._runner.close)
         self.settings = settings
         self.trace = Trace() if trace else None
+        #: one process, one replica: what checkpoints record of the layout, and what their functions take
+        self.topology = Topology(0, 1, 0, 1, len(devs))
+        self.agreement = Agreement(self.topology, torch.device("cpu"))
+        self._saver = Saver(self.topology, settings.timeout_delta)
 
     # -- structure ---------------------------------------------------------------------------------
 
@@ -218,17 +229,11 @@ class Pipeline(StepModule):
                         "of .cpu()")
 
     def close(self) -> None:
-        """Stop and join the stage threads. The pipeline cannot run afterwards."""
-        self._finalizer()
-
-    def load(self, path: str, optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, Any]:
-        """Load a checkpoint of ``HybridParallel`` (a file or a sharded directory, any layout); returns its ``extra``.
-
-        The model's keys and the optimizer's class are checked first; the
-        optimizer state is matched by parameter name.
-        """
-        return state.load_into(self, path, optimizer)
-
+        """Wait for a save in flight, stop and join the stage threads. The pipeline cannot run afterwards."""
+        try:
+            self._saver.close()  # a failed background save raises here, after the threads are stopped
+        finally:
+            self._finalizer()
 
     @property
     def worker_threads(self) -> List[Any]:

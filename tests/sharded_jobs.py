@@ -176,15 +176,26 @@ def refusals_job(directory: str) -> Dict[str, str]:
         "other model (one file)": lambda: engine.load(os.path.join(directory, "other.pt")),
         "other model (sharded)": lambda: engine.load(os.path.join(directory, "other")),
         "unsafe newest": lambda: engine.resume(os.path.join(directory, "unsafe-run")),
+        "narrower head (one file)": lambda: engine.load(os.path.join(directory, "narrow.pt"), adam(engine)),
+        "narrower head (sharded)": lambda: engine.load(os.path.join(directory, "narrow"), adam(engine)),
     }
+    before = {k: v.clone() for k, v in engine.local_state_dict().items()}
     for name, attempt in attempts.items():
         try:
             attempt()
             out[name] = "no error"
         except Exception as exc:  # noqa: BLE001 - the test reads the type and the message
             out[name] = f"{type(exc).__name__}: {exc}"
+    after = engine.local_state_dict()
+    out["unchanged"] = str(sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before))
     engine.close()
     return out
+
+
+def narrow_model() -> nn.Sequential:
+    """The keys of ``make_mlp(depth=2)``, its last layer 6 wide instead of 12."""
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(12, 12), nn.ReLU(), nn.Linear(12, 6)).double()
 
 
 def other_model() -> nn.Sequential:

@@ -165,15 +165,21 @@ def resume_warnings(engine, directory, opt=None):
     return extra, [str(w.message) for w in caught if "pipeddp" in str(w.message)]
 
 
-def test_resume_says_once_that_it_found_no_checkpoint_and_starts_from_scratch(tmp_path):
+def test_resume_is_quiet_on_a_first_run_and_warns_once_where_a_directory_holds_no_checkpoint(tmp_path):
     with pipeddp.HybridParallel(dropout_model(), stages=2) as engine:
         before = [p.detach().clone() for p in engine.parameters()]
-        extra, said = resume_warnings(engine, tmp_path / "typo")
+        for first in (tmp_path / "new", tmp_path / "empty"):  # no directory yet, or one made beforehand
+            if first.name == "empty":
+                first.mkdir()
+            extra, said = resume_warnings(engine, first)
+            assert extra is None and said == [], said
+        (tmp_path / "other").mkdir()
+        (tmp_path / "other" / "notes.txt").write_text("not a checkpoint")
+        extra, said = resume_warnings(engine, tmp_path / "other")
         assert extra is None and len(said) == 1, said
-        assert str(tmp_path / "typo") in said[0] and "does not exist" in said[0] and "from scratch" in said[0]
-        (tmp_path / "empty").mkdir()
-        extra, said = resume_warnings(engine, tmp_path / "empty")
-        assert extra is None and len(said) == 1 and str(tmp_path / "empty") in said[0] and "is empty" in said[0]
+        assert str(tmp_path / "other") in said[0] and "no step-* checkpoint" in said[0] and "from scratch" in said[0]
+        with pytest.raises(ValueError, match=r"notes.txt: it is a file, not a directory of checkpoints"):
+            engine.resume(str(tmp_path / "other" / "notes.txt"))
         assert all(torch.equal(a, b) for a, b in zip(before, engine.parameters()))
 
 

@@ -176,7 +176,8 @@ def test_a_users_own_model_is_cut_planned_and_drawn(user_models, tmp_path, capsy
     out = capsys.readouterr().out
     assert "18,504" in out, out  # the min-max cut by parameters: 72 + 18,432 in stage 0, the rest after
     assert main(["plan", "--model", f"{user_models}:build", "--devices", "2", "--batch", "8"]) == 0
-    assert "first choice:" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "first choice:" in out and "planned for inputs of 8 per sample" in out and "built-in" not in out
     out_stem = tmp_path / "tl"
     assert main(["timeline", "--model", f"{user_models}:build", "--batch", "8", "--chunks", "4", "--steps", "1",
                  "--out", str(out_stem)]) == 0
@@ -198,3 +199,65 @@ def test_a_warning_reads_as_one_line_of_the_report(user_models, capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "warning (HeavyLayerWarning): layer 1 ('1', Linear:" in out, out
     assert "cli.py" not in out and "plan = partition(" not in out  # no source location, no line of our code
+
+
+def test_version_prints_the_packages_version(capsys):
+    import pipeddp
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"pipeddp {pipeddp.__version__}"
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--memory", "80XB"], "--memory '80XB' is not a size; write e.g. 80GB"),
+    (["--memory", "0GB"], "--memory must be more than nothing"),
+    (["--link", "pci"], "--link 'pci' is not a link this command knows; choose one of ethernet, infiniband"),
+    (["--allreduce-link", "nvme"], "--allreduce-link 'nvme' is not a link"),
+    (["--devices", "0"], "--devices must be >= 1, got 0"),
+    (["--batch", "-4"], "--batch must be >= 1"),
+    (["--profile-batch", "1"], "--profile-batch must be >= 2"),
+    (["--devices", "8", "--devices-per-node", "3"], "--devices-per-node 3 must be >= 1 and divide --devices 8"),
+])
+def test_plan_checks_every_argument_before_building_or_profiling_the_model(monkeypatch, capsys, args, said):
+    import pipeddp.tools.models as models
+
+    monkeypatch.setattr(models, "build", lambda *a, **k: pytest.fail("the model was built before the arguments "
+                                                                       "were checked"))
+    assert main(["plan", *args]) == 2
+    out = " ".join(capsys.readouterr().out.split())
+    assert said in out and "Link(" not in out, out
+
+
+def test_plan_says_the_input_size_a_built_in_model_is_planned_at(monkeypatch, capsys):
+    import pipeddp.tools.models as models
+    import pipeddp.tools.plan as plan
+
+    def stop(*a, **k):
+        raise ValueError("stopped before profiling")
+
+    monkeypatch.setattr(plan, "fit_layers", stop)
+    monkeypatch.setattr(models, "MODELS", dict(models.MODELS, resnet50=(lambda: models.mlp(2, 4, 4, 4),
+                                                                        models.MODELS["resnet50"][1])))
+    assert main(["plan", "--model", "resnet50"]) == 2
+    out = " ".join(capsys.readouterr().out.split())
+    assert "resnet50: planned for inputs of 3x64x64 per sample (the built-in model's sample" in out, out
+
+
+def test_convert_says_what_is_wrong_with_its_argument(tmp_path, capsys):
+    import torch
+    from torch import nn
+
+    import pipeddp
+
+    run = tmp_path / "run"
+    with pipeddp.Pipeline(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)), ["cpu", "cpu"]) as pipe:
+        pipe.save_checkpoint(str(run), 4)
+    for source, said in [(tmp_path / "no" / "such", "no/such does not exist; give a sharded checkpoint"),
+                         (run / "step-000000004.pt", "is a file, not a sharded checkpoint"),
+                         (run, "is a directory of one-file checkpoints (step-000000004.pt, ...), which need no "
+                               "converting: torch.load opens them")]:
+        assert main(["convert", str(source), str(tmp_path / "out.pt")]) == 2
+        out = " ".join(capsys.readouterr().out.split())
+        assert said in out and not (tmp_path / "out.pt").exists(), out
+    assert "model" in torch.load(str(run / "step-000000004.pt"))

@@ -145,3 +145,22 @@ def test_report_says_not_measured_instead_of_zero():
     timed = partition(model, 2, method="time", sample=x)
     assert timed.timed and timed.sized and timed.unmeasured_note() == ""
     assert "not measured" not in str(timed)
+
+
+def test_a_layer_barely_over_its_share_is_noise_and_does_not_warn():
+    import warnings
+
+    from pipeddp import HeavyLayerWarning
+    from pipeddp.partitioning.report import warn_heavy_layers
+
+    layers = [nn.Linear(4, 4) for _ in range(6)]
+    names = [str(i) for i in range(6)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", HeavyLayerWarning)
+        # six equal layers on six stages, one timed 10% high (18.3% against a share of 16.7%): noise
+        warn_heavy_layers(names, layers, [1.0, 1.0, 1.0, 1.1, 1.0, 1.0], 6, "time")
+        warn_heavy_layers(names, layers, [1.0] * 6, 6, "time")
+        warn_heavy_layers(names, layers, [1.0, 1.0, 1.0, 1.2, 1.0, 1.0], 2, "time")
+    with pytest.warns(HeavyLayerWarning, match=r"layer 3 \('3', Linear: 28\.6%\) holds more than a stage's share "
+                                               r"\(16\.7% for 6 stages\)"):
+        warn_heavy_layers(names, layers, [1.0, 1.0, 1.0, 2.0, 1.0, 1.0], 6, "time")

@@ -19,7 +19,7 @@ from pipeddp.distributed import catalog, checkpoint as ckpt, sharded
 from pipeddp.distributed.optim_state import named_optimizer_state
 from pipeddp.tools.cli import main as cli
 from sharded_jobs import (EXTRA, LR, adam, async_overlap_job, killed_writer_job, load_and_train_job, refusals_job,
-                          replica_mode_job, save_both_job, other_model)
+                          narrow_model, other_model, replica_mode_job, save_both_job)
 
 
 def plain_adam(model, batches):
@@ -338,6 +338,13 @@ def test_every_rank_refuses_another_optimizer_another_model_and_an_unsafe_file_w
     with pipeddp.HybridParallel(other_model(), stages=1) as engine:
         engine.save(str(tmp_path / "other.pt"))
         engine.save(str(tmp_path / "other"), sharded=True)
+    with pipeddp.HybridParallel(narrow_model(), stages=1) as engine:  # the same keys, one layer of other shapes
+        optimizer = adam(engine)
+        engine.train_step(torch.randn(4, 12, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64),
+                          torch.nn.functional.mse_loss)
+        optimizer.step()
+        engine.save(str(tmp_path / "narrow.pt"), optimizer)
+        engine.save(str(tmp_path / "narrow"), optimizer, sharded=True)
     run = tmp_path / "unsafe-run"
     run.mkdir()
     torch.save({"format": ckpt.FORMAT, "model": {}, "x": CreatesAFile(str(tmp_path / "pwned"))},
@@ -352,4 +359,11 @@ def test_every_rank_refuses_another_optimizer_another_model_and_an_unsafe_file_w
             assert "['1.bias', '1.weight', '3.bias', '3.weight']" in got[name]
         assert str(tmp_path / "other") in got["other model (sharded)"]
         assert got["unsafe newest"].startswith("UnsafeCheckpointError") and "step-000000001.pt" in got["unsafe newest"]
+    for rank, got in enumerate(per_rank):  # rank 1 holds the last layer and refuses; rank 0 raises that too
+        for name, path in (("narrower head (one file)", "narrow.pt"), ("narrower head (sharded)", "narrow")):
+            said = f"{tmp_path / path} holds tensors that do not fit the model (2 of them): 2.weight: saved [6, 12] " \
+                   "float64, model [12, 12] float64; 2.bias: saved [6] float64, model [12] float64. Nothing was loaded"
+            assert said in got[name] and got[name].startswith("RuntimeError: rank 0: loading failed on rank 1: "
+                                                              "ValueError" if rank == 0 else "ValueError"), got[name]
+        assert got["unchanged"] == "True"  # every refusal left every rank's share as it was
     assert not (tmp_path / "pwned").exists()

@@ -1,5 +1,6 @@
 """The nn.TransformerEncoder language model example, flattened and pipelined, against the plain model."""
 
+import re
 import sys
 from pathlib import Path
 
@@ -99,3 +100,18 @@ def test_torchrun_stage_mode_equals_the_plain_model(tmp_path, corpus):  # noqa: 
     saved = torch.load(out)
     assert list(saved) == list(expected)
     assert max((saved[k] - expected[k]).abs().max().item() for k in saved) < 1e-10
+
+
+def test_help_describes_every_flag_with_its_default(capsys):
+    ex = load_example(EXAMPLE)
+    with pytest.raises(SystemExit) as exit_:
+        ex.parse(["--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines: compare with single spaces
+    assert "flatten_sequential" in text  # the docstring heads it
+    options = text.split("options:", 1)[1]
+    entries = re.split(r" (?=--[a-z-]+[ ,])", options)[1:]  # one per flag: "--steps STEPS optimizer steps (...)"
+    assert len(entries) > 20, options
+    for entry in entries:
+        if not entry.startswith("--help"):
+            assert "(default:" in entry, f"no help with its default: {entry!r}"

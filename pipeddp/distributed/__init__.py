@@ -14,7 +14,9 @@
     data           DataLoaders sharded by replica; the elastic sampler that resumes an epoch in any layout
     elastic        a fixed global batch over any replica count (accumulation passes), the data position
     launch         ``spawn``: a local multi-process job with torchrun's environment
-    state          the whole model's state dict and checkpoints across processes
+    checkpointable save, save_checkpoint, wait_for_save, load, resume: one implementation for both public classes
+    saving         writing checkpoints: one file gathered on rank 0, or sharded, in the background if asked
+    state          the whole model's state dict across processes, and loading checkpoints (all or nothing)
     checkpoint     the checkpoint file: plain values, atomic writes, safe loading
     sharded        the sharded checkpoint: a DCP directory every process writes its share of, read safely
     catalog        a directory of checkpoints: step names, the newest complete one, pruning

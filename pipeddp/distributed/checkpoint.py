@@ -45,15 +45,15 @@ import os
 import pickle
 import pickletools
 import random
-import tempfile
+import secrets
 import zipfile
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, cast
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, cast
 
 import numpy as np
 import torch
 
 __all__ = ["atomic_save", "FORMAT", "rng_state", "set_rng_state", "load", "check_plain", "check_model_keys",
-           "UnsafeCheckpointError", "DamagedCheckpointError", "first_line"]
+           "check_model_tensors", "specs", "UnsafeCheckpointError", "DamagedCheckpointError", "first_line"]
 
 #: ``pipeddp/1`` files held NumPy objects in their RNG states; see the README for a one-time conversion.
 FORMAT = "pipeddp/2"
@@ -64,11 +64,29 @@ def _open_for_write(fd: int) -> Any:
     return os.fdopen(fd, "wb")
 
 
+def _create_temporary(directory: str) -> Tuple[int, str]:
+    """A new file ``directory/.tmp-<random>.pt``, with the permissions the user's umask gives, as ``open`` does.
+
+    ``tempfile.mkstemp`` would make it ``-rw-------`` whatever the umask, and the
+    rename keeps that: a teammate could not read the checkpoint. Creating it with
+    mode 0o666 leaves the umask to decide, exactly as ``torch.save(obj, path)``.
+    """
+    while True:
+        tmp = os.path.join(directory, f".tmp-{secrets.token_hex(6)}.pt")
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666), tmp
+        except FileExistsError:  # pragma: no cover - 48 random bits
+            continue
+
+
 def atomic_save(obj: Any, path: str) -> None:
-    """``torch.save`` to ``path`` so that readers see the old file or the whole new one."""
+    """``torch.save`` to ``path`` so that readers see the old file or the whole new one.
+
+    The file gets the permissions of a plain ``torch.save`` (0o666 less the umask).
+    """
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=directory)
+    fd, tmp = _create_temporary(directory)
     try:
         with _open_for_write(fd) as f:
             torch.save(obj, f)
@@ -250,6 +268,51 @@ def check_model_keys(path: str, saved: Iterable[str], model: Iterable[str]) -> N
             "Load it into the model it was saved from (the same layers under the same names; the stages, replicas "
             "and mode may differ)"
         )
+
+
+#: ``(shape, dtype)`` of a saved tensor, as the check below compares them
+Spec = Tuple[Sequence[int], torch.dtype]
+
+
+def _kind(dtype: torch.dtype) -> str:
+    """What a copy into a tensor of another dtype must not change: bool, integer, floating or complex values."""
+    if dtype == torch.bool:
+        return "bool"
+    if dtype.is_complex:
+        return "complex"
+    return "floating" if dtype.is_floating_point else "integer"
+
+
+def check_model_tensors(what: str, saved: Mapping[str, Spec], own: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` naming ``what`` and the first entries of ``own`` that ``saved`` does not fit.
+
+    ``own``: this process's share of the model (its state dict); ``saved``:
+    the shape and dtype of each saved tensor. Checked before anything is
+    copied, so that a refused load leaves the model as it was: torch's
+    ``load_state_dict`` copies entry after entry and raises at the first
+    misfit, after the entries before it were overwritten. A dtype may change
+    in precision (a float32 checkpoint loads into a float64 model, as torch
+    casts it) but not in kind (floating, integer, bool, complex).
+    """
+    wrong = []
+    for key, value in own.items():
+        if key not in saved or not isinstance(value, torch.Tensor):
+            continue
+        shape, dtype = saved[key]
+        if tuple(shape) != tuple(value.shape) or _kind(dtype) != _kind(value.dtype):
+            wrong.append(f"{key}: saved {list(shape)} {str(dtype).replace('torch.', '')}, "
+                         f"model {list(value.shape)} {str(value.dtype).replace('torch.', '')}")
+    if wrong:
+        raise ValueError(
+            f"{what} holds tensors that do not fit the model ({len(wrong)} of them): {'; '.join(wrong[:5])}"
+            f"{' ...' if len(wrong) > 5 else ''}. Nothing was loaded. Load it into the model it was saved from "
+            "(the same layer sizes; the stages, replicas and mode may differ)"
+        )
+
+
+def specs(state: Mapping[str, Any]) -> Dict[str, Spec]:
+    """``(shape, dtype)`` of every tensor of a state dict."""
+    return {k: (tuple(v.shape), v.dtype) for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
 def rng_state() -> Dict[str, Any]:

@@ -43,7 +43,8 @@ def local_devices(topo: Topology, devices: Union[None, str, Sequence[DeviceLike]
     """This process's devices: as given (checked), else by local rank (see the module docstring).
 
     ``devices="auto"``: the GPUs where there are enough for every process on this node, else the CPU
-    (with a warning saying so), so that one script runs on any machine.
+    (with a warning where there are GPUs, too few; quietly on a machine without any, where the CPU is
+    what "auto" means), so that one script runs on any machine.
     """
     want = topo.stages if topo.mode == "replica" else 1
     if devices == "auto":

@@ -28,7 +28,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from ..runtime.names import names_of
 
 __all__ = ["named_optimizer_state", "merge_optimizer_states", "load_named_optimizer_state", "flat_optimizer_state",
-           "load_flat_optimizer_state", "unflatten_optimizer_state", "optimizer_class", "check_optimizer"]
+           "load_flat_optimizer_state", "unflatten_optimizer_state", "optimizer_class", "check_optimizer",
+           "check_named_state"]
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -159,3 +160,38 @@ def check_optimizer(path: str, saved_class: Optional[str], has_state: bool,
         raise ValueError(f"{path} holds the state of a {saved_class} optimizer, but the optimizer given is a "
                          f"{given}; resume with the optimizer it was saved with ({short}, the same parameter "
                          "groups), or load without optimizer= to take the model's weights only")
+
+
+def check_named_state(path: str, state: Dict[str, Any], module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse a named optimizer state that ``optimizer`` would take only in part, before anything is loaded.
+
+    torch's ``Optimizer.load_state_dict`` refuses other parameter groups, but
+    only after the model's weights were loaded; and it takes state tensors of
+    any shape, which fail later in ``step()``. So the groups (which of
+    ``module``'s parameters each holds) and the shape of every state tensor the
+    optimizer already has are compared here first.
+    """
+    named = list(module.named_parameters())
+    by_id = {id(p): n for n, p in named}
+    own = names_of(module).named_optimizer_to_own(state, [n for n, _ in named])
+    mine = [[by_id.get(id(p)) for p in g["params"]] for g in optimizer.param_groups]
+    if any(n is None for g in mine for n in g):
+        return  # an optimizer over parameters the module does not hold: torch decides
+    held = {n for g in mine for n in g}
+    saved = [[n for n in g["params"] if n in held] for g in own["param_groups"]]
+    saved = [g for g in saved if g] if len(saved) != len(mine) else saved
+    if len(saved) != len(mine) or any(set(a) != set(b) for a, b in zip(saved, mine)):
+        raise ValueError(f"{path} holds optimizer state of other parameter groups than the optimizer's (saved: "
+                         f"{[len(g) for g in saved]} parameters per group, given: {[len(g) for g in mine]}); build "
+                         "the optimizer with the groups it was saved with, or load without optimizer=")
+    params = dict(named)
+    wrong = []
+    for name, fields in own["state"].items():
+        have = optimizer.state.get(params[name], {}) if name in params else {}
+        for field, value in fields.items():
+            now = have.get(field)
+            if isinstance(value, torch.Tensor) and isinstance(now, torch.Tensor) and value.shape != now.shape:
+                wrong.append(f"{name}.{field}: checkpoint {list(value.shape)}, optimizer {list(now.shape)}")
+    if wrong:
+        raise ValueError(f"{path} holds optimizer state of other shapes than the optimizer's: {wrong[:5]}. Nothing "
+                         "was loaded")

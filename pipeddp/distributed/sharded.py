@@ -57,7 +57,7 @@ from .checkpoint import DamagedCheckpointError, UnsafeCheckpointError, first_lin
 from .optim_state import unflatten_optimizer_state
 
 __all__ = ["METADATA", "is_complete", "clear", "write", "read_metadata", "read", "header", "model_shapes",
-           "optimizer_keys", "has_optimizer", "template", "to_file", "SafeReader", "SafeLoadPlanner"]
+           "entry_specs", "optimizer_keys", "has_optimizer", "template", "to_file", "SafeReader", "SafeLoadPlanner"]
 
 METADATA = ".metadata"
 #: What DCP's file system writer leaves in a checkpoint directory (data files, metadata, their temporaries).
@@ -144,11 +144,18 @@ def _storage_writer(path: str) -> FileSystemWriter:
     return FileSystemWriter(path, single_file_per_rank=True, sync_files=True)
 
 
+#: what DCP warns when it saves or loads in one process, even when told so (``no_dist=True``)
+_ONE_PROCESS = "torch.distributed is disabled, unavailable or uninitialized"
+#: where the warning of a one-process async save points (DCP's logging wrapper), from DCP's own thread, where no
+#: ``catch_warnings`` of the caller's thread reaches; so a filter for this message and module stays, once set
+_ASYNC_THREAD = r"torch\.distributed\.checkpoint\.utils"
+
+
 @contextlib.contextmanager
 def _told_one_process() -> Iterator[None]:
     """DCP warns that it assumes one process even when told so (``no_dist=True``); here it was told."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        warnings.filterwarnings("ignore", message=_ONE_PROCESS)
         yield
 
 
@@ -160,6 +167,9 @@ def write(state: Dict[str, Any], path: str, *, group: Any, async_save: bool) -> 
     future completes on every rank once the checkpoint is complete.
     """
     writer = _storage_writer(path)
+    if async_save and group is None:  # DCP's thread warns again, later, outside any catch_warnings of this one
+        warnings.filterwarnings("ignore", message=_ONE_PROCESS + ", assuming the intent is to save",
+                                module=_ASYNC_THREAD)
     with _told_one_process():
         if async_save:
             pending: Any = dcp.async_save(state, storage_writer=writer, process_group=group, no_dist=group is None)
@@ -281,6 +291,16 @@ def model_shapes(metadata: Metadata) -> Dict[str, torch.Size]:
     return shapes
 
 
+def entry_specs(metadata: Metadata, top: str) -> Dict[str, Tuple[torch.Size, torch.dtype]]:
+    """``(size, dtype)`` of every tensor under the top-level key ``top`` (``"model"``, ``"optimizer"``)."""
+    found = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        path = _path_of(metadata, fqn)
+        if len(path) == 2 and path[0] == top and isinstance(md, TensorStorageMetadata):
+            found[str(path[1])] = (md.size, md.properties.dtype)
+    return found
+
+
 def optimizer_keys(metadata: Metadata) -> List[str]:
     """The optimizer's flat keys in the checkpoint (``state.<name>.<field>``, ``param_groups.<name>.<field>``)."""
     return [str(p[1]) for p in (_path_of(metadata, f) for f in metadata.state_dict_metadata)
@@ -300,11 +320,20 @@ def to_file(path: str, out: str) -> Dict[str, Any]:
     and ``SafeLoadPlanner`` and reshapes it into the one-file format, which a
     plain model opens with ``torch.load`` (weights_only) and any engine loads.
     """
+    if not os.path.exists(path):
+        raise ValueError(f"{path} does not exist; give a sharded checkpoint, a directory written with sharded=True "
+                         "(e.g. run/step-000000042)")
     if not os.path.isdir(path):
-        raise ValueError(f"{path} is not a directory; a sharded checkpoint is one (written with sharded=True)")
-    if not is_complete(path) and any(n.startswith("step-") for n in os.listdir(path)):
-        raise ValueError(f"{path} is a directory of checkpoints; convert one of them, e.g. "
-                         f"{os.path.join(path, max(n for n in os.listdir(path) if n.startswith('step-')))}")
+        raise ValueError(f"{path} is a file, not a sharded checkpoint (a directory written with sharded=True); a "
+                         "one-file checkpoint needs no converting: torch.load opens it")
+    steps = sorted(n for n in os.listdir(path) if n.startswith("step-"))
+    if not is_complete(path) and steps:
+        shards = [n for n in steps if os.path.isdir(os.path.join(path, n))]
+        if shards:
+            raise ValueError(f"{path} is a directory of checkpoints; convert one of them, e.g. "
+                             f"{os.path.join(path, shards[-1])}")
+        raise ValueError(f"{path} is a directory of one-file checkpoints ({steps[-1]}, ...), which need no "
+                         "converting: torch.load opens them, and their 'model' loads into the plain model")
     metadata = read_metadata(path)
     head = header(path, metadata)
     state = template(metadata, ["*"])

@@ -301,7 +301,10 @@ class ThreadRunner:
         return len(self.devices) == 1 and (self.threads is None or self.threads == torch.get_num_threads())
 
     def close(self) -> None:
-        """Stop and join the worker threads (idempotent)."""
+        """Stop and join the worker threads (idempotent); a device waiting on a channel is woken first."""
+        if not self._workers.closed:
+            for inbox in self._inboxes.values():
+                inbox.abort(PipelineAborted("the pipeline was closed"))
         self._workers.close()
 
     @property

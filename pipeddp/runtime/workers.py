@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Any, Callable, List, Optional, Sequence
 
 import torch
@@ -96,42 +97,53 @@ class Workers:
         results: List[Any] = [None] * n
         errors: List[BaseException] = []
         pending = set(range(n))
-        while pending:
-            try:
-                got_run, k, ok, value = self._done.get(timeout=1.0)
-            except queue.Empty:
-                dead = [self._workers[k].thread.name for k in pending if not self._workers[k].thread.is_alive()]
-                if dead:
-                    exc = RuntimeError(f"pipeddp: worker thread(s) {dead} died without finishing the step")
+        try:
+            while pending:
+                try:
+                    got_run, k, ok, value = self._done.get(timeout=1.0)
+                except queue.Empty:
+                    dead = [self._workers[k].thread.name for k in pending if not self._workers[k].thread.is_alive()]
+                    if dead:
+                        exc = RuntimeError(f"pipeddp: worker thread(s) {dead} died without finishing the step")
+                        if not errors:
+                            on_error(exc)
+                        errors.append(exc)
+                        pending -= {k for k in pending if not self._workers[k].thread.is_alive()}
+                    continue
+                if got_run != run:  # left over from a step its caller stopped waiting for
+                    continue
+                pending.discard(k)
+                if ok:
+                    results[k] = value
+                else:
                     if not errors:
-                        on_error(exc)
-                    errors.append(exc)
-                    pending -= {k for k in pending if not self._workers[k].thread.is_alive()}
-                continue
-            if got_run != run:  # left over from a step its caller stopped waiting for
-                continue
-            pending.discard(k)
-            if ok:
-                results[k] = value
-            else:
-                if not errors:
-                    on_error(value)
-                errors.append(value)
+                        on_error(value)
+                    errors.append(value)
+        except BaseException as exc:  # Ctrl-C (or SystemExit) in the caller: wake the devices that wait, then go
+            if not errors:
+                on_error(exc)
+            raise
         if errors:
             real = [e for e in errors if not isinstance(e, PipelineAborted)]
             raise (real[0] if real else errors[0])
         return results
 
-    def close(self) -> None:
-        """Stop and join every worker (idempotent)."""
+    def close(self, wait: float = 2.0) -> None:
+        """Stop and join every worker (idempotent), waiting at most ``wait`` seconds in all.
+
+        A worker still in a long computation when the caller was interrupted is
+        left to finish on its own (a daemon thread): closing, and so the exit of
+        the process, never waits for it beyond ``wait``.
+        """
         if self._closed:
             return
         self._closed = True
         for w in self._workers:
             w.jobs.put(None)
+        deadline = time.monotonic() + wait
         for w in self._workers:
             if w.thread is not threading.current_thread():
-                w.thread.join()
+                w.thread.join(max(deadline - time.monotonic(), 0.0))
 
     @property
     def threads(self) -> List[threading.Thread]:

@@ -144,19 +144,49 @@ def _timeline(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _check_plan_arguments(args: argparse.Namespace) -> Optional[float]:
+    """Every argument of ``plan`` checked before the minutes of profiling; returns ``--memory`` in bytes."""
+    from .plan import parse_bytes
+    from .simulate import LINKS
+
+    for flag, value, least in (("--devices", args.devices, 1), ("--batch", args.batch, 1),
+                               ("--profile-batch", args.profile_batch, 2), ("--threads", args.threads, 1),
+                               ("--top", args.top, 1), ("--optimizer-slots", args.optimizer_slots, 0)):
+        if value < least:
+            raise ValueError(f"{flag} must be >= {least}, got {value}")
+    if args.devices_per_node is not None and (args.devices_per_node < 1 or args.devices % args.devices_per_node):
+        raise ValueError(f"--devices-per-node {args.devices_per_node} must be >= 1 and divide --devices "
+                         f"{args.devices}")
+    for flag, name in (("--link", args.link), ("--allreduce-link", args.allreduce_link)):
+        if name is not None and name not in LINKS:
+            raise ValueError(f"{flag} {name!r} is not a link this command knows; choose one of "
+                             f"{', '.join(sorted(LINKS))}")
+    try:
+        budget = parse_bytes(args.memory)
+    except ValueError:
+        raise ValueError(f"--memory {args.memory!r} is not a size; write e.g. 80GB, 40GiB or 512MiB") from None
+    if budget is not None and budget <= 0:
+        raise ValueError(f"--memory must be more than nothing, got {args.memory!r}")
+    return budget
+
+
 def _plan(args: argparse.Namespace, console: Console) -> int:
     import torch
     from rich.table import Table
 
-    from .models import build
-    from .plan import fit_layers, parse_bytes, plan
+    from .models import MODELS, build
+    from .plan import fit_layers, plan
 
+    budget = _check_plan_arguments(args)
     torch.set_num_threads(args.threads)
     model, make_sample = build(args.model)
+    shape = "x".join(str(d) for d in make_sample(1).shape[1:]) or "a scalar"
+    console.print(f"{args.model}: planned for inputs of {shape} per sample"
+                  + (" (the built-in model's sample; for your own input size, plan your own model: --model "
+                     "package.module:function)" if args.model in MODELS else ""))
     sizes = (max(1, args.profile_batch // 4), args.profile_batch)
     with _progress(console, f"profiling {args.model} at micro-batches {sizes[0]} and {sizes[1]}") as progress:
         layers = fit_layers(model, make_sample, sizes=sizes, progress=progress)
-    budget = parse_bytes(args.memory)
     found = plan(layers, args.devices, args.batch, link=args.link, allreduce_link=args.allreduce_link,
                  memory=budget, optimizer_slots=args.optimizer_slots)
     if not found:
@@ -202,6 +232,9 @@ def _convert(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+#: the links ``plan`` models (``pipeddp.tools.simulate.LINKS``)
+LINK_NAMES = "nvlink, pcie, infiniband, ethernet, local"
+
 #: what ``--model`` takes, for every subcommand's help
 MODEL_HELP = ("mlp, resnet18, resnet50, or your own as package.module:function, a function returning "
               "(nn.Sequential, one input batch), importable from the current folder")
@@ -209,8 +242,11 @@ MODEL_HELP = ("mlp, resnet18, resnet50, or your own as package.module:function, 
 
 def _parser() -> argparse.ArgumentParser:
     fmt = argparse.ArgumentDefaultsHelpFormatter  # every option's help ends with its default
+    from .. import __version__
+
     p = argparse.ArgumentParser(prog="pipeddp", description="pipeline + data parallel training for nn.Sequential",
                                 formatter_class=fmt)
+    p.add_argument("--version", action="version", version=f"pipeddp {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     schedules = ["1f1b", "gpipe", "interleaved", "zb"]
 
@@ -269,7 +305,7 @@ def _parser() -> argparse.ArgumentParser:
     n.add_argument("--model", default="resnet50", metavar="MODEL", help="the model to plan for; " + MODEL_HELP)
     n.add_argument("--devices", type=int, default=8, help="devices in all (replicas x stages)")
     n.add_argument("--batch", type=int, default=256, help="global batch")
-    n.add_argument("--link", default="pcie", help="between stages: nvlink, pcie, infiniband, ethernet, local")
+    n.add_argument("--link", default="pcie", help="between stages: " + LINK_NAMES)
     n.add_argument("--allreduce-link", default=None, help="between replicas; None: the same as --link")
     n.add_argument("--memory", default=None, help="memory per device, e.g. 80GB; None: no limit")
     n.add_argument("--optimizer-slots", type=int, default=2, help="optimizer state per parameter (Adam: 2)")

@@ -1,0 +1,74 @@
+"""A training loop that runs until it is interrupted (``tests/test_interrupt.py`` sends it Ctrl-C or SIGTERM).
+
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/interrupt_job.py replica
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/interrupt_job.py stage
+    python tests/interrupt_job.py pipeline [--stall]
+
+Every rank prints ``rank R step N`` after each step. ``--stall`` makes the
+last stage's layer sleep a minute in the third step (printing ``rank R
+stalling``), so that the first stage is blocked taking a gradient from a
+channel (a thread's inbox, or a receive from the other process) when the
+interrupt comes: neither may keep the process alive.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import os
+import signal
+import time
+
+import torch
+from torch import nn
+
+import pipeddp
+
+
+class Stall(nn.Module):
+    """The identity, which sleeps ``seconds`` on its ``at``-th call (a stage stuck in a long computation)."""
+
+    def __init__(self, at: int, seconds: float) -> None:
+        super().__init__()
+        self.calls, self.at, self.seconds = 0, at, seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.at:
+            print(f"rank {os.environ.get('RANK', '0')} stalling", flush=True)
+            time.sleep(self.seconds)
+        return x
+
+
+def main() -> None:
+    faulthandler.register(signal.SIGUSR1)  # a test that finds a process still alive dumps its threads' stacks
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=["replica", "stage", "pipeline"])
+    p.add_argument("--stall", action="store_true")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    width = 384
+    layers: list = []
+    for _ in range(4):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    if args.stall:
+        layers.append(Stall(at=2 * 2 + 1, seconds=60.0))  # chunks=2: its fifth call is in the third step
+    model = nn.Sequential(*layers)
+    if args.mode == "pipeline":
+        engine: nn.Module = pipeddp.Pipeline(model, ["cpu", "cpu"], chunks=2, balance=[4, len(layers) - 4])
+    else:
+        engine = pipeddp.HybridParallel(model, stages=2, mode=args.mode, chunks=2, balance=[4, len(layers) - 4],
+                                        timeout=120.0)
+    rank = int(os.environ.get("RANK", "0"))
+    x, y = torch.randn(64, width), torch.randn(64, width)
+    optimizer = torch.optim.SGD(engine.parameters(), lr=0.01)
+    for step in range(100000):
+        optimizer.zero_grad()
+        engine.train_step(x, y, nn.functional.mse_loss)  # type: ignore[operator]
+        optimizer.step()
+        print(f"rank {rank} step {step}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
