@@ -39,6 +39,7 @@ from .distributed.agreement import Agreement
 from .distributed.elastic import POSITION_KEY, DataPosition, GlobalBatch, plan_global_batch
 from .distributed.ddp import CommHook, attach_stages, check_ddp_kwargs, with_sync_batchnorm
 from .distributed.groups import choose_backend, current_topology, init_process_group, local_devices, make_groups
+from .distributed.shard import attach_shards, check_shard, check_ties, shard_like, split_backward, whole_tensors
 from .distributed.stage_runner import ProcessRunner
 from .distributed.ties import TieExchange
 from .partitioning.report import Partition
@@ -95,6 +96,8 @@ class HybridParallel(StepModule):
             (``out = engine(x); loss.backward()`` is not accumulated: it reduces every call.)
         batch_size: with ``global_batch``, the samples per pass of one replica (the
             memory a pass needs); default: the whole replica batch in one pass.
+        shard: ``"none"`` (DDP), ``"optimizer"`` or ``"full"``: each stage's optimizer state, gradients
+            and parameters split over its replicas with FSDP2; see ``distributed/shard.py`` and docs/sharding.md.
     """
 
     def __init__(
@@ -124,6 +127,7 @@ class HybridParallel(StepModule):
         virtual_stages: Optional[int] = None,
         global_batch: Optional[int] = None,
         batch_size: Optional[int] = None,
+        shard: str = "none",
     ) -> None:
         super().__init__()
         self.topology = topo = current_topology(stages, mode, layout)
@@ -142,6 +146,10 @@ class HybridParallel(StepModule):
         self.key_names = Names.of(model)
         self.skip_nonfinite = skip_nonfinite
         self.skipped_steps = 0
+        self.shard = check_shard(shard, replicas=topo.replicas, model=model,
+                                 split_backward=split_backward(settings.schedule, stages, settings.virtual_stages),
+                                 compile=settings.compile is not None, sync_batchnorm=sync_batchnorm,
+                                 ddp_options=bool(ddp_kwargs) or comm_hook is not None)
         self.devices = devs = local_devices(topo, devices)
         self.backend = choose_backend(backend, devs, topo)
         self._owns_group = topo.world_size > 1 and not dist.is_initialized()
@@ -151,6 +159,7 @@ class HybridParallel(StepModule):
         self.partition: Partition = self.agreement.from_rank0(
             lambda: choose_partition(model, n_stages, balance, sample, settings, devs[0]))
         self.balance: List[int] = list(self.partition.balance)
+        check_ties(self.shard, find_ties(model, self.balance))
         self._groups = make_groups(topo, self.backend, settings.timeout_delta, settings.virtual_stages)
         if sync_batchnorm:  # after profiling: a SyncBatchNorm would wait for the other ranks there
             model = with_sync_batchnorm(model, devs, topo.replicas, topo.rank)
@@ -182,7 +191,8 @@ class HybridParallel(StepModule):
         self._saver = state.Saver(topo, settings.timeout_delta)
         self.trace = Trace(topo.rank) if trace else None
         self._ddps = attach_stages(local, self._groups.stage, ddp_kwargs=ddp_kwargs, comm_hook=comm_hook,
-                                   trace=self.trace) if topo.replicas > 1 else []
+                                   trace=self.trace) if topo.replicas > 1 and self.shard == "none" else []
+        self._shards = attach_shards(local, self._groups.stage, self.shard) if self.shard != "none" else []
 
     # -- structure ---------------------------------------------------------------------------------
 
@@ -281,7 +291,11 @@ class HybridParallel(StepModule):
             n = samples_of(x, name="input")
         else:
             n = self.agreement.local_batch(x, None, need_y=False, group=self._groups.pipeline)
-        return self._step.forward(x, n, need_grad=need_grad)
+        out = self._step.forward(x, n, need_grad=need_grad)
+        for sh in self._shards if not need_grad else ():
+            if sh is not None:
+                sh.reshard()
+        return out
 
     @torch.no_grad()
     def eval_step(self, x: Any) -> Any:
@@ -316,10 +330,14 @@ class HybridParallel(StepModule):
     def check_replicas(self) -> None:
         """None when every stage's copies agree bit for bit (a CRC32 per parameter), else ``RuntimeError``
         naming the stage, parameter and ranks. A collective: call it on every rank."""
+        if self.shard != "none":  # each replica holds its own part of every parameter: nothing to compare
+            return
         self.agreement.check_replicas(self._step.stages, self._groups.stage, rename=self.key_names.original)
 
     def _norm_scope(self) -> Tuple[List[nn.Parameter], torch.device, Optional[Combine]]:
         """In stage mode the norm is joined over this replica's processes (replicas agree after DDP)."""
+        if self.shard != "none":  # every rank holds disjoint shards: the norm is summed over the whole job
+            return [], self.agreement.comm_device, partial(self.agreement.join_norm, group=None)
         if self.topology.mode == "replica" or not self.agreement.distributed:
             return [], self.agreement.comm_device, None
         return self._ties.copies(), self.agreement.comm_device, partial(self.agreement.join_norm,
@@ -332,14 +350,15 @@ class HybridParallel(StepModule):
         return super().state_dict()
 
     def state_dict(self, **kwargs: Any) -> Dict[str, Any]:  # type: ignore[override]
-        """The whole model's state dict with the plain model's keys (a collective in stage mode)."""
-        return state.gather_state_dict(super().state_dict(**kwargs), self.topology, self.agreement)
+        """The whole model's state dict with the plain model's keys (a collective in stage mode, and with shard=)."""
+        return state.gather_state_dict(whole_tensors(super().state_dict(**kwargs)), self.topology, self.agreement)
 
     def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
         """Load the entries of a full (or partial) state dict that belong to this process."""
-        own = list(super().state_dict().keys())
-        return super().load_state_dict(state.own_entries(state_dict, own, strict=strict, rank=self.topology.rank),
-                                       strict=strict, assign=assign)
+        targets = super().state_dict()
+        entries = state.own_entries(state_dict, list(targets), strict=strict, rank=self.topology.rank)
+        entries = {k: shard_like(v, targets[k]) if k in targets else v for k, v in entries.items()}  # with shard=
+        return super().load_state_dict(entries, strict=strict, assign=assign)
 
     def save(self, path: str, optimizer: Optional[torch.optim.Optimizer] = None,
              extra: Optional[Dict[str, Any]] = None, *, sharded: bool = False, async_save: bool = False) -> None:

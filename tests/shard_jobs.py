@@ -1,0 +1,95 @@
+"""Functions run inside spawned processes by the sharding tests (importable by the children)."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Sequence
+
+import torch
+import torch.distributed as dist
+from conftest import data, make_mlp
+from hybrid_jobs import init
+from torch import nn
+
+import pipeddp
+
+LOSS = nn.functional.mse_loss
+WIDTH = 7  # rows that 2 replicas do not divide: FSDP pads the last shard
+LOCAL = 6
+MAX_NORM = 0.5
+
+
+def model() -> nn.Sequential:
+    return make_mlp(width=WIDTH)
+
+
+def batches(replicas: int, steps: int = 2):
+    return [data(LOCAL * replicas, width=WIDTH, seed=300 + i) for i in range(steps)]
+
+
+def reference(replicas: int, steps: int = 2) -> Dict[str, Any]:
+    """Plain AdamW on one device over the global batches, clipped at ``MAX_NORM``: weights and norms."""
+    net = model()
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01)
+    norms = []
+    for x, y in batches(replicas, steps):
+        opt.zero_grad()
+        LOSS(net(x), y).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(net.parameters(), MAX_NORM).item())
+        opt.step()
+    return {"state": net.state_dict(), "norms": norms}
+
+
+class Counts:
+    """Counts FSDP's all-gathers and reduce-scatters (the calls FSDP2 makes through torch.distributed)."""
+
+    def __init__(self) -> None:
+        self.calls = {"all_gather": 0, "reduce_scatter": 0}
+        self._saved = (dist.all_gather_single, dist.reduce_scatter_single)
+
+        def counting(name, fn):
+            def call(*args, **kwargs):
+                self.calls[name] += 1
+                return fn(*args, **kwargs)
+            return call
+
+        dist.all_gather_single = counting("all_gather", self._saved[0])
+        dist.reduce_scatter_single = counting("reduce_scatter", self._saved[1])
+
+    def close(self) -> None:
+        dist.all_gather_single, dist.reduce_scatter_single = self._saved
+
+
+def train_job(mode: str, combos: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Two AdamW steps (clipped) per combination; weights, norms, what the parameters are, collective counts."""
+    init()
+    out = []
+    for combo in combos:
+        kwargs = dict(combo)
+        engine = pipeddp.HybridParallel(model(), stages=2, mode=mode, balance="uniform", **kwargs)
+        R, r = engine.topology.replicas, engine.topology.replica
+        local = engine.replica_batch or LOCAL
+        opt = torch.optim.AdamW(engine.parameters(), lr=0.01)
+        counts = Counts()
+        norms = []
+        try:
+            for x, y in batches(R):
+                x, y = x[r * local:(r + 1) * local], y[r * local:(r + 1) * local]
+                opt.zero_grad()
+                engine.train_step(x if engine.is_first else None, y if engine.is_last else None, LOSS)
+                norms.append(engine.clip_grad_norm_(MAX_NORM).item())
+                opt.step()
+        finally:
+            counts.close()
+        params = list(engine.parameters())
+        state_numel = sum(t.to_local().numel() for s in opt.state.values() for t in s.values()
+                          if isinstance(t, torch.Tensor) and t.dim() > 0)
+        out.append({"combo": combo, "state": engine.state_dict(), "norms": norms, "calls": counts.calls,
+                    "dtensor": all(type(p).__name__ == "DTensor" for p in params),
+                    "grad_dtensor": all(type(p.grad).__name__ == "DTensor" for p in params),
+                    "local_numel": sum(p.to_local().numel() for p in params),
+                    "whole_numel": sum(p.numel() for p in params), "state_numel": state_numel,
+                    "groups": sum(1 for st in engine.stages for m in st.module.modules()
+                                  if type(m).__name__.startswith("FSDP")),
+                    "stages": len(engine.stages)})
+        engine.close()
+    return out

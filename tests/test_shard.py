@@ -1,0 +1,59 @@
+"""shard="optimizer" / "full": FSDP2 over each stage's replicas, checked against plain AdamW on one device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_mlp
+from shard_jobs import reference, train_job
+
+import pipeddp
+
+COMBOS = [
+    {"shard": "optimizer", "schedule": "gpipe", "chunks": 3},
+    {"shard": "optimizer", "schedule": "1f1b", "chunks": 4, "checkpoint": "always"},
+    {"shard": "optimizer", "schedule": "zb", "chunks": 3},
+    {"shard": "optimizer", "schedule": "interleaved", "chunks": 4},
+    {"shard": "optimizer", "schedule": "1f1b", "chunks": 2, "global_batch": 12, "batch_size": 3},
+    {"shard": "full", "schedule": "1f1b", "chunks": 3},
+    {"shard": "full", "schedule": "interleaved", "chunks": 4, "checkpoint": "except_last"},
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode,nprocs", [("replica", 2), ("stage", 4)])
+def test_sharded_training_equals_single_device_adamw(mode, nprocs):
+    results = pipeddp.spawn(train_job, nprocs, args=(mode, COMBOS), timeout=280)
+    ref = reference(replicas=2)
+    for rank, per_rank in enumerate(results):
+        for res in per_rank:
+            combo = res["combo"]
+            where = f"rank {rank}, {mode}, {combo}"
+            for key, value in ref["state"].items():
+                assert torch.allclose(res["state"][key], value, rtol=0, atol=1e-12), (where, key)
+            assert res["norms"] == pytest.approx(ref["norms"], rel=1e-12, abs=0), where
+            assert res["dtensor"] and res["grad_dtensor"], where
+            # each replica holds about half of every parameter and of the optimizer state (7 rows -> 4 + 3)
+            assert res["local_numel"] < 0.6 * res["whole_numel"], where
+            assert 0 < res["state_numel"] <= 2 * res["local_numel"], where
+            steps = 2
+            # one reduce-scatter per FSDP group per step, after the last pass only
+            groups = res["groups"] if combo["shard"] == "full" else res["stages"]
+            if combo["shard"] == "full":
+                groups -= res["stages"]  # the stage roots of "full" hold no parameters of their own
+            assert res["calls"]["reduce_scatter"] == steps * groups, where
+            if combo["shard"] == "optimizer":  # gathered once per step, kept whole through every micro-batch
+                assert res["calls"]["all_gather"] == steps * res["stages"], where
+
+
+def test_unknown_shard_is_refused_naming_the_choices():
+    with pytest.raises(ValueError, match="'none', 'optimizer', 'full'"):
+        pipeddp.HybridParallel(make_mlp(), stages=2, shard="zero3")
+
+
+def test_shard_with_one_replica_does_nothing_and_says_so():
+    with pytest.warns(UserWarning, match="one replica"):
+        engine = pipeddp.HybridParallel(make_mlp(), stages=2, shard="optimizer")
+    with engine:
+        assert engine.shard == "none"
+        assert not any(type(p).__name__ == "DTensor" for p in engine.parameters())
