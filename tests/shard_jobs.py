@@ -26,17 +26,59 @@ def batches(replicas: int, steps: int = 2):
     return [data(LOCAL * replicas, width=WIDTH, seed=300 + i) for i in range(steps)]
 
 
-def reference(replicas: int, steps: int = 2) -> Dict[str, Any]:
-    """Plain AdamW on one device over the global batches, clipped at ``MAX_NORM``: weights and norms."""
+def reference(replicas: int, steps: int = 2, clip: bool = True) -> Dict[str, Any]:
+    """Plain AdamW on one device over the global batches (clipped at ``MAX_NORM``): weights and norms."""
     net = model()
     opt = torch.optim.AdamW(net.parameters(), lr=0.01)
     norms = []
     for x, y in batches(replicas, steps):
         opt.zero_grad()
         LOSS(net(x), y).backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(net.parameters(), MAX_NORM).item())
+        if clip:
+            norms.append(torch.nn.utils.clip_grad_norm_(net.parameters(), MAX_NORM).item())
         opt.step()
     return {"state": net.state_dict(), "norms": norms}
+
+
+def _step(engine: pipeddp.HybridParallel, opt: torch.optim.Optimizer, batch: Any) -> None:
+    """One step on this replica's rows of a global batch (any replica count that divides it)."""
+    x, y = batch
+    local = x.shape[0] // engine.topology.replicas
+    r = engine.topology.replica
+    x, y = x[r * local:(r + 1) * local], y[r * local:(r + 1) * local]
+    opt.zero_grad()
+    engine.train_step(x if engine.is_first else None, y if engine.is_last else None, LOSS)
+    opt.step()
+
+
+def save_job(path: str, mode: str) -> None:
+    """One sharded AdamW step on the first global batch, then a one-file and a sharded (DCP) checkpoint."""
+    init()
+    engine = pipeddp.HybridParallel(model(), stages=2, mode=mode, chunks=3, balance="uniform", shard="optimizer")
+    opt = torch.optim.AdamW(engine.parameters(), lr=0.01)
+    _step(engine, opt, batches(2, 1)[0])
+    engine.save(f"{path}/one.pt", opt)
+    engine.save(f"{path}/dcp", opt, sharded=True)
+    engine.save_checkpoint(f"{path}/run", 1, opt, sharded=True, async_save=True)
+    engine.close()  # waits for the background save
+
+
+def load_job(path: str, mode: str, combos: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Load each checkpoint into another layout (``combo``: shard=, which file), run the second step; weights."""
+    init()
+    out = []
+    for combo in combos:
+        engine = pipeddp.HybridParallel(model(), stages=2, mode=mode, chunks=2, balance="uniform",
+                                        schedule=combo.get("schedule", "1f1b"), shard=combo["shard"])
+        opt = torch.optim.AdamW(engine.parameters(), lr=0.01)
+        if combo["file"] == "run":  # the newest complete checkpoint of a save_checkpoint directory
+            assert engine.resume(f"{path}/run", opt) is not None
+        else:
+            engine.load(f"{path}/{combo['file']}", opt)
+        _step(engine, opt, batches(2, 2)[1])
+        out.append({"combo": combo, "state": engine.state_dict()})
+        engine.close()
+    return out
 
 
 class Counts:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_mlp
-from shard_jobs import reference, train_job
+from shard_jobs import LOSS, batches, load_job, model, reference, save_job, train_job
+from torch.distributed.checkpoint import FileSystemReader
 
 import pipeddp
+from pipeddp.distributed.state import load_into
 
 COMBOS = [
     {"shard": "optimizer", "schedule": "gpipe", "chunks": 3},
@@ -57,3 +59,37 @@ def test_shard_with_one_replica_does_nothing_and_says_so():
     with engine:
         assert engine.shard == "none"
         assert not any(type(p).__name__ == "DTensor" for p in engine.parameters())
+
+
+@pytest.mark.timeout(300)
+def test_sharded_checkpoints_load_into_other_layouts(tmp_path):
+    """Written by shard="optimizer" in stage mode (2 x 2); read by replica counts 1, 2 and 3, every shard= setting."""
+    pipeddp.spawn(save_job, 4, args=(str(tmp_path), "stage"), timeout=120)
+    ref = reference(replicas=2, clip=False)["state"]
+    one = torch.load(tmp_path / "one.pt", weights_only=True)
+    assert all(type(v) is torch.Tensor for v in one["model"].values())  # whole tensors, the plain model's names
+    assert set(one["model"]) == set(ref)
+    meta = FileSystemReader(str(tmp_path / "dcp")).read_metadata().state_dict_metadata
+    chunks = meta["model.0.weight"].chunks  # written as the replicas' shards (4 + 3 rows), nothing gathered
+    assert sorted(c.sizes[0] for c in chunks) == [3, 4]
+    assert sorted(c.sizes[0] for c in meta["optimizer.state.0.weight.exp_avg"].chunks) == [3, 4]
+    combos = [{"shard": "none", "file": "one.pt"}, {"shard": "full", "file": "dcp"},
+              {"shard": "optimizer", "file": "one.pt", "schedule": "zb"}, {"shard": "none", "file": "dcp"}]
+    runs = {2: pipeddp.spawn(load_job, 2, args=(str(tmp_path), "replica", combos), timeout=150),
+            3: pipeddp.spawn(load_job, 3, args=(str(tmp_path), "replica", [{"shard": "full", "file": "run"}]),
+                                  timeout=150)}
+    for replicas, results in runs.items():
+        for rank, per_rank in enumerate(results):
+            for res in per_rank:
+                for key, value in ref.items():
+                    assert torch.allclose(res["state"][key], value, rtol=0, atol=1e-12), (replicas, rank, res["combo"])
+    for name in ("one.pt", "dcp"):  # the plain model on one device takes both, optimizer state included
+        net = model()
+        opt = torch.optim.AdamW(net.parameters(), lr=0.01)
+        load_into(net, str(tmp_path / name), opt)
+        x, y = batches(2, 2)[1]
+        opt.zero_grad()
+        LOSS(net(x), y).backward()
+        opt.step()
+        for key, value in ref.items():
+            assert torch.allclose(net.state_dict()[key], value, rtol=0, atol=1e-12), (name, key)
