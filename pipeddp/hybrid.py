@@ -148,7 +148,7 @@ class HybridParallel(StepModule):
         self.skipped_steps = 0
         self.shard = check_shard(shard, replicas=topo.replicas, model=model,
                                  split_backward=split_backward(settings.schedule, stages, settings.virtual_stages),
-                                 compile=settings.compile is not None, sync_batchnorm=sync_batchnorm,
+                                 sync_batchnorm=sync_batchnorm,
                                  ddp_options=bool(ddp_kwargs) or comm_hook is not None)
         self.devices = devs = local_devices(topo, devices)
         self.backend = choose_backend(backend, devs, topo)

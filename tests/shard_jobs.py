@@ -135,3 +135,50 @@ def train_job(mode: str, combos: Sequence[Dict[str, Any]]) -> List[Dict[str, Any
                     "stages": len(engine.stages)})
         engine.close()
     return out
+
+
+class Overflows(nn.Module):
+    """A Linear whose weight gradient becomes inf while ``armed`` (the hook sits on the weight as used in forward,
+    which under FSDP is the gathered parameter, not the shard the user holds)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.armed = False
+
+    def forward(self, x):
+        w = self.lin.weight * 1.0
+        if self.armed and w.requires_grad:
+            w.register_hook(lambda g: g * float("inf"))
+        return nn.functional.linear(x, w, self.lin.bias)
+
+
+def nonfinite_job(mode: str, shard: str) -> Dict[str, Any]:
+    """An overflow in the last stage's gradients at step 1: a GradScaler run and a skip_nonfinite run."""
+    init()
+    out: Dict[str, Any] = {}
+    for kind in ("scaler", "skip"):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), Overflows(8))
+        engine = pipeddp.HybridParallel(net, stages=2, mode=mode, chunks=2, balance=[2, 1], shard=shard,
+                                        skip_nonfinite=kind == "skip")
+        opt = torch.optim.AdamW(engine.parameters(), lr=0.01)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if kind == "scaler" else None
+        history = []
+        for step in range(3):
+            net[2].armed = step == 1
+            x, y = data(8, width=8, seed=10 + step)
+            x, y = x.float(), y.float()
+            before = [p.detach().to_local().clone() for p in engine.parameters()]
+            opt.zero_grad()
+            engine.train_step(x if engine.is_first else None, y if engine.is_last else None, LOSS, scaler=scaler)
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+            changed = any(not torch.equal(a, b.detach().to_local()) for a, b in zip(before, engine.parameters()))
+            history.append({"changed": changed, "scale": scaler.get_scale() if scaler is not None else None})
+        out[kind] = {"history": history, "skipped": engine.skipped_steps}
+        engine.close()
+    return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_mlp
-from shard_jobs import LOSS, batches, load_job, model, reference, save_job, train_job
+from shard_jobs import LOSS, batches, load_job, model, nonfinite_job, reference, save_job, train_job
 from torch.distributed.checkpoint import FileSystemReader
 
 import pipeddp
@@ -25,7 +25,9 @@ COMBOS = [
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode,nprocs", [("replica", 2), ("stage", 4)])
 def test_sharded_training_equals_single_device_adamw(mode, nprocs):
-    results = pipeddp.spawn(train_job, nprocs, args=(mode, COMBOS), timeout=280)
+    combos = COMBOS + ([{"shard": "optimizer", "schedule": "zb", "chunks": 3, "compile": True}]
+                       if mode == "replica" else [])
+    results = pipeddp.spawn(train_job, nprocs, args=(mode, combos), timeout=280)
     ref = reference(replicas=2)
     for rank, per_rank in enumerate(results):
         for res in per_rank:
@@ -93,3 +95,13 @@ def test_sharded_checkpoints_load_into_other_layouts(tmp_path):
         opt.step()
         for key, value in ref.items():
             assert torch.allclose(net.state_dict()[key], value, rtol=0, atol=1e-12), (name, key)
+
+
+@pytest.mark.timeout(200)
+def test_an_overflow_in_one_stage_is_skipped_on_every_rank_with_shards():
+    """GradScaler and skip_nonfinite agree on every rank: the last stage overflows, the first stage's ranks skip too."""
+    for res in pipeddp.spawn(nonfinite_job, 4, args=("stage", "optimizer"), timeout=180):
+        assert [h["changed"] for h in res["scaler"]["history"]] == [True, False, True], res
+        assert [h["scale"] for h in res["scaler"]["history"]] == [2.0**10, 2.0**9, 2.0**9], res
+        assert [h["changed"] for h in res["skip"]["history"]] == [True, False, True], res
+        assert res["skip"]["skipped"] == 1

@@ -181,8 +181,8 @@ def shard_like(value: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
                              src_data_rank=None)
 
 
-def check_shard(shard: Any, *, replicas: int, model: nn.Module, split_backward: bool, compile: bool,
-                sync_batchnorm: bool, ddp_options: bool) -> str:
+def check_shard(shard: Any, *, replicas: int, model: nn.Module, split_backward: bool, sync_batchnorm: bool,
+                ddp_options: bool) -> str:
     """The ``shard=`` setting to use: refused with the choices when unknown, with the way out when it cannot work.
 
     With one replica there is nothing to shard over: the setting is accepted,
@@ -207,8 +207,6 @@ def check_shard(shard: Any, *, replicas: int, model: nn.Module, split_backward: 
     if sync_batchnorm or any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
         conflicts.append("BatchNorm running statistics are not kept equal over the replicas by FSDP2 (DDP "
                          "broadcasts them): use shard='none', or a model with LayerNorm/GroupNorm")
-    if compile:
-        conflicts.append("compile=True with shard= is not supported yet: use compile=False or shard='none'")
     if shard == "full" and split_backward:
         conflicts.append("shard='full' frees a layer's parameters after its input-gradient half, and a split "
                          "backward's weight half (schedule 'zb' or a schedule with W actions) would run on the "
