@@ -39,7 +39,7 @@ from .distributed.agreement import Agreement
 from .distributed.elastic import POSITION_KEY, DataPosition, GlobalBatch, plan_global_batch
 from .distributed.ddp import CommHook, attach_stages, check_ddp_kwargs, with_sync_batchnorm
 from .distributed.groups import choose_backend, current_topology, init_process_group, local_devices, make_groups
-from .distributed.shard import attach_shards, check_shard, check_ties, shard_like, split_backward, whole_tensors
+from .distributed.shard import attach_shards, check_shard, shard_like, split_backward, whole_tensors
 from .distributed.stage_runner import ProcessRunner
 from .distributed.ties import TieExchange
 from .partitioning.report import Partition
@@ -159,7 +159,6 @@ class HybridParallel(StepModule):
         self.partition: Partition = self.agreement.from_rank0(
             lambda: choose_partition(model, n_stages, balance, sample, settings, devs[0]))
         self.balance: List[int] = list(self.partition.balance)
-        check_ties(self.shard, find_ties(model, self.balance))
         self._groups = make_groups(topo, self.backend, settings.timeout_delta, settings.virtual_stages)
         if sync_batchnorm:  # after profiling: a SyncBatchNorm would wait for the other ranks there
             model = with_sync_batchnorm(model, devs, topo.replicas, topo.rank)
@@ -193,6 +192,8 @@ class HybridParallel(StepModule):
         self._ddps = attach_stages(local, self._groups.stage, ddp_kwargs=ddp_kwargs, comm_hook=comm_hook,
                                    trace=self.trace) if topo.replicas > 1 and self.shard == "none" else []
         self._shards = attach_shards(local, self._groups.stage, self.shard) if self.shard != "none" else []
+        if self._shards:
+            step.ties.rebind(local)  # the tied uses are the sharded parameters now
 
     # -- structure ---------------------------------------------------------------------------------
 
@@ -337,7 +338,7 @@ class HybridParallel(StepModule):
     def _norm_scope(self) -> Tuple[List[nn.Parameter], torch.device, Optional[Combine]]:
         """In stage mode the norm is joined over this replica's processes (replicas agree after DDP)."""
         if self.shard != "none":  # every rank holds disjoint shards: the norm is summed over the whole job
-            return [], self.agreement.comm_device, partial(self.agreement.join_norm, group=None)
+            return self._ties.copies(), self.agreement.comm_device, partial(self.agreement.join_norm, group=None)
         if self.topology.mode == "replica" or not self.agreement.distributed:
             return [], self.agreement.comm_device, None
         return self._ties.copies(), self.agreement.comm_device, partial(self.agreement.join_norm,

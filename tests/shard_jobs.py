@@ -182,3 +182,27 @@ def nonfinite_job(mode: str, shard: str) -> Dict[str, Any]:
         out[kind] = {"history": history, "skipped": engine.skipped_steps}
         engine.close()
     return out
+
+
+def tied_job(mode: str, combos: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """An input projection and output head sharing one weight, on stages 0 and 1, sharded; SGD with momentum,
+    clipped; the global batch of 12 over the replicas."""
+    from tied_jobs import global_batches, tied_model
+
+    init()
+    out = []
+    for combo in combos:
+        engine = pipeddp.HybridParallel(tied_model(), stages=2, mode=mode, balance=[2, 3], **combo)
+        opt = torch.optim.SGD(engine.parameters(), lr=0.1, momentum=0.9)
+        norms = []
+        for x, y in global_batches():
+            local = x.shape[0] // engine.topology.replicas
+            r = engine.topology.replica
+            x, y = x[r * local:(r + 1) * local], y[r * local:(r + 1) * local]
+            opt.zero_grad()
+            engine.train_step(x if engine.is_first else None, y if engine.is_last else None, LOSS)
+            norms.append(engine.clip_grad_norm_(MAX_NORM).item())
+            opt.step()
+        out.append({"combo": combo, "state": engine.state_dict(), "norms": norms})
+        engine.close()
+    return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_mlp
-from shard_jobs import LOSS, batches, load_job, model, nonfinite_job, reference, save_job, train_job
+from shard_jobs import LOSS, MAX_NORM, batches, load_job, model, nonfinite_job, reference, save_job, tied_job, train_job
 from torch.distributed.checkpoint import FileSystemReader
 
 import pipeddp
@@ -105,3 +105,19 @@ def test_an_overflow_in_one_stage_is_skipped_on_every_rank_with_shards():
         assert [h["scale"] for h in res["scaler"]["history"]] == [2.0**10, 2.0**9, 2.0**9], res
         assert [h["changed"] for h in res["skip"]["history"]] == [True, False, True], res
         assert res["skip"]["skipped"] == 1
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode,nprocs", [("replica", 2), ("stage", 4)])
+def test_tied_weights_across_stages_with_shards(mode, nprocs):
+    from tied_jobs import global_batches, reference_state, tied_model
+
+    norms = []
+    ref = reference_state(tied_model(), global_batches(), clip=MAX_NORM, norms=norms)
+    combos = [{"shard": "optimizer", "schedule": "zb", "chunks": 3},
+              {"shard": "full", "schedule": "1f1b", "chunks": 2, "global_batch": 12, "batch_size": 3}]
+    for rank, per_rank in enumerate(pipeddp.spawn(tied_job, nprocs, args=(mode, combos), timeout=280)):
+        for res in per_rank:
+            for key, value in ref.items():
+                assert torch.allclose(res["state"][key], value, rtol=0, atol=1e-12), (rank, res["combo"], key)
+            assert res["norms"] == pytest.approx(norms, rel=1e-12, abs=0), (rank, res["combo"])

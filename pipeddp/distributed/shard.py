@@ -52,7 +52,7 @@ from torch import nn
 
 from ..runtime.stage import Stage
 
-__all__ = ["SHARD_MODES", "StageShard", "attach_shards", "check_shard", "check_ties", "split_backward", "is_sharded",
+__all__ = ["SHARD_MODES", "StageShard", "attach_shards", "check_shard", "split_backward", "is_sharded",
            "local_tensor", "whole_tensors", "shard_like"]
 
 #: the ``shard=`` settings: DDP (nothing sharded), optimizer state + gradients (+ params between steps), everything
@@ -85,11 +85,8 @@ class StageShard:
         module = stage.module
         _same_as_first(module, group)
         if full:  # one FSDP group per layer: the peak holds one gathered layer, not the whole stage
-            seen = set()
-            for layer in module:
-                if id(layer) not in seen and any(True for _ in layer.parameters()):
-                    seen.add(id(layer))
-                    fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+            for layer in _own_layers(module):
+                fully_shard(layer, mesh=mesh, reshard_after_forward=True)
         fully_shard(module, mesh=mesh, reshard_after_forward=full)
         self.root: Any = module
         state = fully_shard.state(module)
@@ -130,6 +127,18 @@ class StageShard:
         for m in self.root.modules():
             if isinstance(m, FSDPModule):
                 m.reshard()
+
+
+def _own_layers(module: nn.Module) -> List[nn.Module]:
+    """The layers that can be an FSDP group of their own: with parameters, each once, sharing none with another
+    layer (a weight tied inside the stage stays in the stage's root group, as FSDP requires)."""
+    layers = list({id(layer): layer for layer in module.children()}.values())
+    users: Dict[int, int] = {}
+    for layer in layers:
+        for p in {id(p) for p in layer.parameters()}:
+            users[p] = users.get(p, 0) + 1
+    return [layer for layer in layers if any(True for _ in layer.parameters())
+            and all(users[id(p)] == 1 for p in layer.parameters())]
 
 
 def _same_as_first(module: nn.Module, group: Any) -> None:
@@ -214,15 +223,6 @@ def check_shard(shard: Any, *, replicas: int, model: nn.Module, split_backward: 
     if conflicts:
         raise ValueError(f"shard={shard!r} cannot be used here: " + "; ".join(conflicts))
     return shard
-
-
-def check_ties(shard: str, ties: Sequence[Any]) -> None:
-    """Refuse a weight tied across stages under sharding (its copies are refreshed and summed whole)."""
-    if shard != "none" and ties:
-        names = ", ".join("/".join(t.names) for t in ties)
-        raise ValueError(f"shard={shard!r} cannot be used with a weight tied across stages ({names}): its copies are "
-                         "exchanged whole, not as shards; use shard='none', or a balance that puts its uses in one "
-                         "stage")
 
 
 def split_backward(schedule: Any, stages: int, virtual_stages: int) -> bool:
