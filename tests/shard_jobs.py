@@ -206,3 +206,21 @@ def tied_job(mode: str, combos: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]
         out.append({"combo": combo, "state": engine.state_dict(), "norms": norms})
         engine.close()
     return out
+
+
+def call_job() -> Dict[str, Any]:
+    """Replica mode: ``loss_fn(engine(x), y).backward()`` instead of train_step, then an evaluation forward."""
+    init()
+    engine = pipeddp.HybridParallel(model(), stages=2, chunks=3, balance="uniform", shard="optimizer")
+    opt = torch.optim.AdamW(engine.parameters(), lr=0.01)
+    r = engine.topology.replica
+    for x, y in batches(2):
+        opt.zero_grad()
+        LOSS(engine(x[r * LOCAL:(r + 1) * LOCAL]), y[r * LOCAL:(r + 1) * LOCAL]).backward()
+        opt.step()
+    with torch.no_grad():
+        out = engine(batches(2)[0][0])
+    resharded = all(p.to_local().numel() < p.numel() for p in engine.parameters())  # the gathered copies freed
+    result = {"state": engine.state_dict(), "out": out, "resharded": resharded}
+    engine.close()
+    return result

@@ -5,7 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_mlp
-from shard_jobs import LOSS, MAX_NORM, batches, load_job, model, nonfinite_job, reference, save_job, tied_job, train_job
+from shard_jobs import (
+    LOSS,
+    MAX_NORM,
+    batches,
+    call_job,
+    load_job,
+    model,
+    nonfinite_job,
+    reference,
+    save_job,
+    tied_job,
+    train_job,
+)
 from torch.distributed.checkpoint import FileSystemReader
 
 import pipeddp
@@ -121,3 +133,16 @@ def test_tied_weights_across_stages_with_shards(mode, nprocs):
             for key, value in ref.items():
                 assert torch.allclose(res["state"][key], value, rtol=0, atol=1e-12), (rank, res["combo"], key)
             assert res["norms"] == pytest.approx(norms, rel=1e-12, abs=0), (rank, res["combo"])
+
+
+@pytest.mark.timeout(200)
+def test_calling_the_engine_and_backward_with_shards():
+    ref = reference(replicas=2, clip=False)["state"]
+    net = model()
+    net.load_state_dict(ref)
+    for res in pipeddp.spawn(call_job, 2, timeout=180):
+        # local losses are means over each replica's rows, so the global gradient is their mean: as train_step
+        for key, value in ref.items():
+            assert torch.allclose(res["state"][key], value, rtol=0, atol=1e-12), key
+        assert torch.allclose(res["out"], net(batches(2)[0][0]), rtol=0, atol=1e-12)
+        assert res["resharded"]
