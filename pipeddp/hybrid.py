@@ -191,7 +191,7 @@ class HybridParallel(StepModule):
         self.trace = Trace(topo.rank) if trace else None
         self._ddps = attach_stages(local, self._groups.stage, ddp_kwargs=ddp_kwargs, comm_hook=comm_hook,
                                    trace=self.trace) if topo.replicas > 1 and self.shard == "none" else []
-        self._shards = attach_shards(local, self._groups.stage, self.shard) if self.shard != "none" else []
+        self._shards = attach_shards(local, self._groups.stage, self.shard, self.trace) if self.shard != "none" else []
         if self._shards:
             step.ties.rebind(local)  # the tied uses are the sharded parameters now
 

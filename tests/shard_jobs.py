@@ -211,7 +211,7 @@ def tied_job(mode: str, combos: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]
 def call_job() -> Dict[str, Any]:
     """Replica mode: ``loss_fn(engine(x), y).backward()`` instead of train_step, then an evaluation forward."""
     init()
-    engine = pipeddp.HybridParallel(model(), stages=2, chunks=3, balance="uniform", shard="optimizer")
+    engine = pipeddp.HybridParallel(model(), stages=2, chunks=3, balance="uniform", shard="optimizer", trace=True)
     opt = torch.optim.AdamW(engine.parameters(), lr=0.01)
     r = engine.topology.replica
     for x, y in batches(2):
@@ -221,6 +221,7 @@ def call_job() -> Dict[str, Any]:
     with torch.no_grad():
         out = engine(batches(2)[0][0])
     resharded = all(p.to_local().numel() < p.numel() for p in engine.parameters())  # the gathered copies freed
-    result = {"state": engine.state_dict(), "out": out, "resharded": resharded}
+    reductions = sorted(sp.stage for sp in engine.trace.spans if sp.kind == "reduce_scatter")
+    result = {"state": engine.state_dict(), "out": out, "resharded": resharded, "reductions": reductions}
     engine.close()
     return result

@@ -146,3 +146,4 @@ def test_calling_the_engine_and_backward_with_shards():
             assert torch.allclose(res["state"][key], value, rtol=0, atol=1e-12), key
         assert torch.allclose(res["out"], net(batches(2)[0][0]), rtol=0, atol=1e-12)
         assert res["resharded"]
+        assert res["reductions"] == [0, 0, 1, 1]  # traced: one reduction per stage and step

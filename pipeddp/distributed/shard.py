@@ -44,6 +44,7 @@ torch that renames them fails with a clear message rather than silently.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -51,6 +52,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..runtime.stage import Stage
+from ..runtime.trace import Span, Trace
 
 __all__ = ["SHARD_MODES", "StageShard", "attach_shards", "check_shard", "split_backward", "is_sharded",
            "local_tensor", "whole_tensors", "shard_like"]
@@ -72,13 +74,14 @@ def _api() -> Any:
 class StageShard:
     """One stage's FSDP2 wrapping and its once-per-step reduction (``reduce``, called after its last B or W)."""
 
-    def __init__(self, stage: Stage, group: Any, mode: str) -> None:
+    def __init__(self, stage: Stage, group: Any, mode: str, trace: Optional[Trace] = None) -> None:
         from torch.distributed.device_mesh import DeviceMesh
 
         fully_shard = _api()
         self.stage = stage
         self.mode = mode
         self.group = group
+        self.trace = trace
         device_type = stage.device.type
         mesh = DeviceMesh.from_group(group, device_type)
         full = mode == "full"
@@ -107,6 +110,7 @@ class StageShard:
     def reduce(self) -> None:
         """Reduce-scatter the accumulated gradients into the sharded ``.grad`` once, reshard, and wait for it."""
         root = self.root
+        start = time.perf_counter()
         root.set_requires_gradient_sync(True)
         root.set_is_last_backward(True)
         root.set_reshard_after_backward(True)
@@ -118,6 +122,9 @@ class StageShard:
             state._root_post_backward_final_callback()
         finally:
             self.micro_batch_settings()
+        if self.trace is not None:
+            self.trace.add(Span(self.stage.index, "reduce_scatter", 0, start, time.perf_counter(), "comm",
+                                self.trace.rank))
 
     def reshard(self) -> None:
         """Free the gathered parameters (after an evaluation forward, which keeps them with ``"optimizer"``:
@@ -149,14 +156,17 @@ def _same_as_first(module: nn.Module, group: Any) -> None:
             dist.broadcast(t.data, src=src, group=group)
 
 
-def attach_shards(stages: Sequence[Stage], groups: Dict[int, Any], mode: str) -> List[Optional[StageShard]]:
-    """``StageShard`` for each of this process's stages over its stage group (None: nothing to train there)."""
+def attach_shards(stages: Sequence[Stage], groups: Dict[int, Any], mode: str,
+                  trace: Optional[Trace] = None) -> List[Optional[StageShard]]:
+    """``StageShard`` for each of this process's stages over its stage group (None: nothing to train there).
+
+    With ``trace``, each stage's reduction is a ``"reduce_scatter"`` span on its comm lane."""
     out: List[Optional[StageShard]] = []
     for st in stages:
         if not any(p.requires_grad for p in st.module.parameters()):
             out.append(None)
             continue
-        out.append(StageShard(st, groups[st.index], mode))
+        out.append(StageShard(st, groups[st.index], mode, trace))
     return out
 
 
