@@ -45,6 +45,7 @@ from .distributed.checkpointable import Checkpointable
 from .distributed.ddp import CommHook
 from .distributed.elastic import DataPosition, GlobalBatch, plan_global_batch
 from .distributed.groups import current_topology
+from .distributed.shard import check_shard, shard_like, split_backward, whole_tensors
 from .partitioning.report import Partition
 from .runtime.devices import DeviceLike
 from .runtime.names import Names
@@ -86,6 +87,8 @@ class HybridParallel(Checkpointable, StepModule):
             (``out = engine(x); loss.backward()`` is not accumulated: it reduces every call.)
         batch_size: with ``global_batch``, the samples per pass of one replica (the memory a pass needs);
             default: the whole replica batch in one pass.
+        shard: ``"none"`` (DDP), ``"optimizer"`` or ``"full"``: each stage's optimizer state, gradients and
+            parameters split over its replicas with FSDP2; see ``distributed/shard.py`` and docs/sharding.md.
     """
 
     def __init__(self, model: nn.Sequential, *, stages: int, chunks: Optional[int] = None,
@@ -97,7 +100,8 @@ class HybridParallel(Checkpointable, StepModule):
                  timeout: Union[float, timedelta] = timedelta(minutes=30), trace: bool = False,
                  threads: Optional[int] = None, skip_nonfinite: bool = False, deferred_batch_norm: bool = False,
                  compile: Union[bool, Dict[str, Any]] = False, virtual_stages: Optional[int] = None,
-                 global_batch: Optional[int] = None, batch_size: Optional[int] = None) -> None:
+                 global_batch: Optional[int] = None, batch_size: Optional[int] = None,
+                 shard: str = "none") -> None:
         super().__init__()
         self.topology = topo = current_topology(stages, mode, layout)
         self.global_batch_plan: Optional[GlobalBatch] = plan_global_batch(global_batch, batch_size, topo.replicas)
@@ -112,11 +116,14 @@ class HybridParallel(Checkpointable, StepModule):
                                                   balance=balance, sample=sample)
         self.key_names = Names.of(model)
         self.skip_nonfinite = skip_nonfinite
+        self.shard = check_shard(shard, replicas=topo.replicas, model=model,
+                                 split_backward=split_backward(settings.schedule, stages, settings.virtual_stages),
+                                 sync_batchnorm=sync_batchnorm, ddp_options=bool(ddp_kwargs) or comm_hook is not None)
         cut = partial(choose_partition, model, stages * settings.virtual_stages, balance, sample, settings)
         self._replica = wired = build_replica(self, model, topo, settings, partition=cut, devices=devices,
                                               backend=backend, ddp_kwargs=ddp_kwargs, comm_hook=comm_hook,
                                               sync_batchnorm=sync_batchnorm, trace=trace, threads=threads,
-                                              deferred_batch_norm=deferred_batch_norm)
+                                              deferred_batch_norm=deferred_batch_norm, shard=self.shard)
         self.devices, self.backend, self.agreement = wired.devices, wired.backend, wired.agreement
         self.partition: Partition = wired.partition
         self.balance: List[int] = list(self.partition.balance)
@@ -204,6 +211,8 @@ class HybridParallel(Checkpointable, StepModule):
     def check_replicas(self) -> None:
         """None when every stage's copies agree bit for bit (a CRC32 per parameter), else ``RuntimeError``
         naming the stage, parameter and ranks. A collective: call it on every rank."""
+        if self.shard != "none":  # each replica holds its own part of every parameter: nothing to compare
+            return
         self.agreement.check_replicas(self._step.stages, self._replica.groups.stage, rename=self.key_names.original)
 
     def _norm_scope(self) -> Tuple[List[nn.Parameter], torch.device, Optional[Combine]]:
@@ -212,14 +221,15 @@ class HybridParallel(Checkpointable, StepModule):
     # -- state -------------------------------------------------------------------------------------
 
     def state_dict(self, **kwargs: Any) -> Dict[str, Any]:  # type: ignore[override]
-        """The whole model's state dict with the plain model's keys (a collective in stage mode)."""
-        return state.gather_state_dict(super().state_dict(**kwargs), self.topology, self.agreement)
+        """The whole model's state dict with the plain model's keys (a collective in stage mode, and with shard=)."""
+        return state.gather_state_dict(whole_tensors(super().state_dict(**kwargs)), self.topology, self.agreement)
 
     def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
         """Load the entries of a full (or partial) state dict that belong to this process."""
-        own = list(super().state_dict().keys())
-        return super().load_state_dict(state.own_entries(state_dict, own, strict=strict, rank=self.topology.rank),
-                                       strict=strict, assign=assign)
+        targets = super().state_dict()
+        entries = state.own_entries(state_dict, list(targets), strict=strict, rank=self.topology.rank)
+        entries = {k: shard_like(v, targets[k]) if k in targets else v for k, v in entries.items()}  # with shard=
+        return super().load_state_dict(entries, strict=strict, assign=assign)
 
     # -- life cycle --------------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ samples an epoch is 5 steps, so a run of 8 steps crosses an epoch's end.
 
 With LOSE_HOST_AT=k in its environment (one host of a multi-host job), the
 first attempt's worker there, after step k, SIGKILLs its torchrun agent and
-itself: the host is gone, and the other hosts must go on without it.
+itself: the host is gone, and the other hosts must go on without it. ELASTIC_JOB_SHARD sets ``shard=``.
 """
 
 import os
@@ -42,7 +42,8 @@ def main() -> None:
     directory, steps, stop_at, out, form = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     torch.set_num_threads(1)
     engine = pipeddp.HybridParallel(model(), stages=2, chunks=2, devices=["cpu", "cpu"], threads=1, timeout=60,
-                                    global_batch=GLOBAL_BATCH, batch_size=BATCH_SIZE)
+                                    global_batch=GLOBAL_BATCH, batch_size=BATCH_SIZE,
+                                    shard=os.environ.get("ELASTIC_JOB_SHARD", "none"))
     loader = pipeddp.data.loader(dataset(), engine=engine, seed=SEED)
     opt = torch.optim.SGD(engine.parameters(), lr=0.05, momentum=0.9)
     resumed = engine.resume(directory, opt)

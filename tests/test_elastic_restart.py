@@ -24,11 +24,11 @@ STEPS = 8
 pytestmark = pytest.mark.timeout(500)
 
 
-def torchrun(tmp_path: Path, directory: Path, nproc: int, stop_at: int, form: str) -> str:
+def torchrun(tmp_path: Path, directory: Path, nproc: int, stop_at: int, form: str, shard: str = "none") -> str:
     out = tmp_path / "final.pt"
     if out.exists():
         out.unlink()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", ELASTIC_JOB_SHARD=shard)
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
          str(JOB), str(directory), str(STEPS), str(stop_at), str(out), form],
@@ -78,6 +78,15 @@ def test_two_replicas_to_one_and_one_to_two_train_as_the_uninterrupted_run(tmp_p
     assert "replicas 2 accumulation 2: starting at step 5, epoch 0, 40 samples consumed" in log
     up = torch.load(tmp_path / "final.pt")
     assert close(up, clean) < 1e-10 and close(up, expected) < 1e-10
+
+
+def test_a_sharded_job_restarts_with_fewer_replicas_and_resumes_its_shards_exactly(tmp_path):
+    """shard="optimizer": 4 replicas write their shards (DCP) mid-epoch; 2 replicas, sharded alike, go on."""
+    expected = plain_training()
+    torchrun(tmp_path, tmp_path / "run", 4, 3, "sharded", shard="optimizer")
+    log = torchrun(tmp_path, tmp_path / "run", 2, 0, "sharded", shard="optimizer")
+    assert "replicas 2 accumulation 2: starting at step 3, epoch 0, 24 samples consumed" in log
+    assert close(torch.load(tmp_path / "final.pt"), expected) < 1e-10
 
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_elastic.py"

@@ -82,3 +82,28 @@ def test_plan_ranks_the_new_schedules_and_says_how_to_run_its_choice():
         engine.close()
     assert dp[0].command(devices_per_node=4) == "torchrun --nproc_per_node=4 train.py"
     assert dp[0].command(devices_per_node=2).startswith("torchrun --nnodes=2 --nproc_per_node=2 --rdzv-backend=c10d")
+
+
+def test_plan_shards_over_replicas_only_where_memory_demands_it():
+    from pipeddp.tools.plan import optimizer_slots, shard_memory
+
+    layers = synthetic_layers(8)  # 32 MB of parameters
+    free = plan(layers, devices=4, batch=64, link="nvlink")
+    assert {c.shard for c in free} == {"none"}
+    dp = [c for c in free if c.replicas == 4][0]
+    whole = max(dp.memory)
+    # Adam's two moments: the state alone is 2 x 32 MB; split over 4 replicas it is a quarter
+    assert shard_memory(32e6, 4e6, 2, 4, "none") == pytest.approx(4 * 32e6)
+    assert shard_memory(32e6, 4e6, 2, 4, "optimizer") < shard_memory(32e6, 4e6, 2, 4, "none")
+    assert shard_memory(32e6, 4e6, 2, 4, "full") < shard_memory(32e6, 4e6, 2, 4, "optimizer")
+    tight = plan(layers, devices=4, batch=64, link="nvlink", memory=whole - 40e6)
+    assert tight and all(max(c.memory) <= whole - 40e6 for c in tight)
+    sharded = [c for c in tight if c.shard != "none"]
+    assert sharded and all(c.replicas > 1 for c in sharded)
+    assert any(f"shard={c.shard!r}" in c.arguments() for c in sharded)
+    assert all(c.shard == "none" for c in tight if c.replicas == 1)
+    # SGD keeps one slot: a plan for it needs less memory than for Adam
+    sgd = plan(layers, devices=4, batch=64, link="nvlink", optimizer_slots=optimizer_slots("sgd"))
+    assert max(c.memory[0] for c in sgd if c.replicas == 4) < whole
+    with pytest.raises(ValueError, match="adam"):
+        optimizer_slots("lamb")

@@ -24,6 +24,7 @@ from torch import nn
 
 from ..runtime.microbatch import batch_size
 from ..runtime.warn import warn
+from .shard import local_tensor
 from .topology import Topology
 
 __all__ = ["Agreement"]
@@ -152,7 +153,8 @@ class Agreement:
         if skip_nonfinite:
             bad_loss = 0.0 if math.isfinite(local_loss) else 1.0
         if (skip_nonfinite or overflow_to_scaler) and grads:
-            bad_grads = 0.0 if bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()) else 1.0
+            bad_grads = 0.0 if bool(torch.stack([torch.isfinite(local_tensor(g)).all() for g in grads]).all()) \
+                else 1.0  # a sharded gradient votes with its own shard; the vote below joins every rank
         mine = torch.tensor([local_loss, bad_loss, bad_grads], dtype=torch.float64, device=self.comm_device)
         if self.distributed:
             everyone = [torch.zeros_like(mine) for _ in range(self.topology.world_size)]

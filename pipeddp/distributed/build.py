@@ -8,7 +8,7 @@
         -> [SyncBatchNorm] -> this process's stages, registered on the owner under the model's names
         -> runner: ThreadRunner (replica mode: every stage, on threads) | ProcessRunner (stage mode: one stage)
         -> Step, with the exchange of tied weights between processes
-        -> DDP over each stage's group (several replicas)
+        -> DDP over each stage's group (several replicas), or FSDP2's fully_shard with shard=
 
 Every rank runs these steps in the same order, because several are
 collectives (``new_group``, the partition's broadcast, DDP's first broadcast
@@ -40,6 +40,7 @@ from .agreement import Agreement
 from .ddp import CommHook, attach_stages, check_ddp_kwargs, with_sync_batchnorm
 from .groups import Groups, choose_backend, init_process_group, local_devices, make_groups
 from .replica import Replica
+from .shard import StageShard, attach_shards
 from .stage_runner import ProcessRunner
 from .ties import TieExchange
 from .topology import Topology
@@ -52,12 +53,13 @@ def build_replica(owner: nn.Module, model: nn.Sequential, topology: Topology, se
                   devices: Union[None, str, Sequence[DeviceLike]] = None, backend: Optional[str] = None,
                   ddp_kwargs: Optional[Dict[str, Any]] = None, comm_hook: Optional[CommHook] = None,
                   sync_batchnorm: bool = False, trace: bool = False, threads: Optional[int] = None,
-                  deferred_batch_norm: bool = False) -> Replica:
+                  deferred_batch_norm: bool = False, shard: str = "none") -> Replica:
     """Wire this process's stages of ``model`` into ``topology``; their layers are registered on ``owner``.
 
     ``partition(device)`` cuts the model (``stages x virtual_stages`` stages);
     it runs on rank 0 only, on its first device, and every rank takes its
-    result. The other arguments are ``HybridParallel``'s.
+    result. The other arguments are ``HybridParallel``'s (``shard`` already
+    checked by ``shard.check_shard``).
     """
     check_ddp_kwargs(ddp_kwargs, comm_hook)
     topo, virtual = topology, settings.virtual_stages
@@ -89,21 +91,23 @@ def build_replica(owner: nn.Module, model: nn.Sequential, topology: Topology, se
         runner = ProcessRunner.connect(local, topo, n_stages=n_stages, comm_device=agreement.comm_device,
                                        timeout=settings.timeout_delta)
     try:
-        step, exchange, ddps = _step_over(model, topo, settings, local, balance, runner, agreement, groups, backend,
-                                       ddp_kwargs=ddp_kwargs, comm_hook=comm_hook, trace=trace,
-                                       deferred_batch_norm=deferred_batch_norm)
+        step, exchange, ddps, shards = _step_over(model, topo, settings, local, balance, runner, agreement, groups,
+                                                  backend, ddp_kwargs=ddp_kwargs, comm_hook=comm_hook, trace=trace,
+                                                  deferred_batch_norm=deferred_batch_norm, shard=shard)
     except BaseException:
         runner.close()  # its threads (or links) must not outlive a construction that failed
         raise
     return Replica(topo, devs, backend, owns_group=owns_group, agreement=agreement, partition=cut, groups=groups,
-                   step=step, runner=runner, ties=exchange, ddps=ddps)
+                   step=step, runner=runner, ties=exchange, ddps=ddps, shards=shards)
 
 
 def _step_over(model: nn.Sequential, topo: Topology, settings: Settings, local: List[Stage], balance: List[int],
             runner: Runner, agreement: Agreement, groups: Groups, backend: str, *,
             ddp_kwargs: Optional[Dict[str, Any]], comm_hook: Optional[CommHook], trace: bool,
-            deferred_batch_norm: bool) -> Tuple[Step, TieExchange, List[Optional[DistributedDataParallel]]]:
-    """The step over ``runner``, tied weights exchanged between processes, DDP over each stage's group."""
+            deferred_batch_norm: bool, shard: str) -> Tuple[Step, TieExchange, List[Optional[DistributedDataParallel]],
+                                                            List[Optional[StageShard]]]:
+    """The step over ``runner``, tied weights exchanged between processes, DDP (or FSDP2 with ``shard``) over each
+    stage's group."""
     ties = find_ties(model, balance)
     step = Step(local, topo.stages * settings.virtual_stages, runner, chunks=settings.chunks,
                 split_size=settings.split_size, schedule=settings.schedule, checkpoint=settings.checkpoint, ties=ties,
@@ -115,5 +119,8 @@ def _step_over(model: nn.Sequential, topo: Topology, settings: Settings, local: 
     step.ties.across = exchange  # the gains of ties' uses in other processes join the step's fold
     step.trace = Trace(topo.rank) if trace else None
     ddps = attach_stages(local, groups.stage, ddp_kwargs=ddp_kwargs, comm_hook=comm_hook,
-                         trace=step.trace) if topo.replicas > 1 else []
-    return step, exchange, ddps
+                         trace=step.trace) if topo.replicas > 1 and shard == "none" else []
+    shards = attach_shards(local, groups.stage, shard, step.trace) if shard != "none" else []
+    if shards:
+        step.ties.rebind(local)  # the tied uses are the sharded parameters now
+    return step, exchange, ddps, shards

@@ -26,12 +26,20 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
 from ..runtime.names import names_of
+from .shard import is_sharded
 
 __all__ = ["named_optimizer_state", "merge_optimizer_states", "load_named_optimizer_state", "flat_optimizer_state",
            "load_flat_optimizer_state", "unflatten_optimizer_state", "optimizer_class", "check_optimizer",
            "check_named_state"]
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+#: the named form of sharded parameters' state (shard=): gathered whole to save, cut to each rank's shards to load
+_WHOLE = StateDictOptions(full_state_dict=True)
+
+
+def _whole_options(module: nn.Module) -> Optional[StateDictOptions]:
+    """``_WHOLE`` where ``module``'s parameters are FSDP2 shards (DTensors), else None (the default form)."""
+    return _WHOLE if any(is_sharded(p) for p in module.parameters()) else None
 
 
 def _to_cpu(value: Any) -> Any:
@@ -46,7 +54,8 @@ def _to_cpu(value: Any) -> Any:
 
 def named_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
     """The optimizer's state keyed by the original model's names of ``module``'s parameters, on CPU."""
-    return names_of(module).named_optimizer_to_original(_to_cpu(get_optimizer_state_dict(module, optimizer)))
+    whole = get_optimizer_state_dict(module, optimizer, options=_whole_options(module))  # a collective with shard=
+    return names_of(module).named_optimizer_to_original(_to_cpu(whole))
 
 
 def merge_optimizer_states(parts: Iterable[Optional[Dict[str, Any]]]) -> Optional[Dict[str, Any]]:
@@ -76,7 +85,7 @@ def load_named_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimiz
     for g in state["param_groups"]:
         groups.append(dict(g, params=[p for p in g["params"] if p in names]))
     own: Dict[str, Any] = {"state": {k: v for k, v in state["state"].items() if k in names}, "param_groups": groups}
-    set_optimizer_state_dict(module, optimizer, own)
+    set_optimizer_state_dict(module, optimizer, own, options=_whole_options(module))
 
 
 def flat_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:

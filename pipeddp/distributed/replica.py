@@ -16,7 +16,7 @@ position.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,7 @@ from ..runtime.step import Runner, Step
 from .agreement import Agreement
 from .elastic import GlobalBatch
 from .groups import Groups
+from .shard import StageShard
 from .ties import TieExchange
 from .topology import Topology
 
@@ -44,7 +45,8 @@ class Replica:
 
     def __init__(self, topology: Topology, devices: List[torch.device], backend: str, *, owns_group: bool,
                  agreement: Agreement, partition: Partition, groups: Groups, step: Step, runner: Runner,
-                 ties: TieExchange, ddps: List[Optional[DistributedDataParallel]]) -> None:
+                 ties: TieExchange, ddps: List[Optional[DistributedDataParallel]],
+                 shards: Sequence[Optional[StageShard]] = ()) -> None:
         self.topology = topology
         self.devices = devices
         self.backend = backend
@@ -57,6 +59,8 @@ class Replica:
         self.runner = runner
         self.ties = ties
         self.ddps = ddps
+        #: each stage's FSDP2 state with ``shard=`` (empty under DDP)
+        self.shards = list(shards)
         #: steps skipped because their loss or gradients were not finite somewhere (``skip_nonfinite``)
         self.skipped_steps = 0
 
@@ -83,7 +87,11 @@ class Replica:
             n = samples_of(x, name="input")
         else:
             n = self.agreement.local_batch(x, None, need_y=False, group=self.groups.pipeline)
-        return self.step.forward(x, n, need_grad=need_grad)
+        out = self.step.forward(x, n, need_grad=need_grad)
+        for sh in self.shards if not need_grad else ():  # an evaluation forward frees what it gathered
+            if sh is not None:
+                sh.reshard()
+        return out
 
     def evaluate(self, model: nn.Module, loader: Iterable[Tuple[Any, Any]],
                  metric_fn: Callable[[Any, Any], Dict[str, Any]]) -> Dict[str, float]:
@@ -108,6 +116,8 @@ class Replica:
 
     def norm_scope(self) -> Tuple[List[nn.Parameter], torch.device, Optional[Combine]]:
         """For clipping: in stage mode the norm is joined over this replica's processes (replicas agree after DDP)."""
+        if self.shards:  # every rank holds disjoint shards: the norm is summed over the whole job
+            return self.ties.copies(), self.agreement.comm_device, partial(self.agreement.join_norm, group=None)
         if self.topology.mode == "replica" or not self.agreement.distributed:
             return [], self.agreement.comm_device, None
         return self.ties.copies(), self.agreement.comm_device, partial(self.agreement.join_norm,

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from . import catalog, optim_state, sharded
 from . import checkpoint as files
 from .agreement import Agreement
+from .shard import whole_tensors
 from .topology import Topology
 
 __all__ = ["Engine", "Saver", "save", "save_checkpoint"]
@@ -143,7 +144,7 @@ def _merge_dicts(parts: List[Dict[str, Any]]) -> Dict[str, Any]:
 def _payload(engine: Engine, optimizer: Optional[torch.optim.Optimizer],
              extra: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     """Everything a one-file checkpoint holds, on rank 0 (None on the other ranks)."""
-    local = {k: v.detach().cpu() for k, v in engine.local_state_dict().items()}
+    local = {k: v.detach().cpu() for k, v in whole_tensors(engine.local_state_dict()).items()}  # shards gathered
     model = _whole_on_rank0(engine, local, _merge_dicts)
     del local
     opt = None

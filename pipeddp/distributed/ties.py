@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..runtime.tied import LocalTies, Tie
+from ..runtime.tied import LocalTies, Tie, local
 from .topology import Topology
 
 __all__ = ["TieExchange"]
@@ -73,7 +73,7 @@ class TieExchange:
     def refresh(self) -> None:
         """Every use of a tie takes the value of its first stage's copy."""
         for params, group, src in self.items:
-            buf = params[0].detach().to(self.comm_device, copy=True)
+            buf = local(params[0].detach()).to(self.comm_device, copy=True)  # with shard=: the replica's shard
             dist.broadcast(buf, src=src, group=group)
             for p in params:
-                p.copy_(buf)
+                local(p).copy_(buf)

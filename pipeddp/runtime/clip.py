@@ -21,11 +21,17 @@ import math
 from typing import Callable, Iterable, Optional, Sequence
 
 import torch
+from torch.distributed.tensor import DTensor
 
 __all__ = ["clip_grad_norm", "local_part", "total_from_part", "scale_grads", "Combine"]
 
 #: ``combine(part, is_max)``: the shares of a norm held by the processes of one pipeline, joined
 Combine = Callable[[torch.Tensor, bool], torch.Tensor]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A sharded (``DTensor``) gradient's own shard: the norm's shares and the scaling are per shard."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def local_part(grads: Sequence[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
@@ -36,6 +42,7 @@ def local_part(grads: Sequence[torch.Tensor], norm_type: float, device: torch.de
     """
     if not grads:
         return torch.zeros((), dtype=torch.float64, device=device)
+    grads = [_local(g) for g in grads]
     norms = torch.stack([torch.linalg.vector_norm(g.detach(), norm_type).to(device, torch.float64) for g in grads])
     if math.isinf(norm_type):
         return norms.max()
@@ -52,7 +59,8 @@ def scale_grads(params: Iterable[torch.nn.Parameter], max_norm: float, total: to
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in params:
         if p.grad is not None:
-            p.grad.detach().mul_(coef.to(p.grad.device, p.grad.dtype))
+            g = _local(p.grad.detach())
+            g.mul_(coef.to(g.device, g.dtype))
 
 
 def clip_grad_norm(params: Sequence[torch.nn.Parameter], copies: Iterable[torch.nn.Parameter], max_norm: float,

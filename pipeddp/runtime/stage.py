@@ -91,6 +91,8 @@ class Stage:
         self.batch_norms = batch_norms(module)
         #: Set by the data-parallel engine: wraps backward roots so DDP reduces once (see ddp.py).
         self.sync_roots: Optional[Callable[[List[torch.Tensor]], List[torch.Tensor]]] = None
+        #: Set by a sharding engine: its one reduction of the step, run right after the stage's last B or W.
+        self.after_sync: Optional[Callable[[], None]] = None
 
     # -- helpers -----------------------------------------------------------------------------------
 
@@ -239,6 +241,8 @@ class Stage:
                 pairs = self._arm(pairs)
             if pairs:
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs] if grads is not None else None)
+            if sync and self.after_sync is not None:
+                self.after_sync()
         return self._input_grads(saved)
 
     def backward_input(self, mb: int, grads: Optional[Grads], spec: StepSpec) -> Grads:
@@ -272,6 +276,8 @@ class Stage:
             if sync and saved.roots is not None:
                 self._arm([(t, None) for t in tree_tensors(saved.roots) if t.requires_grad])
             saved.weight_grads.run()
+            if sync and self.after_sync is not None:
+                self.after_sync()
         saved.weight_grads = None
 
 

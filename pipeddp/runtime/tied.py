@@ -40,6 +40,7 @@ from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 __all__ = ["Tie", "find_ties", "LocalTies", "Across", "layers_of", "stage_of_layers"]
 
@@ -98,6 +99,15 @@ class StageLike(Protocol):
     def device(self) -> torch.device: ...
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A sharded (``DTensor``) parameter's or gradient's own shard; a plain tensor as it is.
+
+    Every use of a tie is sharded alike over the same replicas, so refreshing
+    and summing shard by shard is refreshing and summing the whole weight.
+    """
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _resolve(root: nn.Module, dotted: str) -> Tuple[nn.Module, str]:
     parts = dotted.split(".")
     module = root
@@ -152,6 +162,20 @@ class LocalTies:
         #: each tied parameter's gradient before the step's backwards (``begin``); None outside a step
         self._before: Optional[Dict[int, Optional[torch.Tensor]]] = None  # by id(parameter)
 
+    def rebind(self, stages: Sequence[StageLike]) -> None:
+        """Take the stages' current parameters for every tie (after a sharding engine replaced them).
+
+        The lists are updated in place, so whoever holds them (``TieExchange``) sees the new ones too.
+        """
+        by_index = {st.index: st for st in stages}
+        for tie, group in self.entries:
+            seen: Dict[int, nn.Parameter] = {}
+            for name, stage in zip(tie.names, tie.stages):
+                if stage in by_index and stage not in seen:
+                    module, attr = _resolve(by_index[stage].module, name)
+                    seen[stage] = getattr(module, attr)
+            group[:] = [seen[s] for s in sorted(seen)]
+
     @property
     def groups(self) -> List[List[nn.Parameter]]:
         return [params for _, params in self.entries]
@@ -165,7 +189,7 @@ class LocalTies:
         """Copy each tie's first parameter into the others (before a step's forwards)."""
         for first, *copies in self.groups:
             for c in copies:
-                c.copy_(first)
+                local(c).copy_(local(first))
 
     @torch.no_grad()
     def begin(self) -> None:
@@ -180,7 +204,7 @@ class LocalTies:
         only where ``.grad`` is not None at its start (accumulating, or
         ``zero_grad(set_to_none=False)``); after ``zero_grad()`` it is free.
         """
-        self._before = {id(p): None if p.grad is None else p.grad.detach().clone()
+        self._before = {id(p): None if p.grad is None else local(p.grad.detach()).clone()
                         for _, group in self.entries for p in group}
 
     def _gain(self, p: nn.Parameter) -> Optional[torch.Tensor]:
@@ -188,7 +212,8 @@ class LocalTies:
         before = None if self._before is None else self._before.get(id(p))
         if p.grad is None:
             return None
-        return p.grad.detach() if before is None else p.grad.detach() - before
+        grad = local(p.grad.detach())
+        return grad if before is None else grad - before
 
     @torch.no_grad()
     def fold(self) -> None:
@@ -205,7 +230,7 @@ class LocalTies:
             gains = [g for g in (self._gain(p) for p in group) if g is not None]
             if not gains and not shared:
                 continue
-            total = gains[0].clone() if gains else torch.zeros_like(group[0])
+            total = gains[0].clone() if gains else torch.zeros_like(local(group[0]))
             for g in gains[1:]:
                 total.add_(g.to(total.device))
             if shared and across is not None:
@@ -213,5 +238,11 @@ class LocalTies:
             for p in group:
                 before = None if self._before is None else self._before.get(id(p))
                 mine = total.to(p.device, copy=True)
-                p.grad = mine if before is None else mine.add_(before)
+                mine = mine if before is None else mine.add_(before)
+                if isinstance(p, DTensor):  # a shard: every use's shard is the same piece (the replica's index)
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    local(p.grad).copy_(mine)
+                else:
+                    p.grad = mine
         self._before = None

@@ -175,7 +175,7 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     from rich.table import Table
 
     from .models import MODELS, build
-    from .plan import fit_layers, plan
+    from .plan import fit_layers, optimizer_slots, plan
 
     budget = _check_plan_arguments(args)
     torch.set_num_threads(args.threads)
@@ -188,7 +188,7 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     with _progress(console, f"profiling {args.model} at micro-batches {sizes[0]} and {sizes[1]}") as progress:
         layers = fit_layers(model, make_sample, sizes=sizes, progress=progress)
     found = plan(layers, args.devices, args.batch, link=args.link, allreduce_link=args.allreduce_link,
-                 memory=budget, optimizer_slots=args.optimizer_slots)
+                 memory=budget, optimizer_slots=optimizer_slots(args.optimizer, args.optimizer_slots))
     if not found:
         memory = escape(str(args.memory))
         console.print(f"[red]no configuration of {args.devices} devices fits {memory} per device[/red]; "
@@ -197,11 +197,11 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     table = Table(title=f"{args.model} on {args.devices} devices, global batch {args.batch}, link {args.link}"
                         + (f", replicas over {args.allreduce_link}" if args.allreduce_link else "")
                         + (f", {args.memory} per device" if args.memory else ""))
-    for col in ("#", "replicas x stages", "what", "micro-batches (size)", "schedule", "step ms", "bubble",
+    for col in ("#", "replicas x stages", "what", "micro-batches (size)", "schedule", "shard", "step ms", "bubble",
                 "memory/device"):
         table.add_column(col, justify="right", overflow="fold")
     for i, c in enumerate(found[:args.top]):
-        table.add_row(str(i + 1), c.layout, c.kind, f"{c.chunks} ({c.micro_batch})", c.schedule_text,
+        table.add_row(str(i + 1), c.layout, c.kind, f"{c.chunks} ({c.micro_batch})", c.schedule_text, c.shard,
                       f"{c.step_time * 1e3:.1f}", f"{c.prediction.bubble:.0%}", f"{max(c.memory) / 2**30:.2f} GiB")
     console.print(table)
     for i, c in enumerate(found[:args.top]):
@@ -215,8 +215,9 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
                   + (f", {best.schedule_text}" if best.stages > 1 else "")
                   + f"; each replica takes a local batch of {best.chunks * best.micro_batch} (global {args.batch})")
     if best.stages == 1 and best.replicas > 1:
-        console.print("plain data parallelism wins: torch.nn.parallel.DistributedDataParallel does this alone; "
-                      "with pipeddp:")
+        alone = "torch.nn.parallel.DistributedDataParallel" if best.shard == "none" else \
+            "torch.distributed.fsdp.fully_shard"
+        console.print(f"plain data parallelism wins: {alone} does this alone; with pipeddp:")
     console.print(escape(f"  engine = {best.arguments()}"))
     console.print(escape(f"  {best.command(per_node)}"))
     return 0
@@ -308,7 +309,11 @@ def _parser() -> argparse.ArgumentParser:
     n.add_argument("--link", default="pcie", help="between stages: " + LINK_NAMES)
     n.add_argument("--allreduce-link", default=None, help="between replicas; None: the same as --link")
     n.add_argument("--memory", default=None, help="memory per device, e.g. 80GB; None: no limit")
-    n.add_argument("--optimizer-slots", type=int, default=2, help="optimizer state per parameter (Adam: 2)")
+    n.add_argument("--optimizer", default="adam", choices=["adam", "sgd"],
+                   help="the optimizer whose state the memory model counts: adam (2 slots per parameter), sgd "
+                        "(1: momentum)")
+    n.add_argument("--optimizer-slots", type=int, default=None,
+                   help="optimizer state per parameter, in parameter sizes; overrides --optimizer")
     n.add_argument("--profile-batch", type=int, default=16, help="largest micro-batch profiled")
     n.add_argument("--threads", type=int, default=1, help="intra-op threads while profiling")
     n.add_argument("--top", type=int, default=8, help="configurations to show")

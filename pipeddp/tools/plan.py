@@ -33,7 +33,8 @@ from ..partitioning.profile import profile_layers
 from ..partitioning.solve import solve
 from .simulate import Link, Prediction, StageCost, resolve_link, simulate
 
-__all__ = ["LayerModel", "fit_layers", "Candidate", "plan", "parse_bytes", "SCHEDULES"]
+__all__ = ["LayerModel", "fit_layers", "Candidate", "plan", "parse_bytes", "SCHEDULES", "optimizer_slots",
+           "shard_memory"]
 
 #: The schedules ``plan`` ranks by default (interleaved with ``virtual_stages`` stages per device).
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb")
@@ -105,17 +106,22 @@ class Candidate:
     memory: List[float]
     why: str
     virtual_stages: int = 1
+    #: how each stage's state is split over its replicas (``HybridParallel(shard=...)``), chosen where memory demands
+    shard: str = "none"
+    #: seconds the shard setting adds to the simulated step ("full" gathers each stage again per micro-batch)
+    shard_time: float = 0.0
 
     @property
     def step_time(self) -> float:
-        return self.prediction.step_time
+        return self.prediction.step_time + self.shard_time
 
     @property
     def kind(self) -> str:
         """What a user would call it: the plain model, plain data parallelism, a pipeline, or both."""
+        joined = "DDP" if self.shard == "none" else "FSDP2"
         if self.stages == 1:
-            return "plain model" if self.replicas == 1 else "data parallel (DDP)"
-        return "pipeline" if self.replicas == 1 else "pipeline x DDP"
+            return "plain model" if self.replicas == 1 else f"data parallel ({joined})"
+        return "pipeline" if self.replicas == 1 else f"pipeline x {joined}"
 
     @property
     def layout(self) -> str:
@@ -136,6 +142,8 @@ class Candidate:
             if self.virtual_stages > 1:
                 args += [f"virtual_stages={self.virtual_stages}"]
             args += [f"balance={list(self.balance)}"]
+        if self.shard != "none":
+            args += [f"shard={self.shard!r}"]
         return f"pipeddp.HybridParallel(model, {', '.join(args)})"
 
     def command(self, devices_per_node: int, script: str = "train.py") -> str:
@@ -160,6 +168,21 @@ def parse_bytes(text: Union[str, float, int, None]) -> Optional[float]:
     if unit not in units or not number:
         raise ValueError(f"cannot read {text!r} as a size; write e.g. 80GB or 512MiB")
     return float(number) * units[unit]
+
+
+#: optimizer state per parameter, in parameter sizes (``pipeddp plan --optimizer``)
+OPTIMIZER_SLOTS = {"adam": 2, "sgd": 1}
+
+
+def optimizer_slots(optimizer: str, slots: Optional[int] = None) -> int:
+    """The optimizer state per parameter for ``optimizer`` ("adam": 2 moments, "sgd": 1 momentum); ``slots`` wins."""
+    if slots is not None:
+        if slots < 0:
+            raise ValueError(f"optimizer slots must be >= 0, got {slots}")
+        return slots
+    if optimizer not in OPTIMIZER_SLOTS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {sorted(OPTIMIZER_SLOTS)}")
+    return OPTIMIZER_SLOTS[optimizer]
 
 
 def _divisors(n: int) -> List[int]:
@@ -215,17 +238,58 @@ def plan(
                 stage_costs, saved = _stages(layers, balance, b)
                 pred = simulate(stage_costs, schedule, stages=stages, chunks=m, replicas=replicas, links=stage_link,
                                 allreduce_link=ar_link, virtual_stages=v)
-                mem = []
-                for r in range(stages):  # a device holds its stages' weights and its peak of stage activations
-                    mine = [k for k in range(stages * v) if k % stages == r]
-                    mem.append(sum(stage_costs[k].param_bytes for k in mine) * (2 + optimizer_slots)
-                               + pred.peak_activations[r] * max(saved[k] for k in mine))
-                if memory is not None and max(mem) > memory:
+                chosen = _choose_shard(layers, balance, stages, v, replicas, m, optimizer_slots, pred, saved,
+                                       memory, ar_link)
+                if chosen is None:
                     continue
-                found.append(Candidate(stages, replicas, m, b, schedule, balance, pred, mem,
-                                       _why(stage_costs, pred, balance, stages, replicas), v))
+                shard, mem, extra = chosen
+                why = _why(stage_costs, pred, balance, stages, replicas)
+                if shard != "none":
+                    why += f"; shard={shard!r}: " + ("optimizer state and gradients split over the replicas"
+                                                     if shard == "optimizer" else "parameters split too")
+                found.append(Candidate(stages, replicas, m, b, schedule, balance, pred, mem, why, v, shard, extra))
     found.sort(key=lambda c: (c.step_time, max(c.memory)))
     return found[:top] if top else found
+
+
+def shard_memory(params: float, largest: float, slots: int, replicas: int, shard: str) -> float:
+    """Bytes of a device's weights, gradients and optimizer state at the step's peak under ``shard=``.
+
+    ``"none"``: everything whole. ``"optimizer"``: the parameters are gathered whole for the step and the
+    gradients accumulate whole until the one reduce-scatter, beside their 1/R shards; the optimizer state is
+    1/R. ``"full"``: 1/R of the parameters plus the layer being gathered, gradients as with ``"optimizer"``.
+    """
+    if shard == "none" or replicas == 1:
+        return params * (2 + slots)
+    part = params / replicas
+    grads = params + part
+    if shard == "optimizer":
+        return params + part + grads + slots * part
+    return part + largest + grads + slots * part
+
+
+def _choose_shard(layers: Sequence[LayerModel], balance: Sequence[int], stages: int, v: int, replicas: int,
+                  m: int, slots: int, pred: Prediction, saved: Sequence[float], memory: Optional[float],
+                  link: Link) -> Optional[tuple]:
+    """The first shard= setting ("none", then "optimizer", then "full") whose memory fits: (shard, memory, time)."""
+    starts = [sum(balance[:k]) for k in range(len(balance))]
+    per_stage = [[layers[i].param_bytes for i in range(starts[k], starts[k] + balance[k])] for k in range(len(balance))]
+    for shard in ("none", "optimizer", "full") if replicas > 1 else ("none",):
+        mem = []
+        for r in range(stages):  # a device holds its stages' state and its peak of stage activations
+            mine = [k for k in range(stages * v) if k % stages == r]
+            params = sum(sum(per_stage[k]) for k in mine)
+            largest = max(max(per_stage[k], default=0) for k in mine)
+            mem.append(shard_memory(params, largest, slots, replicas, shard)
+                       + pred.peak_activations[r] * max(saved[k] for k in mine))
+        if memory is None or max(mem) <= memory:
+            extra = 0.0
+            if shard == "full":  # gathered again for every micro-batch's forward and backward (the first is DDP's)
+                gather = max(sum(sum(per_stage[k]) for k in range(stages * v) if k % stages == r)
+                             for r in range(stages)) * (replicas - 1) / replicas
+                extra = (2 * m - 1) * link.time(gather)
+            return shard, mem, extra
+    return None
 
 
 def _stages(layers: Sequence[LayerModel], balance: Sequence[int], b: int) -> tuple:

@@ -1,0 +1,243 @@
+"""Shard each stage's training state over its replicas with FSDP2, and reduce exactly once per step.
+
+With DDP every replica of a stage holds the stage's whole parameters, whole
+gradients and whole optimizer state: R replicas store it R times. Here each
+stage module is handed to ``torch.distributed.fsdp.fully_shard`` over a 1-D
+``DeviceMesh`` of that stage's replica group (the group DDP would use), so its
+parameters become ``DTensor`` shards and an optimizer built over
+``engine.parameters()`` holds 1/R of the state::
+
+    shard="optimizer"                               shard="full" (one FSDP group per layer)
+      F0: all-gather once, params stay whole          F: all-gather the layer, free it after
+      F1 B0 F2 B1 ...  grads accumulate whole         B: all-gather again, free after
+      last B/W: reduce-scatter once, reshard          last B/W: reduce-scatter once
+      between steps: 1/R params, grads, state         peak params: 1/R of the stage + one layer
+
+The trap is FSDP's own hooks. Left alone, FSDP reduce-scatters in the
+post-backward hook of every micro-batch (R-fold the communication, and under
+1F1B the hook of a backward that is not the last). Worse, a split backward's
+weight half (``torch.autograd.grad`` / ``backward(inputs=...)``, schedule
+``"zb"``) never fires those hooks at all, so FSDP would never reduce the
+gradients that half accumulates. torch's pipelining learned both the hard way:
+it turns FSDP's sync off for every micro-batch and then runs each parameter
+group's post-backward by hand, and shipped wrong gradients until it also ran
+the root's final callback, which finishes the reduce-scatter.
+
+pipeddp does what it does for DDP (``ddp.py``), explicitly: gradient sync,
+"last backward" and (with ``"optimizer"``) resharding after backward are off
+for every micro-batch, so gradients accumulate unsharded in every B and W.
+The schedule's step that arms DDP (the stage's last B or W of the step,
+whatever the schedule: built-in, virtual stages, or a user's function) runs
+``StageShard.reduce`` right after that action: every parameter group's
+post-backward with sync on (the reduce-scatter into the sharded ``.grad``,
+averaged over the replicas, and the reshard) and then the root's final
+callback, which waits for the reduce-scatter. It runs in the stage's own
+thread, inside ``train_step``, so the gradients are final when ``train_step``
+returns. Recompute is a plain forward of the stage module: FSDP unshards for
+it, and the reduction still happens once.
+
+FSDP2 exposes no public call for "reduce now"; the two reach-ins
+(``post_backward`` of each group and ``_root_post_backward_final_callback``)
+are the ones torch's own pipelining makes, checked once at build time so a
+torch that renames them fails with a clear message rather than silently.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..runtime.stage import Stage
+from ..runtime.trace import Span, Trace
+
+__all__ = ["SHARD_MODES", "StageShard", "attach_shards", "check_shard", "split_backward", "is_sharded",
+           "local_tensor", "whole_tensors", "shard_like"]
+
+#: the ``shard=`` settings: DDP (nothing sharded), optimizer state + gradients (+ params between steps), everything
+SHARD_MODES = ("none", "optimizer", "full")
+
+
+def _api() -> Any:
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    needed = ("set_requires_gradient_sync", "set_is_last_backward", "set_reshard_after_backward")
+    if not all(hasattr(FSDPModule, n) for n in needed) or not hasattr(fully_shard, "state"):
+        raise RuntimeError(f"shard= needs torch's FSDP2 (torch.distributed.fsdp.fully_shard) with "
+                           f"{needed}; this torch {torch.__version__} lacks them: use shard='none' or a newer torch")
+    return fully_shard
+
+
+class StageShard:
+    """One stage's FSDP2 wrapping and its once-per-step reduction (``reduce``, called after its last B or W)."""
+
+    def __init__(self, stage: Stage, group: Any, mode: str, trace: Optional[Trace] = None) -> None:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        fully_shard = _api()
+        self.stage = stage
+        self.mode = mode
+        self.group = group
+        self.trace = trace
+        device_type = stage.device.type
+        mesh = DeviceMesh.from_group(group, device_type)
+        full = mode == "full"
+        module = stage.module
+        _same_as_first(module, group)
+        if full:  # one FSDP group per layer: the peak holds one gathered layer, not the whole stage
+            for layer in _own_layers(module):
+                fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+        fully_shard(module, mesh=mesh, reshard_after_forward=full)
+        self.root: Any = module
+        state = fully_shard.state(module)
+        if not hasattr(state, "_root_post_backward_final_callback") or not hasattr(state, "_state_ctx"):
+            raise RuntimeError(f"shard= cannot drive this torch's FSDP2 ({torch.__version__}): its state has no "
+                               "post-backward final callback; use shard='none'")
+        self._state = state
+        self.micro_batch_settings()
+        stage.after_sync = self.reduce
+
+    def micro_batch_settings(self) -> None:
+        """FSDP's own sync off for every micro-batch; params kept whole through the step unless ``"full"``."""
+        root = self.root
+        root.set_requires_gradient_sync(False)
+        root.set_is_last_backward(False)
+        root.set_reshard_after_backward(self.mode == "full")
+
+    def reduce(self) -> None:
+        """Reduce-scatter the accumulated gradients into the sharded ``.grad`` once, reshard, and wait for it."""
+        root = self.root
+        start = time.perf_counter()
+        root.set_requires_gradient_sync(True)
+        root.set_is_last_backward(True)
+        root.set_reshard_after_backward(True)
+        try:
+            state = self._state
+            for st in state._state_ctx.all_states:
+                for group in st._fsdp_param_groups:
+                    group.post_backward()
+            state._root_post_backward_final_callback()
+        finally:
+            self.micro_batch_settings()
+        if self.trace is not None:
+            self.trace.add(Span(self.stage.index, "reduce_scatter", 0, start, time.perf_counter(), "comm",
+                                self.trace.rank))
+
+    def reshard(self) -> None:
+        """Free the gathered parameters (after an evaluation forward, which keeps them with ``"optimizer"``:
+        an ``optimizer.step()`` before the next step would otherwise leave them stale)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in self.root.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
+
+def _own_layers(module: nn.Module) -> List[nn.Module]:
+    """The layers that can be an FSDP group of their own: with parameters, each once, sharing none with another
+    layer (a weight tied inside the stage stays in the stage's root group, as FSDP requires)."""
+    layers = list({id(layer): layer for layer in module.children()}.values())
+    users: Dict[int, int] = {}
+    for layer in layers:
+        for p in {id(p) for p in layer.parameters()}:
+            users[p] = users.get(p, 0) + 1
+    return [layer for layer in layers if any(True for _ in layer.parameters())
+            and all(users[id(p)] == 1 for p in layer.parameters())]
+
+
+def _same_as_first(module: nn.Module, group: Any) -> None:
+    """Every replica starts from the group's first rank's weights and buffers (what DDP does at wrapping)."""
+    src = dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for t in list(module.parameters()) + list(module.buffers()):
+            dist.broadcast(t.data, src=src, group=group)
+
+
+def attach_shards(stages: Sequence[Stage], groups: Dict[int, Any], mode: str,
+                  trace: Optional[Trace] = None) -> List[Optional[StageShard]]:
+    """``StageShard`` for each of this process's stages over its stage group (None: nothing to train there).
+
+    With ``trace``, each stage's reduction is a ``"reduce_scatter"`` span on its comm lane."""
+    out: List[Optional[StageShard]] = []
+    for st in stages:
+        if not any(p.requires_grad for p in st.module.parameters()):
+            out.append(None)
+            continue
+        out.append(StageShard(st, groups[st.index], mode, trace))
+    return out
+
+
+def is_sharded(t: Any) -> bool:
+    """Whether ``t`` is a ``DTensor`` (a sharded parameter, gradient or optimizer state)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a ``DTensor``; a plain tensor as it is."""
+    return t.to_local() if is_sharded(t) else t  # type: ignore[attr-defined]
+
+
+def whole_tensors(state: Dict[str, Any]) -> Dict[str, Any]:
+    """``state`` with every ``DTensor`` gathered whole (a collective over each tensor's mesh, on every replica)."""
+    out: Dict[str, Any] = {}
+    for key, value in state.items():
+        out[key] = value.full_tensor().detach() if is_sharded(value) else value
+    return out
+
+
+def shard_like(value: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """A whole tensor cut like the ``DTensor`` ``target`` (no communication: every rank holds the whole)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(value, DTensor) or not isinstance(target, DTensor):
+        return value
+    return distribute_tensor(value.to(target.device, target.dtype), target.device_mesh, target.placements,
+                             src_data_rank=None)
+
+
+def check_shard(shard: Any, *, replicas: int, model: nn.Module, split_backward: bool, sync_batchnorm: bool,
+                ddp_options: bool) -> str:
+    """The ``shard=`` setting to use: refused with the choices when unknown, with the way out when it cannot work.
+
+    With one replica there is nothing to shard over: the setting is accepted,
+    does nothing (``"none"`` is returned) and says so once.
+    """
+    if not isinstance(shard, str) or shard not in SHARD_MODES:
+        raise ValueError(f"unknown shard={shard!r}; choose one of {SHARD_MODES} (\"none\": DDP, every replica holds "
+                         "the whole stage; \"optimizer\": optimizer state, gradients and, between steps, parameters "
+                         "split over the replicas; \"full\": parameters also freed after each forward and backward)")
+    if shard == "none":
+        return shard
+    if replicas == 1:
+        from ..runtime.warn import warn
+
+        warn(f"pipeddp: shard={shard!r} has nothing to shard over with one replica; each stage keeps its whole "
+             "state (as shard='none')", UserWarning)
+        return "none"
+    conflicts = []
+    if ddp_options:
+        conflicts.append("ddp_kwargs / comm_hook configure DDP, which shard= replaces with FSDP2: drop them, or "
+                         "use shard='none'")
+    if sync_batchnorm or any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        conflicts.append("BatchNorm running statistics are not kept equal over the replicas by FSDP2 (DDP "
+                         "broadcasts them): use shard='none', or a model with LayerNorm/GroupNorm")
+    if shard == "full" and split_backward:
+        conflicts.append("shard='full' frees a layer's parameters after its input-gradient half, and a split "
+                         "backward's weight half (schedule 'zb' or a schedule with W actions) would run on the "
+                         "freed shards: use shard='optimizer' with that schedule, or schedule='1f1b'")
+    if conflicts:
+        raise ValueError(f"shard={shard!r} cannot be used here: " + "; ".join(conflicts))
+    return shard
+
+
+def split_backward(schedule: Any, stages: int, virtual_stages: int) -> bool:
+    """Whether ``schedule`` splits backward into input (I) and weight (W) halves."""
+    from ..runtime.schedule import Kind, get_schedule
+
+    plan = get_schedule(schedule, stages, 2 * stages, virtual_stages)
+    return any(a.kind is Kind.W for row in plan for a in row)
