@@ -21,7 +21,6 @@ from shard_jobs import (
 from torch.distributed.checkpoint import FileSystemReader
 
 import pipeddp
-from pipeddp.distributed.state import load_into
 
 COMBOS = [
     {"shard": "optimizer", "schedule": "gpipe", "chunks": 3},
@@ -98,15 +97,16 @@ def test_sharded_checkpoints_load_into_other_layouts(tmp_path):
                 for key, value in ref.items():
                     assert torch.allclose(res["state"][key], value, rtol=0, atol=1e-12), (replicas, rank, res["combo"])
     for name in ("one.pt", "dcp"):  # the plain model on one device takes both, optimizer state included
-        net = model()
+        net = pipeddp.Pipeline(model(), devices=["cpu"], chunks=1)
         opt = torch.optim.AdamW(net.parameters(), lr=0.01)
-        load_into(net, str(tmp_path / name), opt)
+        net.load(str(tmp_path / name), opt)
         x, y = batches(2, 2)[1]
         opt.zero_grad()
         LOSS(net(x), y).backward()
         opt.step()
         for key, value in ref.items():
             assert torch.allclose(net.state_dict()[key], value, rtol=0, atol=1e-12), (name, key)
+        net.close()
 
 
 @pytest.mark.timeout(200)

@@ -36,6 +36,7 @@ from . import catalog, optim_state, sharded
 from . import checkpoint as files
 from .agreement import Agreement
 from .saving import Engine, Saver
+from .shard import is_sharded
 from .topology import Topology
 
 __all__ = ["Engine", "Saver", "gather_state_dict", "own_entries", "load", "resume"]
@@ -125,6 +126,14 @@ def _load_file(scope: _Scope, payload: Dict[str, Any], path: str,
     return apply
 
 
+def _buffer(own: torch.Tensor, saved: Tuple[Any, torch.dtype]) -> torch.Tensor:
+    """A new tensor to read a saved entry into: the saved shape and dtype, cut like ``own`` where that is a shard
+    (``shard=``: DCP then reads only this rank's rows, nothing whole)."""
+    if is_sharded(own):
+        return torch.empty_like(own, dtype=saved[1])
+    return torch.empty(tuple(saved[0]), dtype=saved[1])
+
+
 def _load_sharded(scope: _Scope, path: str, optimizer: Optional[torch.optim.Optimizer],
                   rng: bool) -> Tuple[Callable[[], None], Dict[str, Any]]:
     """Read this process's share of a sharded checkpoint; returns what loads it, and its ``extra``.
@@ -138,8 +147,7 @@ def _load_sharded(scope: _Scope, path: str, optimizer: Optional[torch.optim.Opti
     saved = sharded.entry_specs(metadata, "model")
     files.check_model_keys(path, sharded.model_shapes(metadata), scope.keys)
     files.check_model_tensors(path, saved, scope.own)
-    target: Dict[str, Any] = {"model": {k: torch.empty(tuple(saved[k][0]), dtype=saved[k][1])
-                                        if isinstance(v, torch.Tensor) and k in saved else v
+    target: Dict[str, Any] = {"model": {k: _buffer(v, saved[k]) if isinstance(v, torch.Tensor) and k in saved else v
                                         for k, v in scope.own.items()}}
     if optimizer is not None:
         optim_state.check_optimizer(path, head["meta"].get("optimizer"), sharded.has_optimizer(metadata), optimizer)
@@ -150,8 +158,8 @@ def _load_sharded(scope: _Scope, path: str, optimizer: Optional[torch.optim.Opti
             raise ValueError(f"{path} lacks optimizer state the optimizer has ({missing[:5]}): was it saved with "
                              "other parameter groups, or before every parameter had a gradient?")
         files.check_model_tensors(f"{path} (its optimizer state)", saved_opt, flat)
-        target["optimizer"] = {k: torch.empty(tuple(saved_opt[k][0]), dtype=saved_opt[k][1])
-                               if isinstance(v, torch.Tensor) else v for k, v in flat.items()}
+        target["optimizer"] = {k: _buffer(v, saved_opt[k]) if isinstance(v, torch.Tensor) else v
+                               for k, v in flat.items()}
     rng = rng and int(head["meta"].get("world_size", -1)) == scope.world_size
     if rng:
         target["rng"] = {str(scope.rank): None}
