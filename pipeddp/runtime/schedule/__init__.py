@@ -10,26 +10,26 @@
        ^
     builders   gpipe, one_f_one_b, list_schedule -> interleaved, zero_bubble; get_schedule by name
 
-Each module imports only those below it. This face hands their names on, so
-``from pipeddp.runtime.schedule import play`` keeps working; inside pipeddp,
+Each module imports only those below it. This face hands their names on (so
+``from pipeddp.runtime.schedule import play`` keeps working); inside pipeddp,
 import from the submodule that owns the name.
 """
 
 from .actions import Action, Event, Kind, Schedule, ScheduleFn, deps, normalize, produces, releases, row_of, stage_count
 from .builders import (
-                       SCHEDULES,
-                       VIRTUAL,
-                       accepts_virtual_stages,
-                       backward_only,
-                       forward_only,
-                       get_schedule,
-                       gpipe,
-                       interleaved,
-                       interleaved_limit,
-                       list_schedule,
-                       one_f_one_b,
-                       schedule_name,
-                       zero_bubble,
+    SCHEDULES,
+    VIRTUAL,
+    accepts_virtual_stages,
+    backward_only,
+    forward_only,
+    get_schedule,
+    gpipe,
+    interleaved,
+    interleaved_limit,
+    list_schedule,
+    one_f_one_b,
+    schedule_name,
+    zero_bubble,
 )
 from .checks import format_schedule, validate
 from .replay import Played, peak_held, play, ready_time
