@@ -121,7 +121,7 @@ class HybridParallel(StepModule):
         self.partition: Partition = wired.partition
         self.balance: List[int] = list(self.partition.balance)
         self._step, self._ddps = wired.step, wired.ddps
-        self._finalizer = weakref.finalize(self, wired.close)
+        self._finalizer = weakref.finalize(self, wired.runner.close)  # threads, never the group, at collection
         self._saver = state.Saver(topo, settings.timeout_delta)
 
     # -- structure ---------------------------------------------------------------------------------
@@ -289,6 +289,7 @@ class HybridParallel(StepModule):
             self._saver.close()  # a failed background save raises here, after everything below is stopped
         finally:
             self._finalizer()
+            self._replica.close()
 
     def extra_repr(self) -> str:
         t = self.topology
