@@ -128,7 +128,7 @@ class HybridParallel(Checkpointable, StepModule):
         self.partition: Partition = wired.partition
         self.balance: List[int] = list(self.partition.balance)
         self._step, self._ddps = wired.step, wired.ddps
-        self._finalizer = weakref.finalize(self, wired.close)
+        self._finalizer = weakref.finalize(self, wired.runner.close)  # threads, never the group, at collection
         self._saver = saving.Saver(topo, settings.timeout_delta)
 
     # -- structure ---------------------------------------------------------------------------------
@@ -239,6 +239,7 @@ class HybridParallel(Checkpointable, StepModule):
             self._saver.close()  # a failed background save raises here, after everything below is stopped
         finally:
             self._finalizer()
+            self._replica.close()
 
     def extra_repr(self) -> str:
         t = self.topology

@@ -124,7 +124,11 @@ class Replica:
                                                                         group=self.groups.pipeline)
 
     def close(self) -> None:
-        """Stop the runner and, if it was started here, the process group (idempotent)."""
+        """Stop the runner and, if it was started here, the process group (idempotent).
+
+        Only an explicit ``close`` ends the group: an engine collected without one stops its threads alone,
+        since another engine of this process may be using the group by then.
+        """
         self.runner.close()
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
