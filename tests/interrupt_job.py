@@ -17,12 +17,19 @@ import argparse
 import faulthandler
 import os
 import signal
+import sys
 import time
 
 import torch
 from torch import nn
 
 import pipeddp
+
+
+def say(line: str) -> None:
+    """One write per line: the ranks share torchrun's output, and print's two writes would interleave."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 class Stall(nn.Module):
@@ -35,7 +42,7 @@ class Stall(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         if self.calls == self.at:
-            print(f"rank {os.environ.get('RANK', '0')} stalling", flush=True)
+            say(f"rank {os.environ.get('RANK', '0')} stalling")
             time.sleep(self.seconds)
         return x
 
@@ -67,7 +74,7 @@ def main() -> None:
         optimizer.zero_grad()
         engine.train_step(x, y, nn.functional.mse_loss)  # type: ignore[operator]
         optimizer.step()
-        print(f"rank {rank} step {step}", flush=True)
+        say(f"rank {rank} step {step}")
 
 
 if __name__ == "__main__":
