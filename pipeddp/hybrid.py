@@ -147,7 +147,8 @@ class HybridParallel(StepModule):
         self.skip_nonfinite = skip_nonfinite
         self.skipped_steps = 0
         self.shard = check_shard(shard, replicas=topo.replicas, model=model,
-                                 split_backward=split_backward(settings.schedule, stages, settings.virtual_stages),
+                                 split_backward=shard == "full" and split_backward(settings.schedule, stages,
+                                                                                   settings.virtual_stages),
                                  sync_batchnorm=sync_batchnorm,
                                  ddp_options=bool(ddp_kwargs) or comm_hook is not None)
         self.devices = devs = local_devices(topo, devices)
