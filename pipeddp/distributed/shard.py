@@ -36,6 +36,10 @@ thread, inside ``train_step``, so the gradients are final when ``train_step``
 returns. Recompute is a plain forward of the stage module: FSDP unshards for
 it, and the reduction still happens once.
 
+On gloo (CPU) FSDP's all-gather and reduce-scatter are handed to one
+all-reduce each (``GlooAllGather``, ``GlooReduceScatter``): gloo's all-reduce
+is its fast collective, and the pair cost 4x DDP's one all-reduce otherwise.
+
 FSDP2 exposes no public call for "reduce now"; the two reach-ins
 (``post_backward`` of each group and ``_root_post_backward_final_callback``)
 are the ones torch's own pipelining makes, checked once at build time so a
