@@ -117,7 +117,8 @@ class HybridParallel(Checkpointable, StepModule):
         self.key_names = Names.of(model)
         self.skip_nonfinite = skip_nonfinite
         self.shard = check_shard(shard, replicas=topo.replicas, model=model,
-                                 split_backward=split_backward(settings.schedule, stages, settings.virtual_stages),
+                                 split_backward=shard == "full" and split_backward(settings.schedule, stages,
+                                                                                   settings.virtual_stages),
                                  sync_batchnorm=sync_batchnorm, ddp_options=bool(ddp_kwargs) or comm_hook is not None)
         cut = partial(choose_partition, model, stages * settings.virtual_stages, balance, sample, settings)
         self._replica = wired = build_replica(self, model, topo, settings, partition=cut, devices=devices,

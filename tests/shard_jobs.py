@@ -85,8 +85,11 @@ class Counts:
     """Counts FSDP's all-gathers and reduce-scatters (the calls FSDP2 makes through torch.distributed)."""
 
     def __init__(self) -> None:
+        from pipeddp.distributed.shard import GlooAllGather, GlooReduceScatter
+
         self.calls = {"all_gather": 0, "reduce_scatter": 0}
         self._saved = (dist.all_gather_single, dist.reduce_scatter_single)
+        self._gloo = (GlooAllGather.calls, GlooReduceScatter.calls)
 
         def counting(name, fn):
             def call(*args, **kwargs):
@@ -98,7 +101,12 @@ class Counts:
         dist.reduce_scatter_single = counting("reduce_scatter", self._saved[1])
 
     def close(self) -> None:
+        """Stop counting; add the calls FSDP made through pipeddp's gloo collectives."""
+        from pipeddp.distributed.shard import GlooAllGather, GlooReduceScatter
+
         dist.all_gather_single, dist.reduce_scatter_single = self._saved
+        self.calls["all_gather"] += GlooAllGather.calls - self._gloo[0]
+        self.calls["reduce_scatter"] += GlooReduceScatter.calls - self._gloo[1]
 
 
 def train_job(mode: str, combos: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:

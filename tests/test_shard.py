@@ -147,3 +147,16 @@ def test_calling_the_engine_and_backward_with_shards():
         assert torch.allclose(res["out"], net(batches(2)[0][0]), rtol=0, atol=1e-12)
         assert res["resharded"]
         assert res["reductions"] == [0, 0, 1, 1]  # traced: one reduction per stage and step
+
+
+def test_settings_that_cannot_work_with_shards_are_refused_naming_the_way_out(monkeypatch):
+    """Checked before any process group: the message names the conflict and what to use instead."""
+    monkeypatch.setenv("WORLD_SIZE", "4")  # 2 replicas x 2 stages as the constructor sees it, refused before joining
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ValueError, match="shard='optimizer' with that schedule"):
+        pipeddp.HybridParallel(make_mlp(), stages=2, shard="full", schedule="zb")
+    with pytest.raises(ValueError, match="drop them, or use shard='none'"):
+        pipeddp.HybridParallel(make_mlp(), stages=2, shard="optimizer", comm_hook="fp16")
+    bn = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="BatchNorm"):
+        pipeddp.HybridParallel(bn, stages=2, shard="optimizer")

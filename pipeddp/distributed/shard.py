@@ -36,6 +36,10 @@ thread, inside ``train_step``, so the gradients are final when ``train_step``
 returns. Recompute is a plain forward of the stage module: FSDP unshards for
 it, and the reduction still happens once.
 
+On gloo (CPU) FSDP's all-gather and reduce-scatter are handed to one
+all-reduce each (``GlooAllGather``, ``GlooReduceScatter``): gloo's all-reduce
+is its fast collective, and the pair cost 4x DDP's one all-reduce otherwise.
+
 FSDP2 exposes no public call for "reduce now"; the two reach-ins
 (``post_backward`` of each group and ``_root_post_backward_final_callback``)
 are the ones torch's own pipelining makes, checked once at build time so a
@@ -97,6 +101,13 @@ class StageShard:
             raise RuntimeError(f"shard= cannot drive this torch's FSDP2 ({torch.__version__}): its state has no "
                                "post-backward final callback; use shard='none'")
         self._state = state
+        if dist.get_backend(group) == "gloo" and device_type == "cpu":
+            from torch.distributed.fsdp import FSDPModule
+
+            for m in module.modules():
+                if isinstance(m, FSDPModule):
+                    m.set_custom_all_gather(GlooAllGather())  # type: ignore[arg-type]
+                    m.set_custom_reduce_scatter(GlooReduceScatter())  # type: ignore[arg-type]
         self.micro_batch_settings()
         stage.after_sync = self.reduce
 
@@ -134,6 +145,47 @@ class StageShard:
         for m in self.root.modules():
             if isinstance(m, FSDPModule):
                 m.reshard()
+
+
+class GlooAllGather:
+    """FSDP's all-gather as one all-reduce (a SUM of zeros and each rank's own piece: exact), for gloo on CPU.
+
+    gloo's all-reduce is its fast collective: for 128 MB between two CPU processes it took 0.18 s where its
+    all-gather took 0.31 s and its reduce-scatter 0.41 s, so FSDP's pair (0.72 s) cost 4x DDP's one all-reduce.
+    """
+
+    calls = 0
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
+                 async_op: bool = False) -> None:
+        GlooAllGather.calls += 1
+        n = input_tensor.numel()
+        k = dist.get_rank(group)
+        flat = output_tensor.view(-1)
+        flat[k * n:(k + 1) * n].copy_(input_tensor.view(-1))  # FSDP's input may already be that slot: copy first
+        flat[:k * n].zero_()
+        flat[(k + 1) * n:].zero_()
+        dist.all_reduce(output_tensor, group=group)
+
+
+class GlooReduceScatter:
+    """FSDP's reduce-scatter as one all-reduce of the whole input, of which each rank keeps its piece (gloo, CPU)."""
+
+    calls = 0
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+                 async_op: bool = False) -> None:
+        GlooReduceScatter.calls += 1
+        n = output_tensor.numel()
+        k = dist.get_rank(group)
+        dist.all_reduce(input_tensor, op=op, group=group)
+        output_tensor.view(-1).copy_(input_tensor.view(-1)[k * n:(k + 1) * n])
 
 
 def _own_layers(module: nn.Module) -> List[nn.Module]:

@@ -14,6 +14,9 @@ does not fit, and sorts by predicted step time::
 Memory per device is an estimate: parameters x (weights + gradients +
 optimizer slots) + the activations the schedule keeps alive (peak in-flight
 micro-batches x the outputs of the stage's layers for one micro-batch).
+Where that does not fit and there are replicas, the first ``shard=`` setting
+that fits is chosen ("optimizer", then "full": ``shard_memory``) and printed
+in the ``HybridParallel`` call.
 Configurations are written replicas x stages, as everywhere in pipeddp; one
 stage per replica is plain data parallelism and is named so. The first
 choice comes with the ``HybridParallel`` arguments and ``torchrun`` command
