@@ -17,6 +17,7 @@ from torch import nn
 
 from .partitioning.report import METHODS, Partition, check_balance, check_model, partition
 from .partitioning.solve import check_stage_count
+from .runtime.costed import check_max_activations, is_auto
 from .runtime.microbatch import batch_size
 from .runtime.schedule import ScheduleFn, accepts_virtual_stages, get_schedule, schedule_name
 
@@ -40,6 +41,8 @@ class Settings:
     compile: Optional[Dict[str, Any]] = None
     #: stages per device: the model is cut into ``devices x virtual_stages`` stages
     virtual_stages: int = 1
+    #: ``schedule="auto"``: the most micro-batches a device may hold at once (None: 1F1B's)
+    max_activations: Optional[int] = None
 
     @property
     def timeout_delta(self) -> timedelta:
@@ -66,6 +69,7 @@ def check_settings(
     flags: Optional[Dict[str, Any]] = None,
     balance: Union[None, str, Sequence[int]] = None,
     sample: Any = None,
+    max_activations: Optional[int] = None,
 ) -> Settings:
     """Check everything that does not need a device or a process group; raise naming the fix.
 
@@ -75,7 +79,7 @@ def check_settings(
     ``virtual_stages``: stages per device (default 2 for ``schedule="interleaved"``, else 1).
     ``threads``: intra-op threads per stage thread (None or an int >= 1). ``flags``: the
     constructor's on/off arguments by name, each must be a bool. ``balance`` (with ``sample``):
-    a method name or one number of layers per stage.
+    a method name or one number of layers per stage. ``max_activations``: ``schedule="auto"``'s cap.
 
     Everything here runs before any thread or process starts, so a mistake
     raises at once, naming the argument, instead of failing in a stage thread.
@@ -106,13 +110,17 @@ def check_settings(
     if checkpoint not in CHECKPOINT_MODES:
         raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
     get_schedule(schedule, stages, 1, virtual)  # an unknown or broken schedule fails now, not at the first step
+    if max_activations is not None and not is_auto(schedule):
+        raise ValueError(f"max_activations={max_activations!r} caps what schedule='auto' builds; schedule={schedule!r} "
+                         "holds what its pattern holds: use schedule='auto' or leave max_activations out")
+    check_max_activations(max_activations, virtual)
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
         raise ValueError(f"timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
     if not isinstance(compile, (bool, dict)):
         raise ValueError(f"compile must be True, False or a dict of torch.compile options, got {compile!r}")
     options = dict(compile) if isinstance(compile, dict) else ({} if compile else None)
-    return Settings(chunks, split_size, schedule, checkpoint, float(seconds), options, virtual)
+    return Settings(chunks, split_size, schedule, checkpoint, float(seconds), options, virtual, max_activations)
 
 
 def check_balance_arg(balance: Union[str, Sequence[int]], sample: Any, devices: int, virtual: int,
@@ -140,7 +148,7 @@ def check_virtual_stages(virtual_stages: Optional[int], schedule: Union[str, Sch
     _positive_int(virtual_stages, "virtual_stages", "stages per device")
     if virtual_stages > 1 and not accepts_virtual_stages(schedule):
         raise ValueError(f"virtual_stages={virtual_stages} needs a schedule that runs several stages per device: "
-                         "schedule='interleaved' or 'zb', or a function (stages, chunks, virtual_stages); got "
+                         "schedule='interleaved', 'zb' or 'auto', or a function (stages, chunks, virtual_stages); got "
                          f"schedule={schedule!r}")
     return virtual_stages
 

@@ -46,6 +46,7 @@ from .runtime.devices import DeviceLike
 from .runtime.executor import ThreadRunner
 from .runtime.microbatch import batch_size as samples_of, split, tree_map
 from .runtime.names import Names
+from .runtime.refine import attach_auto
 from .runtime.schedule import ScheduleFn, row_of
 from .runtime.stage import build_stages, register_layers
 from .runtime.step import Runner, Step
@@ -64,7 +65,7 @@ class HybridParallel(StepModule):
             copies rank 0's weights to the other replicas at start).
         stages: pipeline stages per replica.
         chunks, split_size, balance, sample, schedule, checkpoint, timeout, deferred_batch_norm, compile,
-            virtual_stages: as in ``Pipeline`` (tied weights and autocast too, across processes in
+            virtual_stages, max_activations: as in ``Pipeline`` (tied weights and autocast too, across processes in
             stage mode). A measured balance is computed on rank 0 and sent to every rank. With
             ``virtual_stages=v`` the model has ``stages * v`` stages; device r of each replica (a
             thread in replica mode, a process in stage mode) holds stages r, r + stages, ...
@@ -124,6 +125,7 @@ class HybridParallel(StepModule):
         virtual_stages: Optional[int] = None,
         global_batch: Optional[int] = None,
         batch_size: Optional[int] = None,
+        max_activations: Optional[int] = None,
     ) -> None:
         super().__init__()
         self.topology = topo = current_topology(stages, mode, layout)
@@ -136,7 +138,7 @@ class HybridParallel(StepModule):
                                                   flags={"trace": trace, "deferred_batch_norm": deferred_batch_norm,
                                                          "sync_batchnorm": sync_batchnorm,
                                                          "skip_nonfinite": skip_nonfinite},
-                                                  balance=balance, sample=sample)
+                                                  balance=balance, sample=sample, max_activations=max_activations)
         n_stages = stages * settings.virtual_stages
         check_ddp_kwargs(ddp_kwargs, comm_hook)
         self.key_names = Names.of(model)
@@ -174,6 +176,8 @@ class HybridParallel(StepModule):
                                  schedule=settings.schedule, checkpoint=settings.checkpoint, ties=ties,
                                  deferred_batch_norm=deferred_batch_norm, virtual_stages=settings.virtual_stages)
         step.sync = topo.replicas > 1
+        attach_auto(step, self.partition.layers, self.balance, settings.max_activations,
+                    gather=self.agreement.gather_to_all, on_rank0=self.agreement.from_rank0)
         self._ties = exchange = TieExchange(ties, step.ties, topo, backend=self.backend,
                                             timeout=settings.timeout_delta, comm_device=self.agreement.comm_device)
         step.before_forward.append(exchange.refresh)

@@ -375,11 +375,18 @@ def backward_only(stages: int, chunks: int, virtual_stages: int = 1) -> Schedule
     return _only(train, lambda a: a if a.kind is Kind.B else None)
 
 
+def _auto(stages: int, chunks: int, virtual_stages: int = 1) -> Schedule:
+    """``schedule="auto"`` without measured costs (unit costs): engines and ``simulate`` pass theirs."""
+    from .costed import build  # built on this module: imported when first used
+
+    return build(stages, chunks, virtual_stages)
+
+
 SCHEDULES: Dict[str, ScheduleFn] = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved,
-                                    "zb": zero_bubble}
+                                    "zb": zero_bubble, "auto": _auto}
 _ALIASES = {"interleaved1f1b": "interleaved", "zerobubble": "zb", "zbh1": "zb"}
 #: Schedules that run several stages per device when asked to (``virtual_stages > 1``).
-VIRTUAL = ("interleaved", "zb")
+VIRTUAL = ("interleaved", "zb", "auto")
 
 
 def schedule_name(schedule: str) -> str:

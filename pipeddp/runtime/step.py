@@ -125,6 +125,10 @@ class Step:
             self._rows[key] = [plan[r] for r in self.local_rows]
         return self._rows[key]
 
+    def reschedule(self) -> None:
+        """Forget the rows built so far: the schedule function has new costs (``schedule="auto"``)."""
+        self._rows.clear()
+
     def _seed(self) -> Optional[int]:
         """One base seed per step, drawn in the caller's thread (so ``torch.manual_seed`` rules it)."""
         if any(st.may_draw() for st in self.stages):

@@ -208,7 +208,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pipeddp", description="pipeline + data parallel training for nn.Sequential",
                                 formatter_class=fmt)
     sub = p.add_subparsers(dest="command", required=True)
-    schedules = ["1f1b", "gpipe", "interleaved", "zb"]
+    schedules = ["1f1b", "gpipe", "interleaved", "zb", "auto"]
 
     d = sub.add_parser("demo", formatter_class=fmt,
                        help="train a small MLP plainly, as a pipeline and as a hybrid job on CPU; compare",

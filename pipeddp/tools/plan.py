@@ -36,7 +36,7 @@ from .simulate import Link, Prediction, StageCost, resolve_link, simulate
 __all__ = ["LayerModel", "fit_layers", "Candidate", "plan", "parse_bytes", "SCHEDULES"]
 
 #: The schedules ``plan`` ranks by default (interleaved with ``virtual_stages`` stages per device).
-SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb")
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb", "auto")
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
+from ..runtime.costed import AutoSchedule, Costs, is_auto
 from ..runtime.schedule import (Action, Kind, Played, Schedule, ScheduleFn, get_schedule, normalize, play, produces,
                                 ready_time, row_of, stage_count)
 
@@ -336,6 +337,11 @@ def simulate(
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes!r}")
     link = resolve_link(links)
     ar_link = resolve_link(allreduce_link) if allreduce_link is not None else link
+    if is_auto(schedule):  # built from these very costs, as an engine builds it from its measured ones
+        schedule = AutoSchedule(Costs(tuple(c.forward for c in costs), tuple(c.cost(Kind.I, s == 0) for s, c in
+                                                                             enumerate(costs)),
+                                      tuple(c.cost(Kind.W, s == 0) for s, c in enumerate(costs)),
+                                      max(link.time(c.activation_bytes) for c in costs)))
     plan = get_schedule(schedule, rows, chunks, virtual_stages)
 
     def duration(row: int, a: Action) -> float:
