@@ -4,6 +4,9 @@
 
     microbatch   split a batch into micro-batches, merge outputs back
     schedule     GPipe / 1F1B as per-stage action lists (F0 F1 B0 ...), checked by ``play``
+    costed       ``schedule="auto"``: the order built from measured F / I / W costs under an activation cap
+    refine       re-costs ``"auto"`` from the first steps' action times, the same on every rank
+    prefetch     batches prepared ahead of the step on a thread (pinned, copied on a side stream on CUDA)
     stage        one slice of the model on one device: forward / backward / recompute of a micro-batch
     channels     the ``Channel`` interface; ``LocalChannel`` moves tensors between stage threads
     executor     ``run_actions`` walks a stage's action list; ``ThreadRunner`` runs every stage on a thread
