@@ -166,6 +166,18 @@ def traced_bubbles(steps: Sequence[baselines.Step], rank: int) -> Dict[str, Dict
     return out
 
 
+def breakdown(steps: Sequence[baselines.Step]) -> Dict[str, Dict[str, float]]:
+    """One step of each same-cut pair, every action timed: where the processes' time goes (ms, both summed)."""
+    out: Dict[str, Dict[str, float]] = {}
+    for step in (s for s in steps if s.name in {n for pair in SAME for n in pair} and s.traced is not None):
+        wall, parts = barrier_timed(lambda step=step: step.traced(step.run))
+        every = [v for part in (gather(parts) or []) for v in part.values()]
+        if every:
+            got = {k: sum(v.get(k, 0.0) for v in every) for k in ("F_ms", "B_ms", "recv_wait_ms")}
+            out[step.name] = dict(got, wall_ms=wall.wall * 1e3, other_ms=DEVICES * wall.wall * 1e3 - sum(got.values()))
+    return out
+
+
 def run_m(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, m: int, loss_fn: LossFn,
           opts: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     balance = cuts(rank, model, x, m)
@@ -181,6 +193,7 @@ def run_m(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, m: 
         for k, v in got.items():
             times[k] += v
     bubbles = traced_bubbles(steps, rank)
+    spent = breakdown(steps)
     for s in steps:
         s.close()
     dist.barrier()
@@ -198,7 +211,7 @@ def run_m(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, m: 
                                       for fastest in [min((t for t in TORCH if t in walls),
                                                           key=lambda t: statistics.median(walls[t]))]},
             "stage_vs_replica": {a: median_ratio(walls[a + "-replica"], walls[a]) for a in ("1f1b", "interleaved")},
-            "bubbles": bubbles}
+            "bubbles": bubbles, "breakdown": spent}
 
 
 def job(settings: Dict[str, Any]) -> Optional[Dict[str, Any]]:
@@ -233,6 +246,10 @@ def report(res: Dict[str, Any], run: Run) -> Dict[str, Any]:
                   + ["stage / replica 1f1b", "stage / replica interleaved"],
                   [[r["m"]] + [r["vs_torch_same_cut"].get(a) for a, _ in SAME] + list(r["vs_own_1f1b"].values())
                    + [r["stage_vs_replica"]["1f1b"], r["stage_vs_replica"]["interleaved"]] for r in rows])
+        run.table(f"{name}: one step's time, both processes summed (ms; other: Python between actions, headers, "
+                  "collectives, idle; torch's receive waits and zero-bubble W fall under other)", ["m / config", "wall", "F", "B (or I + W)", "receive wait", "other"],
+                  [[f"{r['m']} / {k}"] + [v[c] for c in ("wall_ms", "F_ms", "B_ms", "recv_wait_ms", "other_ms")]
+                   for r in rows for k, v in r["breakdown"].items()])
         run.table(f"{name}: bubble (idle share of the devices' time) of one traced step",
                   ["m / schedule", "measured", "replayed (measured actions)", "equal stages (F=1, B=2)"],
                   [[f"{r['m']} / {k}", v["measured_bubble"], v["replayed_bubble"], v["equal_stages_bubble"]]
