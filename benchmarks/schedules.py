@@ -247,7 +247,8 @@ def report(res: Dict[str, Any], run: Run) -> Dict[str, Any]:
                   [[r["m"]] + [r["vs_torch_same_cut"].get(a) for a, _ in SAME] + list(r["vs_own_1f1b"].values())
                    + [r["stage_vs_replica"]["1f1b"], r["stage_vs_replica"]["interleaved"]] for r in rows])
         run.table(f"{name}: one step's time, both processes summed (ms; other: Python between actions, headers, "
-                  "collectives, idle; torch's receive waits and zero-bubble W fall under other)", ["m / config", "wall", "F", "B (or I + W)", "receive wait", "other"],
+                  "collectives, idle; torch's receive waits and zero-bubble W fall under other)",
+                  ["m / config", "wall", "F", "B (or I + W)", "receive wait", "other"],
                   [[f"{r['m']} / {k}"] + [v[c] for c in ("wall_ms", "F_ms", "B_ms", "recv_wait_ms", "other_ms")]
                    for r in rows for k, v in r["breakdown"].items()])
         run.table(f"{name}: bubble (idle share of the devices' time) of one traced step",
