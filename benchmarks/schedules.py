@@ -4,13 +4,16 @@ One spawned 2-process gloo job (one stage device per process, mode="stage"; 1 in
 every model and number of micro-batches m, interleaved round by round between barriers:
 
 * ``accum``: the plain model accumulating over the same m micro-batches (rank 0; rank 1 waits);
-* pipeddp ``gpipe``, ``1f1b``, ``zb`` on pipeddp's 2-stage cut, and ``interleaved`` and ``zb`` with 2 virtual
-  stages per process on its 4-stage cut (``zb-v2``: interleaved zero-bubble);
+* pipeddp ``gpipe``, ``1f1b``, ``zb``, ``auto`` on pipeddp's 2-stage cut, and ``interleaved``, ``zb`` and ``auto``
+  with 2 virtual stages per process on its 4-stage cut (``zb-v2``: interleaved zero-bubble; ``auto``: the order
+  built from the stages' measured costs, refined after the first steps);
 * torch's ``ScheduleGPipe`` and ``Schedule1F1B`` on the same 2-stage cut, ``ScheduleInterleaved1F1B`` and
-  ``ScheduleInterleavedZeroBubble`` on the same 4-stage cut (2 stages per rank, placed as pipeddp places them);
+  ``ScheduleInterleavedZeroBubble`` on the same 4-stage cut (2 stages per rank, placed as pipeddp places them), and
+  ``ScheduleZBVZeroBubble`` on that cut in its V placement (rank 0 holds stages 0 and 3, rank 1 stages 1 and 2);
 * ``1f1b`` and ``interleaved`` in replica mode (one process, a thread per device; rank 1 waits), for "stage mode
   within 5% of replica mode".
 
+The order of the configurations is reversed every other round, so every pair alternates which runs first.
 Every configuration's gradients are checked against accumulation before timing. After timing, one traced step of
 each pipeddp configuration gives the measured bubble (idle share of the devices' time), set beside the schedule's
 bubble with equal stages (F = 1, B = 2) and beside the schedule replayed with the step's measured action times.
@@ -24,6 +27,7 @@ import os
 import statistics
 import sys
 import time
+from collections import OrderedDict
 from datetime import timedelta
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -45,10 +49,10 @@ SCRIPT = "schedules"
 DEVICES = 2
 #: pipeddp configurations in stage mode: name -> (schedule, virtual stages)
 PIPEDDP = {"gpipe": ("gpipe", 1), "1f1b": ("1f1b", 1), "zb": ("zb", 1), "interleaved": ("interleaved", 2),
-           "zb-v2": ("zb", 2)}
+           "zb-v2": ("zb", 2), "auto": ("auto", 1), "auto-v2": ("auto", 2)}
 #: torch configurations: name -> (pipeddp's name for the schedule, stages per rank)
 TORCH = {"torch-gpipe": ("gpipe", 1), "torch-1f1b": ("1f1b", 1), "torch-interleaved": ("interleaved", 2),
-         "torch-zb-v2": ("zb", 2)}
+         "torch-zb-v2": ("zb", 2), "torch-zbv": ("zbv", 2)}
 #: replica-mode twins of stage-mode configurations
 REPLICA = {"1f1b-replica": ("1f1b", 1), "interleaved-replica": ("interleaved", 2)}
 #: (pipeddp, torch) pairs on the same cut and schedule
@@ -68,6 +72,28 @@ def cuts(rank: int, model: nn.Sequential, x: torch.Tensor, m: int) -> Dict[int, 
     return plan[0]
 
 
+def torch_zbv(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn,
+              balance: List[int], m: int, group: Any, name: str) -> baselines.Step:
+    """torch's ``ScheduleZBVZeroBubble`` on pipeddp's 4-stage cut, in the V placement it requires (rank r holds
+    stages r and 2p - 1 - r, so rank 0 feeds the inputs and computes the loss)."""
+    from torch.distributed import pipelining
+
+    n, dev = len(balance), torch.device("cpu")
+    mine = [rank, n - 1 - rank]
+    subs = [baselines.layers(model, sum(balance[:k]), sum(balance[:k + 1])).train() for k in mine]
+    stages = [pipelining.PipelineStage(sub, k, n, dev, group=group) for sub, k in zip(subs, mine)]
+    holder = nn.Sequential(OrderedDict((k, layer) for sub in subs for k, layer in sub.named_children()))
+    sched = pipelining.ScheduleZBVZeroBubble(stages, n_microbatches=m, loss_fn=loss_fn)
+    losses: List[torch.Tensor] = []
+
+    def run() -> Any:
+        holder.zero_grad(set_to_none=True)
+        losses.clear()
+        return sched.step(x, target=y, losses=losses) if rank == 0 else sched.step()
+
+    return baselines.Step(name, run, holder, procs=DEVICES, info={"balance": list(balance), "schedule": "ZBV"})
+
+
 def guarded_torch(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn,
                   balance: List[int], schedule: str, m: int, name: str, timeout: float) -> Tuple[Any, str]:
     """torch's schedule on its own group (a failing rank tears it down, so the peer fails instead of hanging),
@@ -76,8 +102,9 @@ def guarded_torch(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Ten
     err = ""
     step = None
     try:
-        step = baselines.torch_pipelining(model, x, y, loss_fn, balance=balance, schedule=schedule, chunks=m,
-                                          group=group, name=name)
+        step = torch_zbv(rank, model, x, y, loss_fn, balance, m, group, name) if schedule == "zbv" else \
+            baselines.torch_pipelining(model, x, y, loss_fn, balance=balance, schedule=schedule, chunks=m,
+                                       group=group, name=name)
         step.run()
     except Exception as exc:  # noqa: BLE001 - recorded, the benchmark goes on without this configuration
         err = f"rank {rank}: {type(exc).__name__}: {str(exc).strip()[-800:]}"
@@ -129,7 +156,7 @@ def traced_bubbles(steps: Sequence[baselines.Step], rank: int) -> Dict[str, Dict
         bubble, makespan = measured_bubble(every)
         schedule, v = PIPEDDP[base]
         m = max(s.mb for s in every if s.kind in WORK) + 1
-        plan = get_schedule(schedule, DEVICES, m, v)
+        plan = get_schedule(step.module._step.schedule, DEVICES, m, v)  # "auto": the engine's own order
         work = {(s.stage, s.kind, s.mb): s.duration for s in every if s.kind in WORK}
         replayed = play(plan, lambda row, a: work.get((a.stage, a.kind.value, a.mb), 0.0))
         equal = simulate([StageCost(1.0, 2.0)] * (DEVICES * v), schedule, stages=DEVICES, chunks=m, virtual_stages=v)
@@ -139,14 +166,34 @@ def traced_bubbles(steps: Sequence[baselines.Step], rank: int) -> Dict[str, Dict
     return out
 
 
+def breakdown(steps: Sequence[baselines.Step]) -> Dict[str, Dict[str, float]]:
+    """One step of each same-cut pair, every action timed: where the processes' time goes (ms, both summed)."""
+    out: Dict[str, Dict[str, float]] = {}
+    for step in (s for s in steps if s.name in {n for pair in SAME for n in pair} and s.traced is not None):
+        wall, parts = barrier_timed(lambda step=step: step.traced(step.run))
+        every = [v for part in (gather(parts) or []) for v in part.values()]
+        if every:
+            got = {k: sum(v.get(k, 0.0) for v in every) for k in ("F_ms", "B_ms", "recv_wait_ms")}
+            out[step.name] = dict(got, wall_ms=wall.wall * 1e3, other_ms=DEVICES * wall.wall * 1e3 - sum(got.values()))
+    return out
+
+
 def run_m(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, m: int, loss_fn: LossFn,
           opts: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     balance = cuts(rank, model, x, m)
     log0(f"  m={m}: cuts {balance[DEVICES]} (2 stages), {balance[2 * DEVICES]} (4 stages)")
     steps, failed = steps_at(rank, model, x, y, m, loss_fn, balance, opts["group_timeout"])
     checked = baselines.check_grads(steps, "accum", "accum")
-    times, _ = barrier_rounds({s.name: s.run for s in steps}, opts["rounds"], opts["warmup"])
+    times: Dict[str, List[Any]] = {s.name: [] for s in steps}
+    runs = {s.name: s.run for s in steps}
+    if opts["warmup"]:
+        barrier_rounds(runs, opts["warmup"])
+    for r in range(opts["rounds"]):  # every other round reversed: each pair alternates which runs first
+        got, _ = barrier_rounds(dict(reversed(list(runs.items()))) if r % 2 else runs, 1)
+        for k, v in got.items():
+            times[k] += v
     bubbles = traced_bubbles(steps, rank)
+    spent = breakdown(steps)
     for s in steps:
         s.close()
     dist.barrier()
@@ -158,9 +205,13 @@ def run_m(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, m: 
             "step_ms": {k: statistics.median(v) * 1e3 for k, v in walls.items()},
             "vs_accum": speed,
             "vs_torch_same_cut": {a: median_ratio(walls[b], walls[a]) for a, b in SAME if b in walls},
-            "vs_own_1f1b": {a: median_ratio(walls["1f1b"], walls[a]) for a in ("gpipe", "zb", "interleaved", "zb-v2")},
+            "vs_own_1f1b": {a: median_ratio(walls["1f1b"], walls[a]) for a in ("gpipe", "zb", "interleaved", "zb-v2",
+                                                                                 "auto", "auto-v2")},
+            "auto_vs_fastest_torch": {a: median_ratio(walls[fastest], walls[a]) for a in ("auto", "auto-v2")
+                                      for fastest in [min((t for t in TORCH if t in walls),
+                                                          key=lambda t: statistics.median(walls[t]))]},
             "stage_vs_replica": {a: median_ratio(walls[a + "-replica"], walls[a]) for a in ("1f1b", "interleaved")},
-            "bubbles": bubbles}
+            "bubbles": bubbles, "breakdown": spent}
 
 
 def job(settings: Dict[str, Any]) -> Optional[Dict[str, Any]]:
@@ -185,7 +236,8 @@ def report(res: Dict[str, Any], run: Run) -> Dict[str, Any]:
     targets: Dict[str, Any] = {}
     for name, doc in res.items():
         rows = doc["by_m"]
-        names = ["gpipe", "1f1b", "zb", "interleaved", "zb-v2", "1f1b-replica", "interleaved-replica"]
+        names = ["gpipe", "1f1b", "zb", "interleaved", "zb-v2", "auto", "auto-v2", "1f1b-replica",
+                 "interleaved-replica"]
         run.table(f"{doc['workload']}: speedup over accumulation (medians of per-round ratios)",
                   ["m"] + names + [t for t in TORCH], [[r["m"]] + [r["vs_accum"].get(n) for n in names]
                                                       + [r["vs_accum"].get(t) for t in TORCH] for r in rows])
@@ -194,6 +246,11 @@ def report(res: Dict[str, Any], run: Run) -> Dict[str, Any]:
                   + ["stage / replica 1f1b", "stage / replica interleaved"],
                   [[r["m"]] + [r["vs_torch_same_cut"].get(a) for a, _ in SAME] + list(r["vs_own_1f1b"].values())
                    + [r["stage_vs_replica"]["1f1b"], r["stage_vs_replica"]["interleaved"]] for r in rows])
+        run.table(f"{name}: one step's time, both processes summed (ms; other: Python between actions, headers, "
+                  "collectives, idle; torch's receive waits and zero-bubble W fall under other)",
+                  ["m / config", "wall", "F", "B (or I + W)", "receive wait", "other"],
+                  [[f"{r['m']} / {k}"] + [v[c] for c in ("wall_ms", "F_ms", "B_ms", "recv_wait_ms", "other_ms")]
+                   for r in rows for k, v in r["breakdown"].items()])
         run.table(f"{name}: bubble (idle share of the devices' time) of one traced step",
                   ["m / schedule", "measured", "replayed (measured actions)", "equal stages (F=1, B=2)"],
                   [[f"{r['m']} / {k}", v["measured_bubble"], v["replayed_bubble"], v["equal_stages_bubble"]]
@@ -205,13 +262,23 @@ def report(res: Dict[str, Any], run: Run) -> Dict[str, Any]:
         at4 = [r for r in rows if r["m"] == 4]
         if at4:
             t["m4_best_new_vs_1f1b"] = max(at4[0]["vs_own_1f1b"][a] for a in ("zb", "interleaved", "zb-v2"))
+        t["auto_vs_fastest_torch_min"] = min(max(r["auto_vs_fastest_torch"].values()) for r in rows)
+        at8 = [r["bubbles"] for r in rows if r["m"] == 8]
+        if at8 and "auto" in at8[0] and "1f1b" in at8[0]:
+            t["m8_auto_bubble_over_1f1b"] = min(at8[0][a]["measured_bubble"] for a in ("auto", "auto-v2")
+                                                if a in at8[0]) / at8[0]["1f1b"]["measured_bubble"]
+        for r in rows:
+            log0(f"  m={r['m']}: torch failed: {r['torch_failed'] or 'none'}")
         targets[name] = t
         run.table(f"{name}: against the targets", ["target", "measured", "goal"], [
             ["pipeddp vs torch, same cut and schedule, worst m", t["same_cut_min"], ">= 1.05"],
             ["interleaved / zb-v2 vs torch's counterpart, worst m", t["counterpart_min"], ">= 1.00"],
             ["stage mode vs replica mode, worst", t["stage_vs_replica_min"], ">= 0.95"],
         ] + ([["interleaved or zero-bubble vs pipeddp's 1F1B at m=4", t["m4_best_new_vs_1f1b"], ">= 1.08"]]
-             if at4 else []))
+             if at4 else []) + [["auto (better of v=1, v=2) vs torch's fastest schedule, worst m",
+                                t["auto_vs_fastest_torch_min"], ">= 1.10"]]
+            + ([["auto's measured bubble / pipeddp 1F1B's at m=8", t["m8_auto_bubble_over_1f1b"], "<= 0.50"]]
+               if "m8_auto_bubble_over_1f1b" in t else []))
     return targets
 
 

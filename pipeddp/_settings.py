@@ -19,7 +19,8 @@ from .partitioning.report import METHODS, Partition, check_balance, check_model,
 from .partitioning.solve import check_stage_count
 from .runtime.microbatch import batch_size
 from .runtime.schedule.actions import ScheduleFn
-from .runtime.schedule.builders import accepts_virtual_stages, get_schedule, schedule_name
+from .runtime.schedule.costed import check_max_activations, is_auto
+from .runtime.schedule.registry import accepts_virtual_stages, get_schedule, schedule_name
 from .runtime.settings import Settings
 
 __all__ = ["Settings", "check_settings", "CHECKPOINT_MODES", "choose_partition"]
@@ -49,6 +50,7 @@ def check_settings(
     flags: Optional[Dict[str, Any]] = None,
     balance: Union[None, str, Sequence[int]] = None,
     sample: Any = None,
+    max_activations: Optional[int] = None,
 ) -> Settings:
     """Check everything that does not need a device or a process group; raise naming the fix.
 
@@ -58,7 +60,7 @@ def check_settings(
     ``virtual_stages``: stages per device (default 2 for ``schedule="interleaved"``, else 1).
     ``threads``: intra-op threads per stage thread (None or an int >= 1). ``flags``: the
     constructor's on/off arguments by name, each must be a bool. ``balance`` (with ``sample``):
-    a method name or one number of layers per stage.
+    a method name or one number of layers per stage. ``max_activations``: ``schedule="auto"``'s cap.
 
     Everything here runs before any thread or process starts, so a mistake
     raises at once, naming the argument, instead of failing in a stage thread.
@@ -89,13 +91,17 @@ def check_settings(
     if checkpoint not in CHECKPOINT_MODES:
         raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
     get_schedule(schedule, stages, 1, virtual)  # an unknown or broken schedule fails now, not at the first step
+    if max_activations is not None and not is_auto(schedule):
+        raise ValueError(f"max_activations={max_activations!r} caps what schedule='auto' builds; schedule={schedule!r} "
+                         "holds what its pattern holds: use schedule='auto' or leave max_activations out")
+    check_max_activations(max_activations, virtual)
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
         raise ValueError(f"timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
     if not isinstance(compile, (bool, dict)):
         raise ValueError(f"compile must be True, False or a dict of torch.compile options, got {compile!r}")
     options = dict(compile) if isinstance(compile, dict) else ({} if compile else None)
-    return Settings(chunks, split_size, schedule, checkpoint, float(seconds), options, virtual)
+    return Settings(chunks, split_size, schedule, checkpoint, float(seconds), options, virtual, max_activations)
 
 
 def check_balance_arg(balance: Union[str, Sequence[int]], sample: Any, devices: int, virtual: int,
@@ -123,7 +129,7 @@ def check_virtual_stages(virtual_stages: Optional[int], schedule: Union[str, Sch
     _positive_int(virtual_stages, "virtual_stages", "stages per device")
     if virtual_stages > 1 and not accepts_virtual_stages(schedule):
         raise ValueError(f"virtual_stages={virtual_stages} needs a schedule that runs several stages per device: "
-                         "schedule='interleaved' or 'zb', or a function (stages, chunks, virtual_stages); got "
+                         "schedule='interleaved', 'zb' or 'auto', or a function (stages, chunks, virtual_stages); got "
                          f"schedule={schedule!r}")
     return virtual_stages
 

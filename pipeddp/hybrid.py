@@ -61,7 +61,7 @@ class HybridParallel(Checkpointable, StepModule):
         model: the ``nn.Sequential`` (built identically on every rank; DDP copies rank 0's weights to the others).
         stages: pipeline stages per replica.
         chunks, split_size, balance, sample, schedule, checkpoint, timeout, deferred_batch_norm, compile,
-            virtual_stages: as in ``Pipeline`` (tied weights and autocast too, across processes in
+            virtual_stages, max_activations: as in ``Pipeline`` (tied weights and autocast too, across processes in
             stage mode). A measured balance is computed on rank 0 and sent to every rank. With
             ``virtual_stages=v`` the model has ``stages * v`` stages; device r of each replica (a
             thread in replica mode, a process in stage mode) holds stages r, r + stages, ...
@@ -101,7 +101,7 @@ class HybridParallel(Checkpointable, StepModule):
                  threads: Optional[int] = None, skip_nonfinite: bool = False, deferred_batch_norm: bool = False,
                  compile: Union[bool, Dict[str, Any]] = False, virtual_stages: Optional[int] = None,
                  global_batch: Optional[int] = None, batch_size: Optional[int] = None,
-                 shard: str = "none") -> None:
+                 shard: str = "none", max_activations: Optional[int] = None) -> None:
         super().__init__()
         self.topology = topo = current_topology(stages, mode, layout)
         self.global_batch_plan: Optional[GlobalBatch] = plan_global_batch(global_batch, batch_size, topo.replicas)
@@ -113,7 +113,7 @@ class HybridParallel(Checkpointable, StepModule):
                                                   flags={"trace": trace, "deferred_batch_norm": deferred_batch_norm,
                                                          "sync_batchnorm": sync_batchnorm,
                                                          "skip_nonfinite": skip_nonfinite},
-                                                  balance=balance, sample=sample)
+                                                  balance=balance, sample=sample, max_activations=max_activations)
         self.key_names = Names.of(model)
         self.skip_nonfinite = skip_nonfinite
         self.shard = check_shard(shard, replicas=topo.replicas, model=model,

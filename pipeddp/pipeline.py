@@ -39,6 +39,7 @@ from .runtime.devices import DeviceLike, resolve_devices
 from .runtime.executor import ThreadRunner
 from .runtime.microbatch import batch_size, tree_tensors
 from .runtime.names import Names
+from .runtime.refine import attach_auto
 from .runtime.schedule.actions import ScheduleFn, row_of
 from .runtime.stage import build_stages, register_layers
 from .runtime.step import Step
@@ -96,7 +97,10 @@ class Pipeline(Checkpointable, StepModule):
         schedule: for ``train_step``: ``"1f1b"`` (default), ``"gpipe"``, ``"interleaved"``
             (interleaved 1F1B over ``virtual_stages`` stages per device) or ``"zb"``
             (zero-bubble: each backward split into its input and weight halves), or a
-            function ``(stages, chunks) -> per-device action lists`` (see ``pipeddp.runtime.schedule``).
+            function ``(stages, chunks) -> per-device action lists`` (see ``pipeddp.runtime.schedule``);
+            ``"auto"`` builds the order from the stages' measured costs (``docs/schedules.md``).
+        max_activations: ``schedule="auto"`` only: the most micro-batches a device may hold at once
+            (default 1F1B's); more lets the order hide more of the bubble.
         virtual_stages: stages per device (default 2 for ``"interleaved"``, else 1): the
             model is cut into ``len(devices) * virtual_stages`` stages and device r holds
             stages r, r + len(devices), ...; ``balance`` then lists that many stages.
@@ -146,6 +150,7 @@ class Pipeline(Checkpointable, StepModule):
         deferred_batch_norm: bool = False,
         compile: Union[bool, Dict[str, Any]] = False,
         virtual_stages: Optional[int] = None,
+        max_activations: Optional[int] = None,
     ) -> None:
         super().__init__()
         devs = pipeline_devices(devices, stages)
@@ -153,7 +158,7 @@ class Pipeline(Checkpointable, StepModule):
                                   checkpoint=checkpoint, timeout=timeout, compile=compile,
                                   virtual_stages=virtual_stages, threads=threads,
                                   flags={"trace": trace, "deferred_batch_norm": deferred_batch_norm},
-                                  balance=balance, sample=sample)
+                                  balance=balance, sample=sample, max_activations=max_activations)
         self.key_names = Names.of(model)
         self.devices = devs
         n_stages = len(devs) * settings.virtual_stages
@@ -168,6 +173,7 @@ class Pipeline(Checkpointable, StepModule):
                           schedule=settings.schedule, checkpoint=settings.checkpoint,
                           ties=find_ties(model, self.balance), deferred_batch_norm=deferred_batch_norm,
                           virtual_stages=settings.virtual_stages)
+        attach_auto(self._step, self.partition.layers, self.balance, settings.max_activations)
         self._finalizer = weakref.finalize(self, self._runner.close)
         self.settings = settings
         self.trace = Trace() if trace else None

@@ -32,10 +32,12 @@ def plain_training(batches, lr: float = 0.1):
 # -- the global batch ------------------------------------------------------------------------------------------
 
 
-def test_accumulation_in_one_process_equals_the_plain_model():
+@pytest.mark.parametrize("schedule", ["1f1b", "auto"])
+def test_accumulation_in_one_process_equals_the_plain_model(schedule):
     batches = global_batches(3, 16)
     expected, expected_losses = plain_training(batches)
-    with pipeddp.HybridParallel(make_mlp(), stages=2, chunks=2, global_batch=16, batch_size=4) as engine:
+    with pipeddp.HybridParallel(make_mlp(), stages=2, chunks=2, global_batch=16, batch_size=4,
+                                schedule=schedule) as engine:
         assert (engine.global_batch, engine.replica_batch, engine.accumulation) == (16, 16, 4)
         opt = torch.optim.SGD(engine.parameters(), lr=0.1)
         for (x, y), want in zip(batches, expected_losses):

@@ -60,7 +60,12 @@ def test_plan_ranks_the_new_schedules_and_says_how_to_run_its_choice():
 
     layers = synthetic_layers(12)
     cands = plan(layers, devices=4, batch=64, link="nvlink")
-    assert {c.schedule for c in cands if c.stages > 1} == {"1f1b", "gpipe", "interleaved", "zb"}
+    assert {c.schedule for c in cands if c.stages > 1} == {"1f1b", "gpipe", "interleaved", "zb", "auto"}
+    # auto is built from the very costs plan simulates, with the fixed one-stage-per-device orders as candidates
+    by = {(c.stages, c.replicas, c.chunks, c.schedule): c.step_time for c in cands}
+    for (p, r, m, name), t in by.items():
+        if name == "auto":
+            assert t <= min(by[(p, r, m, s)] for s in ("1f1b", "zb", "gpipe")) * (1 + 1e-9)
     for c in cands:
         if c.schedule == "interleaved" and c.stages > 1:
             assert c.virtual_stages == 2 and len(c.balance) == 2 * c.stages and "(v=2)" in c.schedule_text

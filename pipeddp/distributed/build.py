@@ -7,7 +7,7 @@
         -> stage groups (and pipeline groups in stage mode)
         -> [SyncBatchNorm] -> this process's stages, registered on the owner under the model's names
         -> runner: ThreadRunner (replica mode: every stage, on threads) | ProcessRunner (stage mode: one stage)
-        -> Step, with the exchange of tied weights between processes
+        -> Step, with the exchange of tied weights between processes (and schedule="auto"'s order)
         -> DDP over each stage's group (several replicas), or FSDP2's fully_shard with shard=
 
 Every rank runs these steps in the same order, because several are
@@ -30,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..partitioning.report import Partition
 from ..runtime.devices import DeviceLike
 from ..runtime.executor import ThreadRunner
+from ..runtime.refine import attach_auto
 from ..runtime.schedule.actions import row_of
 from ..runtime.settings import Settings
 from ..runtime.stage import Stage, build_stages, register_layers
@@ -94,6 +95,8 @@ def build_replica(owner: nn.Module, model: nn.Sequential, topology: Topology, se
         step, exchange, ddps, shards = _step_over(model, topo, settings, local, balance, runner, agreement, groups,
                                                   backend, ddp_kwargs=ddp_kwargs, comm_hook=comm_hook, trace=trace,
                                                   deferred_batch_norm=deferred_batch_norm, shard=shard)
+        attach_auto(step, cut.layers, balance, settings.max_activations, gather=agreement.gather_to_all,
+                    on_rank0=agreement.from_rank0)  # schedule="auto": costs measured, one order for every rank
     except BaseException:
         runner.close()  # its threads (or links) must not outlive a construction that failed
         raise

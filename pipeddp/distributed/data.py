@@ -39,11 +39,13 @@ past it wait for another epoch's permutation (as ``drop_last``).
 
 from __future__ import annotations
 
-from typing import Any, Iterator, List, Optional
+import weakref
+from typing import Any, Iterator, List, Optional, cast
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
+from ..runtime.prefetch import Placement, Prefetcher, check_prefetch
 from .elastic import DataPosition
 from .topology import Topology
 
@@ -118,7 +120,30 @@ class ElasticSampler(Sampler[int]):
 
 
 class ReplicaLoader(DataLoader):
-    """A ``DataLoader`` whose ``set_epoch`` reaches its sampler."""
+    """A ``DataLoader`` whose ``set_epoch`` reaches its sampler, and which may prepare batches ahead.
+
+    With ``prefetch = k > 0`` each iteration runs on a daemon thread that keeps
+    up to k batches ready (see ``runtime.prefetch``); ``close`` stops the
+    threads of iterations not run to their end (a dropped iterator stops its own).
+    """
+
+    #: batches prepared ahead of the caller (0: none, the caller's thread loads each when it asks)
+    prefetch: int = 0
+    #: where a prepared batch's inputs and targets go (CUDA only), or None
+    placement: Optional[Placement] = None
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        if not self.prefetch:
+            return super().__iter__()
+        ahead = Prefetcher(lambda: DataLoader.__iter__(self), self.prefetch, self.placement)
+        live = self.__dict__.setdefault("_live", weakref.WeakSet())
+        live.add(ahead)
+        return ahead
+
+    def close(self) -> None:
+        """Stop and join the prefetch threads of iterations still open (nothing to do without prefetch)."""
+        for ahead in list(self.__dict__.get("_live", ())):
+            ahead.close()
 
     def set_epoch(self, epoch: int) -> None:
         """Reshuffle for ``epoch`` (call at the start of every epoch, on every rank, with the same value)."""
@@ -149,9 +174,14 @@ class ElasticLoader(ReplicaLoader):
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         position, step = self.sampler.position, self.sampler.global_batch
         epoch = position.epoch
-        for batch in super().__iter__():
-            position.consumed += step
-            yield batch
+        batches = super().__iter__()
+        try:
+            for batch in batches:  # counted here, as it reaches the caller: a batch prepared ahead is not consumed
+                position.consumed += step
+                yield batch
+        finally:
+            if isinstance(batches, Prefetcher):
+                batches.close()
         if position.epoch == epoch:
             position.epoch, position.consumed = epoch + 1, 0
 
@@ -167,6 +197,7 @@ def loader(
     shuffle: bool = True,
     seed: int = 0,
     drop_last: bool = False,
+    prefetch: int = 0,
     **dataloader_kwargs: Any,
 ) -> ReplicaLoader:
     """A loader of this replica's share of ``dataset`` with local batches of ``batch_size``.
@@ -181,7 +212,15 @@ def loader(
     and whose place in the epoch is ``engine.position``, which checkpoints
     record and ``resume`` restores: after a restart, with any replica count,
     iterating goes on where the job stopped (do not skip batches yourself).
+
+    ``prefetch=k``: a background thread prepares the next k batches while the
+    step runs; on CUDA, with an engine, it also pins them and copies the inputs
+    to the first stage's device and the targets to the last stage's on a side
+    stream. A batch prepared but not handed out is not counted as consumed.
+    Call ``close()`` on the loader (or drop the iterator) to stop an iteration
+    early; exhausting it stops its thread too.
     """
+    ahead = check_prefetch(prefetch)
     plan = getattr(engine, "global_batch_plan", None)
     if engine is not None:
         topo: Topology = engine.topology
@@ -194,10 +233,10 @@ def loader(
             raise ValueError(f"batch_size={batch_size}, but the engine fixes global_batch={plan.total} over "
                              f"{plan.replicas} replica(s): each replica's batch is {plan.replica_batch}; leave "
                              "batch_size out (the engine's batch_size= sets the samples per accumulation pass)")
-        elastic = ElasticSampler(dataset, replicas, replica, plan.total, position=engine.position, shuffle=shuffle,
-                                 seed=seed)
-        return ElasticLoader(dataset, batch_size=plan.replica_batch, sampler=elastic, drop_last=True,
-                             generator=generator, **dataloader_kwargs)
+        elastic = ElasticSampler(dataset, replicas, replica, plan.total, position=cast(Any, engine).position,
+                                 shuffle=shuffle, seed=seed)
+        return _ahead(ElasticLoader(dataset, batch_size=plan.replica_batch, sampler=elastic, drop_last=True,
+                                    generator=generator, **dataloader_kwargs), ahead, engine)
     if batch_size is None:
         raise ValueError("pass batch_size= (samples per local batch); it may be left out only for training with an "
                          "engine that fixes global_batch")
@@ -207,5 +246,15 @@ def loader(
                                      drop_last=drop_last)
     else:
         sampler = ShardSampler(dataset, replicas, replica)
-    return ReplicaLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last and train,
-                         generator=generator, **dataloader_kwargs)
+    return _ahead(ReplicaLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last and train,
+                                generator=generator, **dataloader_kwargs), ahead, engine)
+
+
+def _ahead(made: ReplicaLoader, prefetch: int, engine: Optional[Any]) -> ReplicaLoader:
+    """``made`` preparing ``prefetch`` batches ahead; inputs bound for the engine's first stage, targets its last."""
+    made.prefetch = prefetch
+    stages = list(getattr(engine, "stages", None) or [])
+    if prefetch and stages:
+        made.placement = Placement(stages[0].device if getattr(engine, "is_first", True) else None,
+                                   stages[-1].device if getattr(engine, "is_last", True) else None)
+    return made

@@ -3,7 +3,10 @@
 ::
 
     microbatch   split a batch into micro-batches, merge outputs back
-    schedule/    schedules as data: actions -> replay (``play``) -> checks -> builders (GPipe, 1F1B, ...)
+    schedule/    schedules as data: actions -> replay (``play``) -> checks -> builders (GPipe, 1F1B, ...) -> costed
+                 (``"auto"``: the order built from measured F / I / W costs) -> registry (by name)
+    refine       re-costs ``"auto"`` from the first steps' action times, the same on every rank
+    prefetch     batches prepared ahead of the step on a thread (pinned, copied on a side stream on CUDA)
     stage        one slice of the model on one device: forward / backward / recompute of a micro-batch
     spec         ``StepSpec``: what a step asks of every stage, and what a stage keeps per micro-batch
     compiled     a stage's layers under ``torch.compile``, one compiled function per mode

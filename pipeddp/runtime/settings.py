@@ -29,6 +29,8 @@ class Settings:
     compile: Optional[Dict[str, Any]] = None
     #: stages per device: the model is cut into ``devices x virtual_stages`` stages
     virtual_stages: int = 1
+    #: ``schedule="auto"``: the most micro-batches a device may hold at once (None: 1F1B's)
+    max_activations: Optional[int] = None
 
     @property
     def timeout_delta(self) -> timedelta:

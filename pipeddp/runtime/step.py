@@ -34,7 +34,8 @@ from .executor import StageResults
 from .microbatch import merge, split, split_sizes, tree_map
 from .rng import draw_base_seed
 from .schedule.actions import Action, Schedule, ScheduleFn, row_of
-from .schedule.builders import backward_only, forward_only, get_schedule
+from .schedule.builders import backward_only, forward_only
+from .schedule.registry import get_schedule
 from .spec import Grads, StepSpec
 from .stage import Stage
 from .tied import LocalTies, Tie
@@ -127,6 +128,10 @@ class Step:
                 plan = (forward_only if kind == "forward" else backward_only)(self.rows, m, self.virtual_stages)
             self._rows[key] = [plan[r] for r in self.local_rows]
         return self._rows[key]
+
+    def reschedule(self) -> None:
+        """Forget the rows built so far: the schedule function has new costs (``schedule="auto"``)."""
+        self._rows.clear()
 
     def _seed(self) -> Optional[int]:
         """One base seed per step, drawn in the caller's thread (so ``torch.manual_seed`` rules it)."""

@@ -249,7 +249,7 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=fmt)
     p.add_argument("--version", action="version", version=f"pipeddp {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
-    schedules = ["1f1b", "gpipe", "interleaved", "zb"]
+    schedules = ["1f1b", "gpipe", "interleaved", "zb", "auto"]
 
     d = sub.add_parser("demo", formatter_class=fmt,
                        help="train a small MLP plainly, as a pipeline and as a hybrid job on CPU; compare",

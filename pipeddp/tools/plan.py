@@ -40,7 +40,7 @@ __all__ = ["LayerModel", "fit_layers", "Candidate", "plan", "parse_bytes", "SCHE
            "shard_memory"]
 
 #: The schedules ``plan`` ranks by default (interleaved with ``virtual_stages`` stages per device).
-SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb")
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb", "auto")
 
 
 @dataclass(frozen=True)

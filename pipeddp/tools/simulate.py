@@ -58,7 +58,8 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from ..runtime.schedule.actions import Action, Kind, ScheduleFn, row_of
-from ..runtime.schedule.builders import get_schedule
+from ..runtime.schedule.costed import AutoSchedule, Costs, is_auto
+from ..runtime.schedule.registry import get_schedule
 from ..runtime.schedule.replay import Played, play
 from .contention import play_shared, play_with_collectives
 from .costs import (
@@ -140,6 +141,11 @@ def simulate(
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes!r}")
     link = resolve_link(links)
     ar_link = resolve_link(allreduce_link) if allreduce_link is not None else link
+    if is_auto(schedule):  # built from these very costs, as an engine builds it from its measured ones
+        schedule = AutoSchedule(Costs(tuple(c.forward for c in costs), tuple(c.cost(Kind.I, s == 0) for s, c in
+                                                                             enumerate(costs)),
+                                      tuple(c.cost(Kind.W, s == 0) for s, c in enumerate(costs)),
+                                      max(link.time(c.activation_bytes) for c in costs)))
     plan = get_schedule(schedule, rows, chunks, virtual_stages)
 
     def duration(row: int, a: Action) -> float:

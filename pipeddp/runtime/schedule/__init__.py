@@ -8,7 +8,11 @@
        ^
     checks     validate (complete, ordered, placed, deadlock-free), format_schedule
        ^
-    builders   gpipe, one_f_one_b, list_schedule -> interleaved, zero_bubble; get_schedule by name
+    builders   gpipe, one_f_one_b, list_schedule -> interleaved, zero_bubble
+       ^
+    costed     "auto": an order built from measured F / I / W costs under a cap on held activations
+       ^
+    registry   schedules by name; get_schedule builds, normalises and validates any of them
 
 Each module imports only those below it. This face hands their names on (so
 ``from pipeddp.runtime.schedule import play`` keeps working); inside pipeddp,
@@ -17,24 +21,22 @@ import from the submodule that owns the name.
 
 from .actions import Action, Event, Kind, Schedule, ScheduleFn, deps, normalize, produces, releases, row_of, stage_count
 from .builders import (
-    SCHEDULES,
-    VIRTUAL,
-    accepts_virtual_stages,
     backward_only,
     forward_only,
-    get_schedule,
     gpipe,
     interleaved,
     interleaved_limit,
     list_schedule,
     one_f_one_b,
-    schedule_name,
     zero_bubble,
 )
 from .checks import format_schedule, validate
+from .costed import AutoSchedule, Costs
+from .registry import SCHEDULES, VIRTUAL, accepts_virtual_stages, get_schedule, schedule_name
 from .replay import Played, peak_held, play, ready_time
 
 __all__ = ["Kind", "Action", "Schedule", "ScheduleFn", "Event", "row_of", "stage_count", "produces", "deps",
            "releases", "normalize", "gpipe", "one_f_one_b", "list_schedule", "interleaved_limit", "interleaved",
            "zero_bubble", "forward_only", "backward_only", "SCHEDULES", "VIRTUAL", "schedule_name", "get_schedule",
-           "accepts_virtual_stages", "validate", "format_schedule", "Played", "play", "peak_held", "ready_time"]
+           "accepts_virtual_stages", "AutoSchedule", "Costs", "validate", "format_schedule", "Played", "play",
+           "peak_held", "ready_time"]

@@ -29,18 +29,15 @@ name or function and hands it back normalised and validated.
 
 from __future__ import annotations
 
-import inspect
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from .actions import Action, Event, Kind, Schedule, ScheduleFn, deps, normalize, produces, releases
-from .checks import validate
+from .actions import Action, Event, Kind, Schedule, deps, produces, releases
 
 __all__ = ["gpipe", "one_f_one_b", "list_schedule", "interleaved_limit", "interleaved", "zero_bubble",
-           "forward_only", "backward_only", "SCHEDULES", "VIRTUAL", "schedule_name", "get_schedule",
-           "accepts_virtual_stages"]
+           "forward_only", "backward_only", "check_counts"]
 
 
-def _check(stages: int, chunks: int, virtual_stages: int = 1) -> None:
+def check_counts(stages: int, chunks: int, virtual_stages: int = 1) -> None:
     for name, value in (("stages", stages), ("chunks", chunks), ("virtual_stages", virtual_stages)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -48,14 +45,14 @@ def _check(stages: int, chunks: int, virtual_stages: int = 1) -> None:
 
 def gpipe(stages: int, chunks: int) -> Schedule:
     """All forwards, then all backwards (in micro-batch order) on every stage."""
-    _check(stages, chunks)
+    check_counts(stages, chunks)
     return [[Action(Kind.F, i, s) for i in range(chunks)] + [Action(Kind.B, i, s) for i in range(chunks)]
             for s in range(stages)]
 
 
 def one_f_one_b(stages: int, chunks: int) -> Schedule:
     """1F1B: warm-up forwards, steady one-forward-one-backward, cool-down backwards."""
-    _check(stages, chunks)
+    check_counts(stages, chunks)
     out: Schedule = []
     for s in range(stages):
         warm = min(stages - s - 1, chunks)
@@ -97,7 +94,7 @@ def list_schedule(stages: int, chunks: int, virtual_stages: int = 1, *, split_ba
     is deadlock-free for any real costs (it is a topological order of the
     dependencies), so the executor may run it whatever the durations.
     """
-    _check(stages, chunks, virtual_stages)
+    check_counts(stages, chunks, virtual_stages)
     p, n_stages = stages, stages * virtual_stages
     caps = [chunks * virtual_stages] * p if limit is None else list(limit)
     if len(caps) != p or any(c < 1 for c in caps):
@@ -209,7 +206,7 @@ def interleaved(stages: int, chunks: int, virtual_stages: int = 2) -> Schedule:
     stage v times smaller than with one stage per device). With one virtual
     stage it is 1F1B.
     """
-    _check(stages, chunks, virtual_stages)
+    check_counts(stages, chunks, virtual_stages)
     if virtual_stages == 1:
         return one_f_one_b(stages, chunks)
     return list_schedule(stages, chunks, virtual_stages, limit=interleaved_limit(stages, chunks, virtual_stages))
@@ -224,7 +221,7 @@ def zero_bubble(stages: int, chunks: int, virtual_stages: int = 1) -> Schedule:
     virtual stages, the interleaved schedule's first device's limit), each
     held from its F until its W.
     """
-    _check(stages, chunks, virtual_stages)
+    check_counts(stages, chunks, virtual_stages)
     cap = max(interleaved_limit(stages, chunks, virtual_stages)) if virtual_stages > 1 else min(stages, chunks)
     return list_schedule(stages, chunks, virtual_stages, split_backward=True, limit=[cap] * stages)
 
@@ -247,56 +244,3 @@ def backward_only(stages: int, chunks: int, virtual_stages: int = 1) -> Schedule
     """Whole backwards only, in the training schedule's order: the second half of ``pipe(x)`` + ``backward()``."""
     train = one_f_one_b(stages, chunks) if virtual_stages == 1 else interleaved(stages, chunks, virtual_stages)
     return _only(train, lambda a: a if a.kind is Kind.B else None)
-
-
-SCHEDULES: Dict[str, ScheduleFn] = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved,
-                                    "zb": zero_bubble}
-_ALIASES = {"interleaved1f1b": "interleaved", "zerobubble": "zb", "zbh1": "zb"}
-#: Schedules that run several stages per device when asked to (``virtual_stages > 1``).
-VIRTUAL = ("interleaved", "zb")
-
-
-def schedule_name(schedule: str) -> str:
-    """The registered name for ``schedule`` (case, dashes and underscores ignored), or ValueError."""
-    key = schedule.lower().replace("-", "").replace("_", "")
-    key = _ALIASES.get(key, key)
-    if key not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; choose one of {sorted(SCHEDULES)} or pass a function")
-    return key
-
-
-def get_schedule(schedule: Union[str, ScheduleFn], stages: int, chunks: int, virtual_stages: int = 1) -> Schedule:
-    """Build, normalise and validate a schedule from a name or a function.
-
-    ``stages`` is the number of devices (rows); the model has ``stages *
-    virtual_stages`` stages. A function is called as ``fn(stages, chunks)``,
-    or ``fn(stages, chunks, virtual_stages)`` when there are virtual stages.
-    """
-    _check(stages, chunks, virtual_stages)
-    if isinstance(schedule, str):
-        name = schedule_name(schedule)
-        if virtual_stages > 1 and name not in VIRTUAL:
-            raise ValueError(f"schedule {schedule!r} runs one stage per device; with virtual_stages={virtual_stages} "
-                             f"choose one of {list(VIRTUAL)}")
-        fn = SCHEDULES[name]
-        plan = fn(stages, chunks) if name not in VIRTUAL else fn(stages, chunks, virtual_stages)
-    elif callable(schedule):
-        plan = schedule(stages, chunks) if virtual_stages == 1 else schedule(stages, chunks, virtual_stages)
-    else:
-        raise TypeError("schedule must be a name or a function(stages, chunks[, virtual_stages]), got "
-                        f"{type(schedule).__name__}")
-    plan = normalize(plan, stages * virtual_stages)
-    validate(plan, chunks, training=True)
-    return plan
-
-
-def accepts_virtual_stages(schedule: Union[str, ScheduleFn]) -> bool:
-    """Whether ``schedule`` can run several stages per device (a name in ``VIRTUAL``, or a 3-argument function)."""
-    if isinstance(schedule, str):
-        return schedule_name(schedule) in VIRTUAL
-    try:
-        inspect.signature(schedule).bind(1, 1, 1)
-    except (TypeError, ValueError):
-        return False
-    return True
-

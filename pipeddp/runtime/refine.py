@@ -1,0 +1,110 @@
+"""Refine ``schedule="auto"`` from the first steps' own action times, the same on every rank.
+
+The profile times each layer alone, at the partitioner's leisure. In the
+pipeline the actions run beside their neighbours on shared cores, receive and
+send, and split the backward into its two halves; so after the first steps
+the engine times one step's actions and rebuilds the order from those costs::
+
+    step 1            step 2 (traced)          step 3 ...
+    profile's order   profile's order          measured order
+                      F/I/W/B medians per stage, the quickest receive
+                      -> gathered from every process -> rank 0 decides
+                      -> the same costs (so the same order) everywhere
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
+
+from .schedule.costed import AutoSchedule, Costs, is_auto
+from .trace import Trace
+
+__all__ = ["Refiner", "attach_auto"]
+
+T = TypeVar("T")
+#: Per (stage, action kind): the measured seconds of each such action of a step.
+Samples = Dict[Tuple[int, str], List[float]]
+
+
+def _alone(local: Any) -> List[Any]:
+    return [local]
+
+
+def _here(choose: Callable[[], T]) -> T:
+    return choose()
+
+
+class Refiner:
+    """An ``after_backward`` hook of a step: times one early training step, then rebuilds the schedule from it.
+
+    The profile times each layer alone; the pipeline's actions run with their
+    neighbours on the same cores, receive and send, and split the backward, so
+    the first steps' own action times are the better costs. After the
+    ``after``-th step the next one is traced (on a trace of its own when the
+    engine records none); after it, every process's times are gathered
+    (``gather``), the costs are decided once (``on_rank0``: on rank 0, sent to
+    every rank, so every process runs the same schedule) and the step forgets
+    the rows it built, so the following steps run the new schedule.
+    """
+
+    def __init__(self, auto: AutoSchedule, step: Any, *, after: int = 1,
+                 gather: Callable[[Any], List[Any]] = _alone,
+                 on_rank0: Callable[[Callable[[], Costs]], Costs] = _here) -> None:
+        self.auto, self.after = auto, after
+        self._step = weakref.ref(step)  # the step holds this hook: no reference cycle keeps a dropped engine alive
+        self.gather, self.on_rank0 = gather, on_rank0
+        self.seen = 0
+        self.since = 0.0
+        self.own: Optional[Trace] = None
+        #: the costs the schedule was rebuilt from (None until then)
+        self.refined: Optional[Costs] = None
+
+    def __call__(self) -> None:
+        step = self._step()
+        if step is None:
+            return
+        self.seen += 1
+        if self.seen == self.after:
+            self.since = time.perf_counter()
+            if step.trace is None:
+                self.own = step.trace = Trace()
+        elif self.seen == self.after + 1:
+            spans = [s for s in step.trace.spans if s.start >= self.since] if step.trace is not None else []
+            if self.own is not None and step.trace is self.own:
+                step.trace = None
+            self.own = None
+            samples: Samples = {}
+            receives: List[float] = []
+            for s in spans:
+                if s.lane == "compute" and s.kind in ("F", "B", "I", "W"):
+                    samples.setdefault((s.stage, s.kind), []).append(s.duration)
+                elif s.kind == "recv":
+                    receives.append(s.duration)
+            parts = self.gather((samples, min(receives) if receives else None))
+            self.refined = self.on_rank0(lambda: self._decide(parts, step.n_stages))
+            self.auto.update(self.refined)
+            step.reschedule()
+
+    def _decide(self, parts: Sequence[Tuple[Samples, Optional[float]]], stages: int) -> Costs:
+        merged: Samples = {}
+        for samples, _ in parts:
+            for key, times in samples.items():
+                merged.setdefault(key, []).extend(times)
+        base = self.auto.costs or Costs.unit(stages)
+        return base.measured(merged, [t for _, t in parts if t is not None])
+
+
+def attach_auto(step: Any, layers: Sequence[Any], balance: Sequence[int], max_activations: Optional[int], *,
+                gather: Callable[[Any], List[Any]] = _alone,
+                on_rank0: Callable[[Callable[[], Costs]], Costs] = _here) -> Optional[Refiner]:
+    """Where ``step`` runs ``schedule="auto"``: its schedule becomes an ``AutoSchedule`` costed by the profile's
+    ``layers`` cut by ``balance``, refined after the first steps (see ``Refiner``). None for any other schedule."""
+    if not is_auto(step.schedule):
+        return None
+    auto = AutoSchedule(Costs.from_layers(layers, balance), max_activations)
+    step.schedule = auto
+    refiner = Refiner(auto, step, gather=gather, on_rank0=on_rank0)
+    step.after_backward.append(refiner)
+    return refiner

@@ -1,0 +1,120 @@
+"""``schedule="auto"``: an order built from measured costs, checked against the fixed schedules and the plain model."""
+
+import itertools
+
+import pytest
+import torch
+
+import pipeddp
+from conftest import data, make_mlp, max_diff, reference_training
+from hybrid_jobs import LOSS, global_batches
+from pipeddp.runtime.schedule.costed import AutoSchedule, Costs, build, default_activations
+from pipeddp.runtime.schedule import Kind, get_schedule, peak_held, play, validate
+from pipeddp.tools.simulate import StageCost, simulate
+
+
+def replay(plan, costs):
+    return play(plan, lambda row, a: costs.of(a.kind, a.stage))
+
+
+@pytest.mark.parametrize("p,m,v", [(1, 3, 1), (2, 1, 1), (2, 4, 1), (3, 5, 1), (4, 8, 1), (2, 4, 2), (3, 6, 2),
+                                   (2, 3, 3)])
+def test_auto_is_a_valid_schedule_no_slower_than_the_fixed_ones_within_its_cap(p, m, v):
+    costs = Costs(tuple(0.5 + 0.3 * s for s in range(p * v)), tuple([0.0] + [0.7] * (p * v - 1)),
+                  tuple(1.9 - 0.2 * s for s in range(p * v)), 0.05)
+    fixed = ["1f1b", "zb"] if v == 1 else ["interleaved", "zb"]
+    for cap in (None, v, 2 * p * v):
+        plan = build(p, m, v, costs, cap)
+        validate(plan, m)
+        limit = cap if cap is not None else default_activations(p, m, v)
+        assert max(peak_held(row) for row in plan) <= limit
+        if cap is None:
+            transfer = play(plan, lambda row, a: costs.of(a.kind, a.stage), lambda s, d, a: costs.transfer)
+            for name in fixed:
+                other = play(get_schedule(name, p, m, v), lambda row, a: costs.of(a.kind, a.stage),
+                             lambda s, d, a: costs.transfer)
+                assert transfer.makespan <= other.makespan + 1e-9, name
+
+
+def test_auto_beats_zero_bubble_where_the_stages_differ():
+    # the first stage has no input gradient (its W is its whole backward); the others have a W four times their I
+    costs = Costs((1.0, 1.0, 1.0), (0.0, 0.4, 0.4), (2.0, 1.6, 1.6))
+    auto, zb = replay(build(3, 8, 1, costs), costs), replay(get_schedule("zb", 3, 8), costs)
+    assert auto.makespan < zb.makespan / 1.04 and auto.bubble < zb.bubble
+    # twice 1F1B's activations lets the order hide more of the bubble
+    costs = Costs((1.0, 1.0, 1.0), (0.0, 0.3, 1.5), (2.0, 1.7, 0.5))
+    assert replay(build(3, 8, 1, costs, 6), costs).makespan < replay(build(3, 8, 1, costs), costs).makespan
+
+
+def test_costs_from_a_profile_and_from_measured_actions():
+    class Layer:
+        def __init__(self, f, b):
+            self.forward, self.backward = f, b
+
+    got = Costs.from_layers([Layer(1.0, 2.0), Layer(0.5, 1.0), Layer(2.0, 4.0)], [2, 1])
+    assert got.forward == (1.5, 2.0) and got.input == (0.0, 2.0) and got.weight == (3.0, 2.0)
+    assert Costs.from_layers([Layer(0.0, 0.0)] * 4, [2, 2]) == Costs.unit(2)  # nothing timed: equal stages
+    refined = got.measured({(0, "F"): [1.0, 3.0, 2.0], (1, "I"): [0.5], (1, "W"): [1.5], (0, "B"): [6.0]}, [0.1])
+    assert refined.forward == (2.0, 2.0) and refined.input == (0.0, 0.5) and refined.weight == (6.0, 1.5)
+    assert refined.transfer == 0.1
+
+
+def test_simulate_and_the_schedule_name_know_auto():
+    stage_costs = [StageCost(1.0, 2.0, backward_input=0.0), StageCost(1.0, 2.0, backward_input=0.4),
+                   StageCost(1.0, 2.0, backward_input=0.4)]
+    auto, zb = simulate(stage_costs, "auto", chunks=8), simulate(stage_costs, "zb", chunks=8)
+    assert auto.step_time < zb.step_time and max(auto.peak_activations) <= 3
+    plan = get_schedule("auto", 2, 4, 2)  # unit costs without an engine; several stages per device allowed
+    validate(plan, 4)
+    assert {a.kind for row in plan for a in row} <= {Kind.F, Kind.B, Kind.I, Kind.W}
+
+
+@pytest.mark.parametrize("cap,v", [(0, 1), (1, 2), (2.5, 1), (True, 1)])
+def test_a_cap_below_what_any_schedule_needs_is_refused_naming_the_minimum(cap, v):
+    with pytest.raises(ValueError, match=f"max_activations must be an int >= {v}"):
+        pipeddp.Pipeline(make_mlp(), ["cpu"] * 2, chunks=4, schedule="auto", max_activations=cap, virtual_stages=v)
+    with pytest.raises(ValueError, match=f"max_activations must be an int >= {v}"):
+        build(2, 4, v, max_activations=cap)
+
+
+def test_a_cap_with_a_fixed_schedule_is_refused():
+    with pytest.raises(ValueError, match="max_activations=4 caps what schedule='auto' builds"):
+        pipeddp.HybridParallel(make_mlp(), stages=2, schedule="zb", max_activations=4)
+
+
+@pytest.mark.parametrize("devices,virtual,checkpoint,cap", [(2, 1, "never", None), (3, 1, "except_last", 6),
+                                                            (2, 2, "always", None), (2, 1, "always", 1)])
+def test_pipeline_with_auto_trains_the_plain_model_and_refines_its_order(devices, virtual, checkpoint, cap):
+    model = make_mlp()
+    names = [n for n, _ in model.named_parameters()]
+    grads, params = reference_training(model, global_batches(1, 4), LOSS)
+    x0, _ = data(10)
+    with pipeddp.Pipeline(make_mlp(), ["cpu"] * devices, chunks=4, schedule="auto", virtual_stages=virtual,
+                          checkpoint=checkpoint, max_activations=cap, balance="time", sample=x0) as pipe:
+        refiner = pipe._step.after_backward[-1]
+        profiled = pipe._step.schedule.costs
+        assert len(profiled.forward) == devices * virtual and sum(profiled.forward) > 0  # from the profile
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        for step, (x, y) in enumerate(global_batches(1, 4)):
+            opt.zero_grad()
+            pipe.train_step(x, y, LOSS)
+            got = dict(pipe.named_parameters())
+            assert max_diff([got[n].grad for n in names], grads[step]) < 1e-12, step
+            opt.step()
+            assert (refiner.refined is not None) == (step >= 1)
+            assert (pipe.trace is None) == (step != 0)  # the second step is traced on a trace of its own
+        assert pipe._step.schedule.costs is refiner.refined
+        plan = pipe._step._local_rows("train", 4)
+        assert max(peak_held(row) for row in plan) <= (cap or (devices if virtual == 1 else 5))
+        state = pipe.state_dict()
+    assert max_diff([state[n] for n in names], params) < 1e-12
+
+
+def test_auto_schedule_caches_per_shape_and_forgets_on_new_costs():
+    auto = AutoSchedule(Costs.unit(2))
+    first = auto(2, 4)
+    assert auto(2, 4) == first and auto(2, 4) is not first  # a copy: the caller may not edit the cache
+    auto.update(Costs((1.0, 1.0), (0.0, 0.4), (2.0, 1.6)))
+    assert auto._built == {}
+    for p, m in itertools.product((2,), (2, 4, 6)):
+        validate(auto(p, m), m)
