@@ -152,7 +152,7 @@ def _check_plan_arguments(args: argparse.Namespace) -> Optional[float]:
     for flag, value, least in (("--devices", args.devices, 1), ("--batch", args.batch, 1),
                                ("--profile-batch", args.profile_batch, 2), ("--threads", args.threads, 1),
                                ("--top", args.top, 1), ("--optimizer-slots", args.optimizer_slots, 0)):
-        if value < least:
+        if value is not None and value < least:  # --optimizer-slots may be left to --optimizer
             raise ValueError(f"{flag} must be >= {least}, got {value}")
     if args.devices_per_node is not None and (args.devices_per_node < 1 or args.devices % args.devices_per_node):
         raise ValueError(f"--devices-per-node {args.devices_per_node} must be >= 1 and divide --devices "
