@@ -35,6 +35,7 @@ class StepModule(nn.Module):
     key_names: Names = Names()
 
     # ignore: nn.Module.state_dict is overloaded on destination's type; this one takes the common keywords only
+    # mypy: nn.Module.state_dict is a set of overloads; one keyword-only signature cannot match them all
     def state_dict(self, *, destination: Optional[Dict[str, Any]] = None, prefix: str = "",  # type: ignore[override]
                    keep_vars: bool = False) -> Dict[str, Any]:
         """The state of the layers held here, keyed by the original model's names."""

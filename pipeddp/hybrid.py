@@ -221,10 +221,12 @@ class HybridParallel(Checkpointable, StepModule):
 
     # -- state -------------------------------------------------------------------------------------
 
+    # mypy: nn.Module.state_dict is a set of overloads; one keyword-only signature cannot match them all
     def state_dict(self, **kwargs: Any) -> Dict[str, Any]:  # type: ignore[override]
         """The whole model's state dict with the plain model's keys (a collective in stage mode, and with shard=)."""
         return state.gather_state_dict(whole_tensors(super().state_dict(**kwargs)), self.topology, self.agreement)
 
+    # mypy: nn.Module.load_state_dict's Mapping type is narrower than the state dicts both classes take
     def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
         """Load the entries of a full (or partial) state dict that belong to this process."""
         targets = super().state_dict()
@@ -260,5 +262,6 @@ def resume(engine: Checkpointable, directory: str,
     if isinstance(directory, torch.optim.Optimizer) or isinstance(optimizer, (str, os.PathLike)):
         warnings.warn("pipeddp.resume(engine, optimizer, directory) is deprecated; write "
                       "pipeddp.resume(engine, directory, optimizer)", DeprecationWarning, stacklevel=2)
+        # mypy: the deprecated argument order is swapped here on purpose
         directory, optimizer = optimizer, directory  # type: ignore[assignment]
     return engine.resume(directory, optimizer)

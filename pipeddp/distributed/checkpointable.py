@@ -51,6 +51,7 @@ class Checkpointable(nn.Module):
         """This process's part of the model, with the model's keys."""
         return super().state_dict()
 
+    # mypy: nn.Module.load_state_dict's Mapping type is narrower than the state dicts both classes take
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
         """As ``nn.Module.load_state_dict``, but all or nothing: every entry that this process holds is checked
         (shape and kind of dtype) before any is copied; a misfit raises ``ValueError`` naming the first ones."""
@@ -68,6 +69,7 @@ class Checkpointable(nn.Module):
         gathered; ``async_save=True`` then returns once the share is copied and
         writes it in the background (the next save, load or ``close`` waits).
         """
+        # mypy: the mixin is an Engine only once a class adds topology and agreement: mypy cannot see that here
         saving.save(self, path, optimizer, self._with_position(extra), sharded=sharded,  # type: ignore[arg-type]
                     async_save=async_save, saver=self._saver)
 
@@ -76,6 +78,7 @@ class Checkpointable(nn.Module):
                         async_save: bool = False) -> str:
         """``directory/step-<step>.pt`` (atomic; with ``sharded=True`` the directory ``step-<step>``), keeping the
         newest ``keep`` complete ones, with every rank's RNG states; ``sharded`` and ``async_save`` as in ``save``."""
+        # mypy: as above: the concrete class completes the Engine protocol
         return saving.save_checkpoint(self, directory, step, optimizer, keep=keep,  # type: ignore[arg-type]
                                       extra=self._with_position(extra), sharded=sharded, async_save=async_save,
                                       saver=self._saver)
@@ -87,6 +90,7 @@ class Checkpointable(nn.Module):
     def load(self, path: str, optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, Any]:
         """Load a checkpoint, a file or a sharded directory, written by any stages/replicas layout (or the other
         class); returns its ``extra``. The optimizer state is matched by parameter name."""
+        # mypy: as above: the concrete class completes the Engine protocol
         extra = self._restore_position(state.load(self, path, optimizer, saver=self._saver))  # type: ignore[arg-type]
         assert extra is not None
         return extra
@@ -95,6 +99,7 @@ class Checkpointable(nn.Module):
         """Load the newest complete checkpoint of ``directory`` (either format); returns its ``extra`` (with
         ``step``), or None when there is none (a warning says so when the directory holds files but no
         checkpoint that reads; a first run, with no directory yet or an empty one, is quiet)."""
+        # mypy: as above: the concrete class completes the Engine protocol
         return self._restore_position(state.resume(self, directory, optimizer,  # type: ignore[arg-type]
                                                    saver=self._saver))
 

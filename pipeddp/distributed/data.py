@@ -132,6 +132,7 @@ class ReplicaLoader(DataLoader):
     #: where a prepared batch's inputs and targets go (CUDA only), or None
     placement: Optional[Placement] = None
 
+    # mypy: DataLoader types __iter__ as its private iterator class; this yields the same batches
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         if not self.prefetch:
             return super().__iter__()
@@ -171,6 +172,7 @@ class ElasticLoader(ReplicaLoader):
         """The epoch the next batch comes from."""
         return self.position.epoch
 
+    # mypy: DataLoader types __iter__ as its private iterator class; this yields the same batches
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         position, step = self.sampler.position, self.sampler.global_batch
         epoch = position.epoch

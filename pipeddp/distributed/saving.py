@@ -149,6 +149,7 @@ def _payload(engine: Engine, optimizer: Optional[torch.optim.Optimizer],
     del local
     opt = None
     if optimizer is not None:
+        # mypy: an Engine is an nn.Module at run time; the protocol cannot say so without a base class
         opt = _whole_on_rank0(engine, optim_state.named_optimizer_state(engine, optimizer),  # type: ignore[arg-type]
                               optim_state.merge_optimizer_states)
     rngs = engine.agreement.gather_to_all(files.rng_state())
@@ -187,6 +188,7 @@ def _save_sharded(engine: Engine, path: str, optimizer: Optional[torch.optim.Opt
     engine.agreement.from_rank0(lambda: sharded.clear(path))  # every rank waits, and raises if rank 0 did
     state: Dict[str, Any] = {"model": engine.local_state_dict(), "rng": {str(topo.rank): (files.rng_state(),)}}
     if optimizer is not None:
+        # mypy: an Engine is an nn.Module at run time; the protocol cannot say so without a base class
         state["optimizer"] = optim_state.flat_optimizer_state(engine, optimizer)  # type: ignore[arg-type]
     if topo.rank == 0:
         state["pipeddp"] = ({"format": files.FORMAT, "extra": extra, "meta": _meta(engine, optimizer)},)

@@ -106,6 +106,7 @@ class StageShard:
 
             for m in module.modules():
                 if isinstance(m, FSDPModule):
+                    # mypy: torch types these hooks with a private protocol that our gloo collectives implement
                     m.set_custom_all_gather(GlooAllGather())  # type: ignore[arg-type]
                     m.set_custom_reduce_scatter(GlooReduceScatter())  # type: ignore[arg-type]
         self.micro_batch_settings()
@@ -231,6 +232,7 @@ def is_sharded(t: Any) -> bool:
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a ``DTensor``; a plain tensor as it is."""
+    # mypy: is_sharded checks for a DTensor, which mypy cannot narrow through a helper
     return t.to_local() if is_sharded(t) else t  # type: ignore[attr-defined]
 
 

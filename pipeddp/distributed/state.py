@@ -85,6 +85,7 @@ def _scope(engine: Engine) -> _Scope:
     if engine.topology.world_size > 1 and engine.topology.mode == "stage":
         for part in engine.agreement.gather_to_all(sorted(own)):
             keys.update(part)
+    # mypy: an Engine is an nn.Module at run time; the protocol cannot say so without a base class
     return _Scope(engine, own, keys, engine.load_state_dict, engine.topology.rank,  # type: ignore[arg-type]
                   engine.topology.world_size)
 

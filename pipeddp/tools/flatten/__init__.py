@@ -152,6 +152,7 @@ def flatten_sequential(model: nn.Module, sample: Any, *, rtol: float = 1e-5, ato
     bad = differences(got, want, rtol, atol)
     if bad:
         where = "; ".join(f"{w}: {what}" for w, what in bad[:3]) + ("; ..." if len(bad) > 3 else "")
+        # mypy: stacked means find_stack found one, which mypy cannot follow
         hint = _stack_hint(find_stack(model)[0]) if stacked else by_hand(model)  # type: ignore[index]
         what = "the model's output on the sample" if stacked else "model(sample)"
         raise ValueError(f"the flattened {type(model).__name__} does not compute {what} "

@@ -93,6 +93,7 @@ def _caller() -> str:
     """``file:line in function`` of the model's code that made the current call (outside torch and pipeddp)."""
     frame = sys._getframe(2)
     while frame is not None and (frame.f_code.co_filename.startswith(_SKIP) or frame.f_code.co_name == "__call__"):
+        # mypy: the loop stops at a None frame; mypy does not narrow the reassignment
         frame = frame.f_back  # type: ignore[assignment]
     if frame is None:
         return "?"
@@ -321,6 +322,7 @@ def stack_layers(model: nn.Module, sample: Any, path: str, stack: nn.Module) -> 
     owner_paths = [""] + [path[:i] for i in range(len(path)) if path[i] == "."] + [path]
     around_mods = [model.get_submodule(p) for p in owner_paths]
     around = {id(m) for m in around_mods}
+    # mypy: nn.Module._modules is typed Optional for deleted children; a block list has none
     blocks: List[nn.Module] = list(stack._modules.values())  # type: ignore[arg-type]
     count = len(blocks)
     with torch.no_grad():

@@ -106,6 +106,7 @@ class StackInput(nn.Module):
         self.count = count
         self.fixed = dict(fixed)
 
+    # mypy: nn.Module.forward is variadic; a stage layer takes its one carried value
     def forward(self, batch: Any) -> Any:  # type: ignore[override]
         for m in self._around:
             m.training = self.training  # the model's forward may read its own flag (dropout, checkpointing)
@@ -145,6 +146,7 @@ class BlockCall(nn.Module):
         self.pick = pick
         self.last = last
 
+    # mypy: nn.Module.forward is variadic; a stage layer takes its one carried value
     def forward(self, carried: Any) -> Any:  # type: ignore[override]
         if self.count:
             hidden, extras = carried[0], tuple(carried[1:])
