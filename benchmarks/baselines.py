@@ -7,12 +7,14 @@ be checked against a reference before anything is timed (benchmarks/README.md, "
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -158,7 +160,7 @@ def ddp(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn,
 #: torch.distributed.pipelining's schedules by the name of pipeddp's counterpart; the last two run several stages
 #: per rank (round robin, as pipeddp's virtual stages: rank r holds stages r, r + ranks, ...)
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
-                   "zb": "ScheduleInterleavedZeroBubble"}
+                   "zb": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble"}
 
 
 def torch_pipelining(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn, *,
@@ -166,14 +168,15 @@ def torch_pipelining(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, los
                      name: str = "torch") -> Step:
     """``torch.distributed.pipelining``: rank r runs stages r, r + ranks, ... (their ``balance`` slices) as
     ``PipelineStage``s; shapes inferred at the first step (the check step pays), gradients of the mean of
-    micro-batch mean losses (scale_grads). ``schedule`` names pipeddp's counterpart (``TORCH_SCHEDULES``).
+    micro-batch mean losses (scale_grads). ``schedule`` names pipeddp's counterpart (``TORCH_SCHEDULES``);
+    "zbv" places stages in the V its schedule requires (rank r holds stages r and n - 1 - r).
     ``traced`` times the stages' ``forward_one_chunk`` / ``backward_one_chunk`` (with their bookkeeping)."""
     from torch.distributed import pipelining
 
     rank, ranks = dist.get_rank(), dist.get_world_size() if group is None else dist.get_world_size(group)
     n = len(balance)
     dev = here()
-    mine = list(range(rank, n, ranks))
+    mine = [rank, n - 1 - rank] if schedule == "zbv" else list(range(rank, n, ranks))
     subs = [layers(model, sum(balance[:k]), sum(balance[:k + 1])).to(dev).train() for k in mine]
     stages = [pipelining.PipelineStage(sub, k, n, dev, group=group) for sub, k in zip(subs, mine)]
     # every layer this rank trains, under its name in the plain model (what the gradient check compares by)
@@ -217,6 +220,29 @@ def torch_pipelining(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, los
 
     return Step(name, run, holder, procs=ranks, traced=traced,
                 info={"balance": list(balance), "schedule": TORCH_SCHEDULES[schedule]})
+
+
+def guarded_torch(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn, timeout: float,
+                  **kwargs: Any) -> Tuple[Optional[Step], str]:
+    """``torch_pipelining(**kwargs)`` on a process group of its own (``timeout`` seconds), its first step run
+    (torch infers shapes there). A failing rank tears the group down, so that the peer's pending receive fails
+    instead of hanging; every rank learns every rank's errors (real errors before timeouts). Returns the step,
+    or None and the errors."""
+    group: Any = dist.new_group(list(range(dist.get_world_size())), timeout=timedelta(seconds=timeout))
+    step: Optional[Step] = None
+    err = ""
+    try:
+        step = torch_pipelining(model, x, y, loss_fn, group=group, **kwargs)
+        step()
+    except Exception as exc:  # noqa: BLE001 - recorded, the benchmark goes on without this configuration
+        err = f"rank {dist.get_rank()}: {type(exc).__name__}: {str(exc).strip()[-1500:]}"
+        for teardown in (group.abort, lambda: dist.destroy_process_group(group)):
+            with contextlib.suppress(Exception):
+                teardown()
+    errors: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, err)
+    failed = sorted((e for e in errors if e), key=lambda e: "timed out" in e.lower())
+    return (None, " | ".join(failed)) if failed else (step, "")
 
 
 def stage_breakdown(spans: Sequence[Span]) -> Breakdown:

@@ -7,12 +7,10 @@ processes are left out and replaced (``--max-foreign``, ``--max-retries``). See 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import sys
 import time
-from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -23,35 +21,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import pipeddp  # noqa: E402
 from benchmarks import baselines  # noqa: E402
 from benchmarks.common import (  # noqa: E402
-    BARRIER, LossFn, Run, StepTime, barrier_rounds, barrier_timed, check_same, gather, init_job, log0,
+    BARRIER, LossFn, Run, StepTime, barrier_rounds, check_same, gather, init_job, log0,
     parallel_probe, parser,
 )
 from benchmarks.hybrid_report import report  # noqa: E402
-from benchmarks.workloads import WORKLOADS, names  # noqa: E402
+from benchmarks.workloads import WORKLOADS, add_round_flags, check_rounds, names  # noqa: E402
 from pipeddp.runtime.microbatch import split_sizes  # noqa: E402
 
 SCRIPT = "hybrid_cpu"
 STAGES = 2
 RETRIES = {"mlp": 6, "resnet50": 3}  # extra rounds a full run may spend replacing disturbed ones
-
-
-def agree(ok: bool, err: str) -> Tuple[bool, str]:
-    """Every rank learns whether every rank succeeded, and the errors (real errors before timeouts)."""
-    parts: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, (ok, err))
-    errs = sorted((e for o, e in parts if not o), key=lambda e: "timed out" in e.lower())
-    return not errs, " | ".join(errs)
-
-
-def guarded(rank: int, fn: Callable[[], Any], group: Any) -> Tuple[Any, str]:
-    """Run ``fn``; if it fails here, tear ``group`` down so the peer's pending waits fail fast too."""
-    try:
-        return fn(), ""
-    except Exception as exc:  # noqa: BLE001 - recorded, the benchmark goes on
-        for teardown in (group.abort, lambda: dist.destroy_process_group(group)):
-            with contextlib.suppress(Exception):
-                teardown()
-        return None, f"rank {rank}: {type(exc).__name__}: {str(exc).strip()[-1500:]}"
 
 
 def local_steps(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, m: int, balance: List[int],
@@ -89,17 +68,10 @@ def torch_steps(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tenso
                 if (cut, sched) in done:
                     attempts.append({"cut": cut, "ok": True, "alias_of": done[(cut, sched)]})
                     break
-                group = dist.new_group([0, 1], timeout=timedelta(seconds=group_timeout))
-                step, err = guarded(rank, lambda: baselines.torch_pipelining(
-                    model, x, y, loss_fn, balance=[cut, len(model) - cut], schedule=sched, chunks=m, group=group,
-                    name=name), group)
-                ok, err = agree(step is not None, err)
-                if ok:
-                    _, err = guarded(rank, lambda: barrier_timed(step.run), group)  # the first step: shapes
-                    dist.barrier()  # a failed peer needs up to the group timeout to notice
-                    ok, err = agree(not err, err)
-                attempts.append({"cut": cut, "ok": ok, **({} if ok else {"error": err})})
-                if ok:
+                step, err = baselines.guarded_torch(model, x, y, loss_fn, group_timeout, name=name, chunks=m,
+                                                    balance=[cut, len(model) - cut], schedule=sched)
+                attempts.append({"cut": cut, "ok": step is not None, **({"error": err} if step is None else {})})
+                if step is not None:
                     steps.append(step)
                     done[(cut, sched)] = name
                     break
@@ -258,10 +230,7 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--models", nargs="+", default=None, choices=choices, help="default: all (mlp with --quick)")
     p.add_argument("--ms", nargs="+", type=int, default=None,
                    help="numbers of micro-batches (default 2 4 8 16; 2 8 with --quick); must divide the batch")
-    p.add_argument("--rounds", type=int, default=None, help="timed rounds per (model, m); default per model: "
-                   + ", ".join(f"{k} {WORKLOADS[k].rounds[SCRIPT]}" for k in choices) + "; 1 with --quick")
-    p.add_argument("--warmup", type=int, default=None, help="untimed rounds before them; default per model: "
-                   + ", ".join(f"{k} {WORKLOADS[k].warmup}" for k in choices) + "; 0 with --quick")
+    add_round_flags(p, SCRIPT)
     p.add_argument("--schedules", nargs="+", default=["1f1b"], choices=["1f1b", "gpipe"],
                    help="pipeddp schedules to time (default 1f1b, the one judged against the targets)")
     p.add_argument("--no-trace", action="store_true", help="do not record the per-stage forward/backward breakdown")
@@ -277,8 +246,7 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     batches = {k: WORKLOADS[k].batch[SCRIPT] for k in args.models}
     if any(m < STAGES or n % m for m in args.ms for n in batches.values()):  # torch: equal micro-batches, >= 1 a stage
         p.error(f"every m must be >= {STAGES} and divide the batch {batches}")
-    if (args.rounds is not None and args.rounds < 1) or (args.warmup is not None and args.warmup < 0):
-        p.error("--rounds must be >= 1 and --warmup >= 0")
+    check_rounds(p, args)
     args.schedules = sorted(dict.fromkeys(args.schedules), key=lambda s: s != "1f1b")  # 1f1b first: judged
     return args
 
@@ -287,8 +255,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse(argv)
     run = Run(SCRIPT, args, BARRIER)
     per_model = {name: {
-        "rounds": args.rounds if args.rounds is not None else WORKLOADS[name].default_rounds(SCRIPT, args.quick),
-        "warmup": args.warmup if args.warmup is not None else (0 if args.quick else WORKLOADS[name].warmup),
+        **dict(zip(("rounds", "warmup"), WORKLOADS[name].rounds_of(SCRIPT, args))),
         "max_retries": args.max_retries if args.max_retries is not None else (0 if args.quick else RETRIES[name]),
     } for name in args.models}
     settings = {**vars(args), "trace": not args.no_trace, "probe": not args.no_probe, "per_model": per_model}

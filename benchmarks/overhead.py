@@ -35,12 +35,9 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # started as a script
 from benchmarks import baselines  # noqa: E402
 from benchmarks.common import Run, grad_rel_diff, grad_snapshot, parser  # noqa: E402
+from pipeddp.tools.models import mlp  # noqa: E402
 
 SCRIPT = "overhead"
-
-
-def tiny(width: int = 64, depth: int = 4) -> nn.Sequential:
-    return nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.ReLU())])
 
 
 def round_trip(messages: int) -> float:
@@ -96,7 +93,7 @@ def torch_one_stage(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, chun
 def measure(args: argparse.Namespace) -> Dict[str, Any]:
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
-    model = tiny()
+    model = mlp(4, 64, 64, 64)
     x, y = torch.randn(args.batch, 64), torch.randn(args.batch, 64)
     loss = nn.functional.mse_loss
     close_group = one_rank_group()

@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # started as a script
 from benchmarks.baselines import layers  # noqa: E402
 from benchmarks.common import LossFn, Run, here, median_ratio, parser, timed_call  # noqa: E402
-from benchmarks.workloads import WORKLOADS, Workload, names  # noqa: E402
+from benchmarks.workloads import WORKLOADS, Workload, add_round_flags, names  # noqa: E402
 from pipeddp import partition  # noqa: E402
 from pipeddp.partitioning.solve import block_move  # noqa: E402
 
@@ -159,8 +159,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--models", nargs="+", default=None, choices=choices,
                    help="default: resnet50 resnet18 mlp (resnet18 mlp with --quick)")
     p.add_argument("--stages", nargs="+", type=int, default=None, help="stage counts (default 2 3 4; 2 4 with --quick)")
-    p.add_argument("--rounds", type=int, default=None, help="measurement rounds; default per model: "
-                   + ", ".join(f"{k} {WORKLOADS[k].rounds[SCRIPT]}" for k in choices) + "; 2 with --quick")
+    add_round_flags(p, SCRIPT, "measurement rounds", warmup=False, quick_rounds=2)
     args = p.parse_args(argv)
     models = args.models or (["resnet18", "mlp"] if args.quick else ["resnet50", "resnet18", "mlp"])
     stage_counts = sorted(set(args.stages or ([2, 4] if args.quick else [2, 3, 4])))
@@ -170,7 +169,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     run = Run(SCRIPT, args)
     results: Dict[str, Any] = {}
     for name in models:
-        rounds = args.rounds if args.rounds is not None else WORKLOADS[name].default_rounds(SCRIPT, args.quick, 2)
+        rounds = WORKLOADS[name].rounds_of(SCRIPT, args, quick_rounds=2)[0]
         results[name] = run_model(WORKLOADS[name], stage_counts, rounds, args.seed, run)
     report(results, run)
     run.finish({"models": models, "stages": stage_counts, "threads": 1}, models=results)

@@ -20,7 +20,7 @@ from benchmarks.baselines import mb_text  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     Run, interleaved, median_ms, median_ratio, parallel_probe, parser, probe_speedup, timed_call,
 )
-from benchmarks.workloads import WORKLOADS, Workload, names  # noqa: E402
+from benchmarks.workloads import WORKLOADS, Workload, add_round_flags, check_rounds, names  # noqa: E402
 from pipeddp.runtime.schedule import get_schedule, play  # noqa: E402
 from pipeddp.tools.simulate import bubble_bound  # noqa: E402
 
@@ -144,18 +144,14 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--ms", nargs="+", type=int, default=None,
                    help="numbers of micro-batches (default 1 2 4 8 16; 1 4 with --quick)")
     p.add_argument("--schedules", nargs="+", default=["1f1b", "gpipe"], choices=["1f1b", "gpipe"])
-    p.add_argument("--rounds", type=int, default=None, help="timed rounds per (model, m); default per model: "
-                   + ", ".join(f"{k} {WORKLOADS[k].rounds[SCRIPT]}" for k in choices) + "; 1 with --quick")
-    p.add_argument("--warmup", type=int, default=None, help="untimed rounds before them; default per model: "
-                   + ", ".join(f"{k} {WORKLOADS[k].warmup}" for k in choices) + "; 0 with --quick")
+    add_round_flags(p, SCRIPT)
     p.add_argument("--no-trace", action="store_true", help="skip the traced step per pipeline")
     p.add_argument("--no-probe", action="store_true", help="skip the host parallelism probe (~50 ms per round)")
     args = p.parse_args(argv)
     args.ms = args.ms or ([1, 4] if args.quick else [1, 2, 4, 8, 16])
     if any(m < 1 for m in args.ms):
         p.error("--ms values must be >= 1")
-    if (args.rounds is not None and args.rounds < 1) or (args.warmup is not None and args.warmup < 0):
-        p.error("--rounds must be >= 1 and --warmup >= 0")
+    check_rounds(p, args)
     args.schedules = list(dict.fromkeys(args.schedules))
     return args
 
@@ -167,8 +163,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     results: Dict[str, Any] = {}
     for name in args.models:
         work = WORKLOADS[name]
-        rounds = args.rounds if args.rounds is not None else work.default_rounds(SCRIPT, args.quick)
-        warmup = args.warmup if args.warmup is not None else (0 if args.quick else work.warmup)
+        rounds, warmup = work.rounds_of(SCRIPT, args)
         model, x, y = work.seeded(work.batch[SCRIPT], args.seed)
         run.console.print(f"[bold]{name}[/bold]: {work.describe(x.shape[0])}; {rounds} rounds (+{warmup} warm-up), "
                           f"schedules {args.schedules}")

@@ -24,6 +24,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # started as a script
 import pipeddp  # noqa: E402
 from benchmarks.common import Run, median_ratio, parser  # noqa: E402
+from pipeddp.tools.models import mlp  # noqa: E402
 
 SCRIPT = "prefetch"
 #: steps of an epoch left out of its time (the first batch's wait, and what prefetch=2 banks meanwhile)
@@ -52,11 +53,6 @@ class SlowDataset(torch.utils.data.Dataset):
         return [(self.x[i], self.y[i]) for i in indices]
 
 
-def mlp(width: int, depth: int) -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.ReLU())])
-
-
 def epoch(engine: Any, data: SlowDataset, batch: int, prefetch: int, steps: int) -> float:
     """Seconds per step of ``steps`` training steps fed by the loader, in the steady state: the clock starts
     with the third batch in hand (nothing hides the wait for an epoch's first batch, and the batches the
@@ -79,7 +75,8 @@ def epoch(engine: Any, data: SlowDataset, batch: int, prefetch: int, steps: int)
 def measure(args: argparse.Namespace) -> Dict[str, Any]:
     torch.set_num_threads(1)
     width, batch = (256, 64) if args.quick else (1024, 128)
-    engine = pipeddp.HybridParallel(mlp(width, 8), stages=2, devices=["cpu", "cpu"], chunks=4, threads=1)
+    torch.manual_seed(0)
+    engine = pipeddp.HybridParallel(mlp(8, width, width, width), stages=2, devices=["cpu", "cpu"], chunks=4, threads=1)
     x, y = torch.randn(batch, width), torch.randn(batch, width)
     loss_fn = nn.MSELoss()
 

@@ -22,13 +22,10 @@ bubble with equal stages (F = 1, B = 2) and beside the schedule replayed with th
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import sys
 import time
-from collections import OrderedDict
-from datetime import timedelta
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -72,51 +69,6 @@ def cuts(rank: int, model: nn.Sequential, x: torch.Tensor, m: int) -> Dict[int, 
     return plan[0]
 
 
-def torch_zbv(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn,
-              balance: List[int], m: int, group: Any, name: str) -> baselines.Step:
-    """torch's ``ScheduleZBVZeroBubble`` on pipeddp's 4-stage cut, in the V placement it requires (rank r holds
-    stages r and 2p - 1 - r, so rank 0 feeds the inputs and computes the loss)."""
-    from torch.distributed import pipelining
-
-    n, dev = len(balance), torch.device("cpu")
-    mine = [rank, n - 1 - rank]
-    subs = [baselines.layers(model, sum(balance[:k]), sum(balance[:k + 1])).train() for k in mine]
-    stages = [pipelining.PipelineStage(sub, k, n, dev, group=group) for sub, k in zip(subs, mine)]
-    holder = nn.Sequential(OrderedDict((k, layer) for sub in subs for k, layer in sub.named_children()))
-    sched = pipelining.ScheduleZBVZeroBubble(stages, n_microbatches=m, loss_fn=loss_fn)
-    losses: List[torch.Tensor] = []
-
-    def run() -> Any:
-        holder.zero_grad(set_to_none=True)
-        losses.clear()
-        return sched.step(x, target=y, losses=losses) if rank == 0 else sched.step()
-
-    return baselines.Step(name, run, holder, procs=DEVICES, info={"balance": list(balance), "schedule": "ZBV"})
-
-
-def guarded_torch(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn,
-                  balance: List[int], schedule: str, m: int, name: str, timeout: float) -> Tuple[Any, str]:
-    """torch's schedule on its own group (a failing rank tears it down, so the peer fails instead of hanging),
-    built and run once (its shapes are inferred on the first step); the step, or None and the errors."""
-    group = dist.new_group([0, 1], timeout=timedelta(seconds=timeout))
-    err = ""
-    step = None
-    try:
-        step = torch_zbv(rank, model, x, y, loss_fn, balance, m, group, name) if schedule == "zbv" else \
-            baselines.torch_pipelining(model, x, y, loss_fn, balance=balance, schedule=schedule, chunks=m,
-                                       group=group, name=name)
-        step.run()
-    except Exception as exc:  # noqa: BLE001 - recorded, the benchmark goes on without this configuration
-        err = f"rank {rank}: {type(exc).__name__}: {str(exc).strip()[-800:]}"
-        for teardown in (group.abort, lambda: dist.destroy_process_group(group)):
-            with contextlib.suppress(Exception):
-                teardown()
-    errors: List[Any] = [None] * DEVICES
-    dist.all_gather_object(errors, err)
-    failed = [e for e in errors if e]
-    return (None, " | ".join(failed)) if failed else (step, "")
-
-
 def steps_at(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, m: int, loss_fn: LossFn,
              balance: Dict[int, List[int]], torch_timeout: float) -> Tuple[List[baselines.Step], Dict[str, str]]:
     steps = [baselines.accumulate(model, x, y, loss_fn, m) if rank == 0 else baselines.idle("accum")]
@@ -129,7 +81,8 @@ def steps_at(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, 
                      else baselines.idle(name))
     failed: Dict[str, str] = {}
     for name, (schedule, v) in TORCH.items():
-        step, err = guarded_torch(rank, model, x, y, loss_fn, balance[DEVICES * v], schedule, m, name, torch_timeout)
+        step, err = baselines.guarded_torch(model, x, y, loss_fn, torch_timeout, name=name, chunks=m,
+                                            balance=balance[DEVICES * v], schedule=schedule)
         if step is None:
             failed[name] = err
             log0(f"    {name}: failed ({err.splitlines()[0][:200]})")

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from benchmarks import baselines  # noqa: E402
 from benchmarks.baselines import mb_text  # noqa: E402
 from benchmarks.common import Run, interleaved, median_ms, median_ratio, parser  # noqa: E402
-from benchmarks.workloads import WORKLOADS, names  # noqa: E402
+from benchmarks.workloads import WORKLOADS, add_round_flags, check_rounds, names  # noqa: E402
 from pipeddp.runtime.microbatch import split_sizes  # noqa: E402
 
 SCRIPT = "split_sizes"
@@ -111,8 +111,7 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                    f"{' '.join(map(str, SPLITS))}; 16 48 with --quick); sizes > batch are skipped")
     p.add_argument("--batch", type=int, default=None, help="batch size (default: "
                    + ", ".join(f"{k} {WORKLOADS[k].batch[SCRIPT]}" for k in choices) + ")")
-    p.add_argument("--rounds", type=int, default=None, help="timed rounds; default per model: "
-                   + ", ".join(f"{k} {WORKLOADS[k].rounds[SCRIPT]}" for k in choices) + "; 1 with --quick")
+    add_round_flags(p, SCRIPT, "timed rounds", warmup=False)
     p.add_argument("--warmup", type=int, default=0,
                    help="untimed rounds before them (default 0: a check step already runs every configuration once)")
     p.add_argument("--png", default=None, help="plot path (default: the JSON path with .png)")
@@ -126,9 +125,8 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     args.splits = sorted({k for k in splits if k <= args.batch})
     if not args.splits:
         p.error(f"no split size <= batch {args.batch}")
-    args.rounds = args.rounds if args.rounds is not None else work.default_rounds(SCRIPT, args.quick)
-    if args.rounds < 1 or args.warmup < 0:
-        p.error("--rounds must be >= 1 and --warmup >= 0")
+    check_rounds(p, args)
+    args.rounds = work.rounds_of(SCRIPT, args)[0]
     suffix = "" if args.model == "resnet50" else f"_{args.model}"
     args.out = args.out or f"results/split_sizes{suffix}{'_quick' if args.quick else ''}.json"
     args.png = args.png or os.path.splitext(args.out)[0] + ".png"

@@ -6,6 +6,7 @@ README.md; each script's batch and rounds are recorded here too, next to the cos
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -51,6 +52,12 @@ class Workload:
     def default_rounds(self, script: str, quick: bool, quick_rounds: int = 1) -> int:
         return quick_rounds if quick else self.rounds[script]
 
+    def rounds_of(self, script: str, args: argparse.Namespace, quick_rounds: int = 1) -> Tuple[int, int]:
+        """``(rounds, warmup)`` for this model: the flags where given, else its defaults (--quick: no warm-up)."""
+        rounds = args.rounds if args.rounds is not None else self.default_rounds(script, args.quick, quick_rounds)
+        warmup = getattr(args, "warmup", None)
+        return rounds, warmup if warmup is not None else (0 if args.quick else self.warmup)
+
 
 def mlp_workload(layers: int = 16, width: int = 1024, **defaults: object) -> Workload:
     """``layers`` x (Linear(width, width) + ReLU), MSE against random targets."""
@@ -91,3 +98,22 @@ WORKLOADS: Dict[str, Workload] = {
 def names(script: str) -> List[str]:
     """The workloads a script has defaults for, in registry order (its ``--models`` choices)."""
     return [k for k, w in WORKLOADS.items() if script in w.batch]
+
+
+def add_round_flags(p: argparse.ArgumentParser, script: str, what: str = "timed rounds per (model, m)",
+                    warmup: bool = True, quick_rounds: int = 1) -> None:
+    """--rounds (and --warmup), their help naming each model's default; ``check_rounds`` validates them."""
+    choices = names(script)
+    per_model = ", ".join(f"{k} {WORKLOADS[k].rounds[script]}" for k in choices)
+    p.add_argument("--rounds", type=int, default=None,
+                   help=f"{what}; default per model: {per_model}; {quick_rounds} with --quick")
+    if warmup:
+        p.add_argument("--warmup", type=int, default=None, help="untimed rounds before them; default per model: "
+                       + ", ".join(f"{k} {WORKLOADS[k].warmup}" for k in choices) + "; 0 with --quick")
+
+
+def check_rounds(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit with the parser's error unless --rounds >= 1 and --warmup >= 0 (where given)."""
+    warmup = getattr(args, "warmup", None)
+    if (args.rounds is not None and args.rounds < 1) or (warmup is not None and warmup < 0):
+        p.error("--rounds must be >= 1 and --warmup >= 0")
