@@ -3,13 +3,14 @@
 The public face is small:
 
 - ``Pipeline``: one process, one replica, the model cut over several devices.
-- ``HybridParallel``: replicas of that pipeline joined by DDP (torchrun or ``spawn``).
+- ``HybridParallel``: replicas of that pipeline joined by DDP, or sharded over them with FSDP2 (``shard=``),
+  under torchrun or ``spawn``.
 - ``partition``: the balanced cut, with a report of what it measured; ``HeavyLayerWarning`` when one
   layer costs more than a stage's share (split it, e.g. with ``flatten_sequential``).
 - ``flatten_sequential``: a model (torchvision CNNs, transformers' LMs and encoders, timm's vision transformers)
   as the fine ``nn.Sequential`` of its own layers that the engines cut, under the model's own names.
 - ``spawn``: start a local multi-process job the way torchrun would.
-- ``data.loader``: a DataLoader sharded by replica (not by rank).
+- ``data.loader``: a DataLoader sharded by replica (not by rank), preparing batches ahead with ``prefetch=``.
 - ``resume``: pick up the newest complete checkpoint of a directory.
 - ``simulate``: predict a step from measured costs (``pipeddp plan`` ranks configurations with it).
 - ``is_recomputing``: whether a layer's forward is a recompute (activation checkpointing) replay;
