@@ -34,4 +34,4 @@ from .tools.simulate import simulate
 __all__ = ["Pipeline", "HybridParallel", "Partition", "partition", "HeavyLayerWarning", "spawn", "resume", "data",
            "simulate", "gpipe", "one_f_one_b", "interleaved", "zero_bubble", "Action", "format_schedule",
            "is_recomputing", "is_checkpointing", "flatten_sequential"]
-__version__ = "0.3.0"
+__version__ = "0.4.0"
