@@ -211,7 +211,8 @@ class HybridParallel(Checkpointable, StepModule):
 
     def check_replicas(self) -> None:
         """None when every stage's copies agree bit for bit (a CRC32 per parameter), else ``RuntimeError``
-        naming the stage, parameter and ranks. A collective: call it on every rank."""
+        naming the stage, parameter and ranks. A collective: call it on every rank. With ``shard=`` each replica
+        holds a different part of every parameter, so there is nothing to compare and it returns at once."""
         if self.shard != "none":  # each replica holds its own part of every parameter: nothing to compare
             return
         self.agreement.check_replicas(self._step.stages, self._replica.groups.stage, rename=self.key_names.original)
