@@ -39,7 +39,7 @@ from .saving import Engine, Saver
 from .shard import is_sharded
 from .topology import Topology
 
-__all__ = ["Engine", "Saver", "gather_state_dict", "own_entries", "load", "resume"]
+__all__ = ["gather_state_dict", "own_entries", "load", "resume"]
 
 
 def gather_state_dict(local: Dict[str, Any], topology: Topology, agreement: Agreement) -> Dict[str, Any]:
