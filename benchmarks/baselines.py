@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -21,11 +22,10 @@ import torch.distributed as dist
 from torch import nn
 
 import pipeddp
+from benchmarks import common
+from benchmarks.common import Grads, LossFn, devices, gather, grad_rel_diff, grad_snapshot, here, synced
 from pipeddp.runtime.microbatch import split, split_sizes
 from pipeddp.runtime.trace import Span, Trace
-
-from benchmarks.common import (Grads, LossFn, barrier_timed, devices, gather, grad_rel_diff, grad_snapshot, here,
-                               synced)
 
 Breakdown = Dict[int, Dict[str, float]]  # stage -> {"F_ms", "B_ms", ...}
 
@@ -58,7 +58,7 @@ def check_grads(steps: Sequence[Step], reference: Union[str, Callable[[Step], Gr
     ref: Optional[Grads] = None
     out: Dict[str, Dict[str, float]] = {}
     for step in sorted(steps, key=lambda s: s.name != reference):
-        wall = barrier_timed(step.run)[0].wall
+        wall = common.barrier_timed(step.run)[0].wall
         parts = gather(step.grads())
         if parts is None:  # not rank 0
             continue
@@ -245,6 +245,36 @@ def guarded_torch(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_f
     return (None, " | ".join(failed)) if failed else (step, "")
 
 
+def parallel_probe(workers: int = 2, size: int = 256, reps: int = 50) -> Tuple[Callable[[], None], Callable[[], None]]:
+    """A fixed 1-thread matmul kernel that fits in L2: ``(solo, together)`` runs it once, or once on each of
+    ``workers`` threads. A VM's cores are not always all there: timed next to the steps, ``probe_speedup`` is
+    the parallel speedup the host really offered, the ceiling of any multi-core speedup measured beside it."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    outs = [torch.empty(size, size) for _ in range(workers)]
+
+    def kernel(out: torch.Tensor) -> None:
+        torch.set_num_threads(1)  # OpenMP settings are per thread: a new thread would use every core
+        for _ in range(reps):
+            torch.mm(a, b, out=out)
+
+    def solo() -> None:
+        kernel(outs[0])
+
+    def together() -> None:
+        threads = [threading.Thread(target=kernel, args=(o,)) for o in outs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    return solo, together
+
+
+def probe_speedup(solo: Sequence[float], together: Sequence[float], workers: int = 2) -> float:
+    """The parallel speedup the host delivered: median over rounds of ``workers * solo / together``."""
+    return common.median_ratio([workers * t for t in solo], together)
+
+
 def stage_breakdown(spans: Sequence[Span]) -> Breakdown:
     """Per stage of a pipeddp trace: ms inside forward and backward actions (B, or I + W), and waiting to receive."""
     out: Breakdown = {}
@@ -255,6 +285,19 @@ def stage_breakdown(spans: Sequence[Span]) -> Breakdown:
                   * 1e3,
                   "recv_wait_ms": sum(sp.duration for sp in mine if sp.lane == "comm") * 1e3}
     return out
+
+
+#: the columns ``split_cells`` fills: where a pipeline's step goes
+SPLIT_COLUMNS = ["stage0 / stage1 F+B ms", "idle s0 / s1", "busy / accum", "imbalance"]
+
+
+def split_cells(stages: Sequence[Dict[str, float]], span_ms: float, accum_ms: float) -> List[str]:
+    """Table cells of a traced step: per stage forward+backward ms, idle share of ``span_ms``, all stages' busy
+    time over accumulation's step (> 1: the same work ran slower on cores busy at once), max / mean busy."""
+    busy = [s["F_ms"] + s["B_ms"] for s in stages]
+    return [" / ".join(f"{s['F_ms']:.0f}+{s['B_ms']:.0f}" for s in stages),
+            " / ".join(f"{max(0.0, 1 - b / span_ms):.0%}" for b in busy), f"{sum(busy) / accum_ms:.2f}",
+            f"{max(busy) / (sum(busy) / len(busy)):.2f}"]
 
 
 def record(engine: Any, run: Callable[[], Any], rank: int = 0) -> List[Span]:

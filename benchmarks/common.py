@@ -12,11 +12,9 @@ import datetime
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,7 +112,7 @@ def median_ratio(a: Sequence[float], b: Sequence[float]) -> float:
 
 
 def median_ms(seconds: Sequence[float]) -> float:
-    """Median of durations in seconds, in milliseconds (for tables and JSON)."""
+    """Median of durations in seconds, in milliseconds."""
     return statistics.median(seconds) * 1e3
 
 
@@ -123,49 +121,26 @@ def fmt(value: Optional[float], spec: str = ".0f", suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
-def parallel_probe(workers: int = 2, size: int = 256, reps: int = 50) -> Tuple[Callable[[], None], Callable[[], None]]:
-    """A fixed 1-thread matmul kernel that fits in L2: ``(solo, together)`` runs it once, or once on each of
-    ``workers`` threads. A VM's cores are not always all there: timed next to the steps, ``probe_speedup`` is
-    the parallel speedup the host really offered, the ceiling of any multi-core speedup measured beside it."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    outs = [torch.empty(size, size) for _ in range(workers)]
-
-    def kernel(out: torch.Tensor) -> None:
-        torch.set_num_threads(1)  # OpenMP settings are per thread: a new thread would use every core
-        for _ in range(reps):
-            torch.mm(a, b, out=out)
-
-    def solo() -> None:
-        kernel(outs[0])
-
-    def together() -> None:
-        threads = [threading.Thread(target=kernel, args=(o,)) for o in outs]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-
-    return solo, together
-
-
-def probe_speedup(solo: Sequence[float], together: Sequence[float], workers: int = 2) -> float:
-    """The parallel speedup the host delivered: median over rounds of ``workers * solo / together``."""
-    return median_ratio([workers * t for t in solo], together)
-
-
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def host_cpu_seconds() -> Tuple[float, float]:
-    """(busy, steal) CPU seconds of the whole machine since boot, from /proc/stat ((0, 0) where there is none):
-    busy time beyond a benchmark's own CPU time is other processes competing for the cores, steal the hypervisor's."""
+def host_busy_seconds() -> float:
+    """Busy CPU seconds of the whole machine since boot, from /proc/stat (0 where there is none): busy time
+    beyond a benchmark's own CPU time is other processes competing for the cores."""
     try:
         with open("/proc/stat") as f:
             fields = [int(v) for v in f.readline().split()[1:]]
     except (OSError, ValueError):
-        return 0.0, 0.0
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
-    return (user + nice + system + irq + softirq) / _TICK, steal / _TICK
+        return 0.0
+    user, nice, system, _idle, _iowait, irq, softirq = (fields + [0] * 7)[:7]
+    return (user + nice + system + irq + softirq) / _TICK
+
+
+def proc_status() -> Dict[str, int]:
+    """This process's /proc/self/status numbers (VmRSS and VmHWM in kB, Threads, ...)."""
+    with open("/proc/self/status") as f:
+        fields = (line.split(":", 1) for line in f if ":" in line)
+        return {k: int(v.split()[0]) for k, v in fields if v.split() and v.split()[0].isdigit()}
 
 
 def parser(doc: str, quick: str, out: Optional[str] = None, out_help: str = "",
@@ -220,23 +195,22 @@ def check_same(*tensors: Any) -> None:
         raise RuntimeError(f"ranks built different models or data: {sums}")
 
 
+def on_rank0(fn: Callable[[], Any]) -> Any:
+    """``fn()`` run on rank 0 and sent to every rank (a cut profiled once, as HybridParallel does)."""
+    got = [fn() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(got, src=0)
+    return got[0]
+
+
 @dataclass
 class StepTime:
     """One barrier-timed step on one rank (seconds): ``wall`` from the common start to every rank done,
-    ``own`` this rank's step alone, ``cpu`` this process's CPU time, ``busy``/``steal`` the whole machine's
-    busy and stolen CPU time, ``faults`` this process's (minor, major) page faults."""
+    ``own`` this rank's step alone, ``cpu`` this process's CPU time, ``busy`` the whole machine's busy CPU time."""
 
     wall: float
     own: float
     cpu: float
     busy: float
-    steal: float
-    faults: Tuple[int, int]
-
-
-def _faults() -> Tuple[int, int]:
-    use = resource.getrusage(resource.RUSAGE_SELF)
-    return use.ru_minflt, use.ru_majflt
 
 
 def barrier_timed(step: Optional[Callable[[], Any]], name: str = "") -> Tuple[StepTime, Any]:
@@ -244,16 +218,12 @@ def barrier_timed(step: Optional[Callable[[], Any]], name: str = "") -> Tuple[St
     time counts until the slowest rank is done (a waiting rank's ``cpu`` shows whether it spins)."""
     barrier = dist.barrier if dist.is_initialized() else (lambda: None)
     barrier()
-    busy0, steal0 = host_cpu_seconds()
-    cpu0, flt0 = time.process_time(), _faults()
+    busy0, cpu0 = host_busy_seconds(), time.process_time()
     t0 = time.perf_counter()
     own, result = timed_call(step, name) if step is not None else (0.0, None)
     barrier()
     wall = time.perf_counter() - t0
-    busy1, steal1 = host_cpu_seconds()
-    flt1 = _faults()
-    return StepTime(wall, own, time.process_time() - cpu0, busy1 - busy0, steal1 - steal0,
-                    (flt1[0] - flt0[0], flt1[1] - flt0[1])), result
+    return StepTime(wall, own, time.process_time() - cpu0, host_busy_seconds() - busy0), result
 
 
 def barrier_rounds(
@@ -279,7 +249,7 @@ def barrier_rounds(
                 before(name)
             out: List[Tuple[StepTime, Any]] = []
 
-            def run(name: str = name) -> None:
+            def run(name: str = name, out: List[Tuple[StepTime, Any]] = out) -> None:
                 out.append(barrier_timed(steps[name], name))
 
             if wrap is not None and timed_round:
@@ -389,6 +359,12 @@ class Run:
         for row in rows:
             table.add_row(*("-" if c is None else f"{c:.2f}" if isinstance(c, float) else str(c) for c in row))
         self.console.print(table)
+
+    def targets(self, rows: Sequence[Sequence[Any]], title: str = "against the targets") -> List[Dict[str, Any]]:
+        """Print (target, measured, goal[, met]) rows as one table; return them as JSON records."""
+        cells = [list(r[:3]) + ([] if len(r) < 4 else ["met" if r[3] else "NOT met"]) for r in rows]
+        self.table(title, ["target", "measured", "goal", "met"], cells)
+        return [dict(zip(("target", "measured", "goal", "met"), r)) for r in rows]
 
     def finish(self, settings: Optional[Mapping[str, Any]] = None, **payload: Any) -> Path:
         """Write the JSON (benchmark, the flags and ``settings``, elapsed_s, payload, machine, commit); say where."""

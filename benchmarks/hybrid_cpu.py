@@ -1,7 +1,8 @@
 """pipeddp on 2 CPU cores against the plain model, accumulation, DDP and torch.distributed.pipelining.
 
 One spawned 2-process gloo job times every configuration between barriers; steps disturbed by other
-processes are left out and replaced (``--max-foreign``, ``--max-retries``). See benchmarks/README.md.
+processes are left out and replaced (``--max-foreign``, ``--max-retries``). ``report(doc["models"], run)``
+analyses a saved JSON again. See benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -18,19 +19,18 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # started as a script
-import pipeddp  # noqa: E402
-from benchmarks import baselines  # noqa: E402
-from benchmarks.common import (  # noqa: E402
-    BARRIER, LossFn, Run, StepTime, barrier_rounds, check_same, gather, init_job, log0,
-    parallel_probe, parser,
-)
-from benchmarks.hybrid_report import report  # noqa: E402
-from benchmarks.workloads import WORKLOADS, add_round_flags, check_rounds, names  # noqa: E402
-from pipeddp.runtime.microbatch import split_sizes  # noqa: E402
+import pipeddp
+from benchmarks import baselines, common
+from benchmarks.common import LossFn, Run, StepTime, fmt, gather, log0, median_ms, median_ratio
+from benchmarks.workloads import WORKLOADS, add_round_flags, check_rounds, names
+from pipeddp.runtime.microbatch import split_sizes
+from pipeddp.tools.simulate import bubble_bound
 
 SCRIPT = "hybrid_cpu"
 STAGES = 2
 RETRIES = {"mlp": 6, "resnet50": 3}  # extra rounds a full run may spend replacing disturbed ones
+PIPEDDP = ("pipeddp-replica", "pipeddp-stage")
+TORCH = ("torch-gpipe@cut", "torch-1f1b@cut", "torch-gpipe@naive", "torch-1f1b@naive")
 
 
 def local_steps(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, m: int, balance: List[int],
@@ -91,13 +91,10 @@ class Judge:
     def __init__(self, steps: Sequence[baselines.Step], rounds: int, max_foreign: float) -> None:
         self.rounds, self.max_foreign = rounds, max_foreign
         self.names = [s.name for s in steps]
-        self.single = {s.name for s in steps if s.procs == 1}
         self.pairs = [(p, b) for p in self.names if p.startswith("pipeddp")
                       for b in self.names if b in ("accum", "whole-1t") or b.startswith("torch-")]
         self.clean: Dict[str, List[bool]] = {n: [] for n in self.names}
         self.foreign: Dict[str, List[float]] = {n: [] for n in self.names}
-        self.steal: Dict[str, List[float]] = {n: [] for n in self.names}
-        self.idle_cpu: List[float] = []  # rank 1's CPU per wall second while rank 0 ran a 1-process step
         self.started = time.perf_counter()
 
     def undisturbed_pairs(self) -> Dict[str, int]:
@@ -108,10 +105,8 @@ class Judge:
         verdict: List[Any] = [False]
         if cpu is not None:
             for n, t in got.items():
-                wall = max(t.wall, 1e-9)
-                f = max(0.0, t.busy - sum(c[n] for c in cpu)) / wall
+                f = max(0.0, t.busy - sum(c[n] for c in cpu)) / max(t.wall, 1e-9)
                 self.foreign[n].append(f)
-                self.steal[n].append(t.steal / wall)
                 self.clean[n].append(f <= self.max_foreign)
             least = min(self.undisturbed_pairs().values(), default=len(self.clean[self.names[0]]))
             verdict = [least >= self.rounds]
@@ -120,8 +115,6 @@ class Judge:
                    f"{max(self.foreign[n][-1] for n in bad):.2f} cores)") if bad else "undisturbed"
             print(f"    round {len(self.clean[self.names[0]])}: {tag}; fewest undisturbed pairs {least}/{self.rounds} "
                   f"({time.perf_counter() - self.started:.0f} s)", flush=True)
-        else:
-            self.idle_cpu += [t.cpu / max(t.wall, 1e-9) for n, t in got.items() if n in self.single]
         dist.broadcast_object_list(verdict, src=0)
         return bool(verdict[0])
 
@@ -144,22 +137,18 @@ def breakdown(infos: Dict[str, List[Dict[int, Dict[str, float]]]], judge: Judge,
     return out
 
 
-def agreed_cut(rank: int, model: nn.Sequential, x: torch.Tensor, m: int) -> Dict[str, Any]:
-    """pipeddp's cut, profiled on rank 0 at micro-batch size and sent to rank 1 (what HybridParallel does)."""
-    plan: List[Any] = [None]
-    if rank == 0:
-        t0 = time.perf_counter()
-        part = pipeddp.partition(model, STAGES, method="time", sample=x, chunks=m)
-        plan = [{"balance": list(part.balance), "stage_ms": [c * 1e3 for c in part.stage_costs],
-                 "layer_ms": [c * 1e3 for c in part.layer_costs], "profile_s": time.perf_counter() - t0}]
-    dist.broadcast_object_list(plan, src=0)
-    return plan[0]
+def profiled_cut(model: nn.Sequential, x: torch.Tensor, m: int) -> Dict[str, Any]:
+    """pipeddp's cut, profiled at micro-batch size (on rank 0, then sent to rank 1: what HybridParallel does)."""
+    t0 = time.perf_counter()
+    part = pipeddp.partition(model, STAGES, method="time", sample=x, chunks=m)
+    return {"balance": list(part.balance), "stage_ms": [c * 1e3 for c in part.stage_costs],
+            "layer_ms": [c * 1e3 for c in part.layer_costs], "profile_s": time.perf_counter() - t0}
 
 
 def run_m(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, m: int, loss_fn: LossFn,
           opts: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     """Build, check and time every configuration at ``m`` micro-batches; the row (rank 0)."""
-    cut = agreed_cut(rank, model, x, m)
+    cut = common.on_rank0(lambda: profiled_cut(model, x, m))
     balance, n = cut["balance"], len(model)
     naive = [n // 2, n - n // 2]
     log0(f"  m={m}: pipeddp balance {balance} (profiled stage ms {[round(v, 1) for v in cut['stage_ms']]}), "
@@ -172,7 +161,7 @@ def run_m(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, m: 
     checked = baselines.check_grads(steps, "accum", "accum",
                                     exempt=["whole-1t", "whole-2t", "ddp"] if opts["has_bn"] else [])
     if opts["probe"]:
-        solo, both = parallel_probe(STAGES) if rank == 0 else (None, None)
+        solo, both = baselines.parallel_probe(STAGES) if rank == 0 else (None, None)
         steps += [baselines.Step("host_solo", solo), baselines.Step("host_both", both)]
     judge = Judge(steps, opts["rounds"], opts["max_foreign"])
     infos: Dict[str, List[Any]] = {s.name: [] for s in steps}
@@ -184,11 +173,10 @@ def run_m(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, m: 
             return run()
         infos[name].append(traced(run))
 
-    times, _ = barrier_rounds({s.name: s.run for s in steps}, opts["rounds"], opts["warmup"],
+    times, _ = common.barrier_rounds({s.name: s.run for s in steps}, opts["rounds"], opts["warmup"],
                               extra=opts["max_retries"], wrap=wrap, after_round=judge)
     walls = {k: [t.wall for t in v] for k, v in times.items()}
     stages = breakdown(infos, judge, walls)
-    idle = gather(judge.idle_cpu)
     for step in steps:
         step.close()
     dist.barrier()
@@ -197,20 +185,19 @@ def run_m(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, m: 
     return {"m": m, "microbatch_sizes": split_sizes(x.shape[0], chunks=m), "balance": balance, "naive_balance": naive,
             "profiled_stage_ms": cut["stage_ms"], "profiled_layer_ms": cut["layer_ms"], "profile_s": cut["profile_s"],
             "torch_pipelining": torch_report, "check": checked,
-            "rank1_idle_cpu_frac": statistics.median(idle[1]) if idle and idle[1] else None,
             "rounds_run": len(walls[steps[0].name]), "pairs_undisturbed": judge.undisturbed_pairs(),
-            "undisturbed": judge.clean, "foreign_cores": judge.foreign, "steal_cores": judge.steal,
+            "undisturbed": judge.clean, "foreign_cores": judge.foreign,
             "breakdown": stages, "times_s": walls, "max_foreign_cores": opts["max_foreign"]}
 
 
 def job(settings: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     """The body of each of the 2 spawned processes: every model, every m."""
-    rank = init_job(settings["timeout"], settings["device"])
+    rank = common.init_job(settings["timeout"], settings["device"])
     out: Dict[str, Any] = {}
     for name in settings["models"]:
         work = WORKLOADS[name]
         model, x, y = work.seeded(work.batch[SCRIPT], settings["seed"])
-        check_same(model, x, y)
+        common.check_same(model, x, y)
         opts = {**settings, **settings["per_model"][name],
                 "has_bn": any(isinstance(mod, (nn.BatchNorm1d, nn.BatchNorm2d)) for mod in model.modules())}
         log0(f"{name}: {work.describe(x.shape[0])}; {opts['rounds']} rounds (+{opts['warmup']} warm-up)")
@@ -224,9 +211,149 @@ def job(settings: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     return out if rank == 0 else None
 
 
+def _series(row: Dict[str, Any], name: str) -> Optional[Tuple[List[float], List[bool]]]:
+    """The times and undisturbed flags that stand for ``name`` (following aliases: naive cut == pipeddp's cut)."""
+    src = name if name in row["times_s"] else (row["torch_pipelining"].get(name) or {}).get("alias_of")
+    return (row["times_s"][src], row["undisturbed"][src]) if src in row["times_s"] else None
+
+
+def _pair_ratio(row: Dict[str, Any], base: str, other: str) -> Tuple[Optional[float], int]:
+    """Median of base/other over the rounds where both steps were undisturbed (all rounds if there is none)."""
+    b, o = _series(row, base), _series(row, other)
+    if b is None or o is None:
+        return None, 0
+    both = [i for i, (u, v) in enumerate(zip(b[1], o[1])) if u and v]
+    use = both or range(len(b[0]))
+    return median_ratio([b[0][i] for i in use], [o[0][i] for i in use]), len(both)
+
+
+def analyse(row: Dict[str, Any]) -> Dict[str, Any]:
+    """Medians (undisturbed steps) and per-round speedups of every pipeddp configuration over each baseline."""
+    bound = bubble_bound(STAGES, len(row["microbatch_sizes"]))
+    speed: Dict[str, Dict[str, Any]] = {}
+    for p in [n for n in row["times_s"] if n.startswith("pipeddp")]:
+        entry: Dict[str, Any] = {"rounds": {}, "bound": bound}
+        for base in ("accum", "whole-1t", "whole-2t", "ddp") + TORCH:
+            entry[base], entry["rounds"][base] = _pair_ratio(row, base, p)
+        entry["efficiency"] = entry["accum"] / bound if entry["accum"] is not None else None
+        speed[p] = entry
+    medians = {}
+    for name in list(row["times_s"]) + [t for t in TORCH if t not in row["times_s"]]:
+        got = _series(row, name)
+        medians[name] = None if got is None else median_ms([v for v, ok in zip(*got) if ok] or got[0])
+    host = None
+    if "host_solo" in row["times_s"]:  # too short for the CPU-time reading: every round counts
+        host = baselines.probe_speedup(row["times_s"]["host_solo"], row["times_s"]["host_both"], STAGES)
+    return {"median_ms": medians, "bound": bound, "speedup": speed,
+            "torch_speedup_vs_accum": {t: _pair_ratio(row, "accum", t)[0] for t in TORCH},
+            "accum_over_whole": _pair_ratio(row, "accum", "whole-1t")[0], "host_parallel_speedup": host}
+
+
+def targets(model: str, rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The targets, per pipeddp mode: met / not met, with the numbers they were judged on."""
+    out: List[Dict[str, Any]] = []
+    for p in PIPEDDP:
+        if not all(p in r["analysis"]["speedup"] for r in rows):
+            continue
+        sp = {r["m"]: r["analysis"]["speedup"][p] for r in rows}
+        same = {m: {t: s[t] for t in TORCH[:2]} for m, s in sp.items()}
+        checks = [(">= 95% of the bubble bound vs accumulation at every m", {m: s["efficiency"] for m, s in sp.items()},
+                   0.95), ("never slower than torch pipelining with the same cut", same, 1.0)]
+        if 16 in sp:
+            checks.append((">= 1.1x faster than torch pipelining (same cut) at m=16", same[16], 1.1))
+        naive = {m: {t: s[t] for t in TORCH[2:]} for m, s in sp.items() if m in (8, 16)}
+        if model == "resnet50" and naive:
+            checks.append((">= 1.2x faster than torch pipelining with the naive cut at m=8 and m=16", naive, 1.2))
+        for t, v, floor in checks:
+            flat = [x for d in v.values() for x in (d.values() if isinstance(d, dict) else [d])]
+            out.append({"model": model, "mode": p, "target": t, "values": v, "goal": floor,
+                        "met": all(x is not None and x >= floor for x in flat)})
+    return out
+
+
+def _x(v: Optional[float]) -> str:
+    return fmt(v, ".2f", "x")
+
+
+def _short(name: str) -> str:
+    """A column name: "pdp replica", "tGPipe @cut", "whole 1t"."""
+    for long, short in (("pipeddp-", "pdp "), ("torch-gpipe", "tGPipe "), ("torch-1f1b", "t1F1B "), ("-", " ")):
+        name = name.replace(long, short)
+    return name
+
+
+def tables(name: str, res: Dict[str, Any], run: Run) -> None:
+    """Step times, pipeddp's speedups, where the pipelines' time goes; failed torch cuts and disturbed steps."""
+    rows = res["by_m"]
+    cols = ["whole-1t", "whole-2t", "accum", "ddp", "pipeddp-replica", "pipeddp-stage"]
+    cols += sorted({n for r in rows for n in r["times_s"] if n.startswith("pipeddp") and n not in cols}) + list(TORCH)
+    run.table(f"{name}: ms per training step (median over undisturbed steps of the interleaved rounds)",
+              ["m", "pipeddp cut", "naive cut", "rounds"] + [_short(c) for c in cols],
+              [[r["m"], str(r["balance"]), str(r["naive_balance"]),
+                f"{min(r['pairs_undisturbed'].values(), default=0)}/{r['rounds_run']}"]
+               + [fmt(v, ".0f" if v is not None and v >= 100 else ".1f") for v in
+                  (r["analysis"]["median_ms"].get(c) for c in cols)] for r in rows],
+              caption=f"{res['workload']}. 1 intra-op thread per process or stage thread (whole 2t: 2); "
+                      "@cut: given pipeddp's cut, @naive: len(model)//2; rounds = fewest undisturbed rounds of any "
+                      "pipeddp-vs-baseline pair / rounds run. The columns: benchmarks/README.md")
+    out = []
+    for r in rows:
+        a = r["analysis"]
+        for i, p in enumerate(sorted(a["speedup"], key=lambda s: (s.replace("replica", "a"), s))):
+            s = a["speedup"][p]
+            out.append([r["m"] if i == 0 else "", _short(p), _x(s["accum"]), _x(s["bound"]), f"{s['efficiency']:.0%}",
+                        _x(s["whole-1t"]), _x(s["whole-2t"]), _x(s["ddp"])] + [_x(s[t]) for t in TORCH]
+                       + [_x(a["host_parallel_speedup"]) if i == 0 else ""])
+    run.table(f"{name}: pipeddp speedups (median of per-round ratios; > 1 = pipeddp faster)",
+              ["m", "pipeddp", "vs accum", "bound", "efficiency", "vs whole 1t", "vs whole 2t", "vs ddp"]
+              + [f"vs {_short(t)}" for t in TORCH] + ["host 2-core"], out,
+              caption="bound = 2m/(m+1); efficiency = (vs accum) / bound; host 2-core = a 1-thread matmul kernel on "
+                      "both cores at once vs alone, interleaved with the steps (ideal 2.00x)")
+    split = [[r["m"], _short(c), f"{b['step_ms']:.0f}"]
+             + baselines.split_cells(b["stages"], b["step_ms"], r["analysis"]["median_ms"]["accum"])
+             for r in rows for c, b in r["breakdown"].items()]
+    if split:
+        run.table(f"{name}: where the pipelines' time goes (medians over the undisturbed rounds)",
+                  ["m", "config", "step ms"] + baselines.SPLIT_COLUMNS, split,
+                  caption="F/B = time inside each stage's forward/backward (torch: *_one_chunk); "
+                          "idle = 1 - busy / step")
+    for r in rows:
+        for k, v in r["torch_pipelining"].items():
+            failed = [a["cut"] for a in v["attempts"] if not a["ok"]]
+            if failed:
+                run.console.print(f"[yellow]{name} m={r['m']}: {k} failed on cut(s) {failed}, used "
+                                  f"{v['used_cut']}")
+        judged = [n for n in r["undisturbed"] if not n.startswith("host_")]  # the probe is too short to judge
+        kept = [f for n in judged for f, ok in zip(r["foreign_cores"][n], r["undisturbed"][n]) if ok]
+        left = sum(not ok for n in judged for ok in r["undisturbed"][n])
+        run.console.print(f"{name} m={r['m']}: {r['rounds_run']} timed rounds, {left} disturbed step(s) left out; "
+                          f"other processes used at most {max(kept, default=0):.2f} cores during the steps kept")
+
+
+def _values(v: Any) -> str:
+    if isinstance(v, dict):
+        return ", ".join(f"{k}: {_values(x)}" for k, x in v.items())
+    return fmt(v, ".2f")
+
+
+def report(models: Dict[str, Any], run: Run) -> List[Dict[str, Any]]:
+    """Analyse every row (adds ``analysis``), print the tables, judge the targets; returns them all."""
+    found: List[Dict[str, Any]] = []
+    for name, res in models.items():
+        for row in res["by_m"]:
+            row["analysis"] = analyse(row)
+        tables(name, res, run)
+        res["targets"] = targets(name, res["by_m"])
+        found += res["targets"]
+    if found:
+        run.targets([(f"{t['model']} {t['mode']}: {t['target']}", _values(t["values"]), f">= {t['goal']}", t["met"])
+                     for t in found], "the targets (pipeddp's default 1F1B)")
+    return found
+
+
 def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     choices = names(SCRIPT)
-    p = parser(__doc__, "mlp, m = 2 8, 1 round, no warm-up round", "results/hybrid_cpu.json", spawns=True)
+    p = common.parser(__doc__, "mlp, m = 2 8, 1 round, no warm-up round", "results/hybrid_cpu.json", spawns=True)
     p.add_argument("--models", nargs="+", default=None, choices=choices, help="default: all (mlp with --quick)")
     p.add_argument("--ms", nargs="+", type=int, default=None,
                    help="numbers of micro-batches (default 2 4 8 16; 2 8 with --quick); must divide the batch")
@@ -253,7 +380,7 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse(argv)
-    run = Run(SCRIPT, args, BARRIER)
+    run = Run(SCRIPT, args, common.BARRIER)
     per_model = {name: {
         **dict(zip(("rounds", "warmup"), WORKLOADS[name].rounds_of(SCRIPT, args))),
         "max_retries": args.max_retries if args.max_retries is not None else (0 if args.quick else RETRIES[name]),

@@ -18,14 +18,14 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # started as a script
-import pipeddp  # noqa: E402
-from benchmarks import baselines  # noqa: E402
-from benchmarks.baselines import mb_text  # noqa: E402
-from benchmarks.common import (  # noqa: E402
+import pipeddp
+from benchmarks import baselines
+from benchmarks.baselines import mb_text
+from benchmarks.common import (
     BARRIER, Run, barrier_rounds, check_same, fmt, gather, init_job, log0, median_ratio, parser,
 )
-from benchmarks.workloads import WORKLOADS, names  # noqa: E402
-from pipeddp.runtime.microbatch import split_sizes  # noqa: E402
+from benchmarks.workloads import WORKLOADS, names
+from pipeddp.runtime.microbatch import split_sizes
 
 SCRIPT = "iteration_table"
 STAGES = 2

@@ -33,8 +33,8 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # started as a script
-import pipeddp  # noqa: E402
-from benchmarks.common import Run, barrier_timed, gather, init_job, parser  # noqa: E402
+import pipeddp
+from benchmarks.common import Run, barrier_timed, gather, init_job, parser
 
 MB = 1 << 20
 SHARDS = ("none", "optimizer", "full")

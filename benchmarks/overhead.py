@@ -33,9 +33,9 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # started as a script
-from benchmarks import baselines  # noqa: E402
-from benchmarks.common import Run, grad_rel_diff, grad_snapshot, parser  # noqa: E402
-from pipeddp.tools.models import mlp  # noqa: E402
+from benchmarks import baselines
+from benchmarks.common import Run, grad_rel_diff, grad_snapshot, parser
+from pipeddp.tools.models import mlp
 
 SCRIPT = "overhead"
 

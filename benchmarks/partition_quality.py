@@ -15,11 +15,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # started as a script
-from benchmarks.baselines import layers  # noqa: E402
-from benchmarks.common import LossFn, Run, here, median_ratio, parser, timed_call  # noqa: E402
-from benchmarks.workloads import WORKLOADS, Workload, add_round_flags, names  # noqa: E402
-from pipeddp import partition  # noqa: E402
-from pipeddp.partitioning.solve import block_move  # noqa: E402
+from benchmarks.baselines import layers
+from benchmarks.common import LossFn, Run, here, median_ratio, parser, timed_call
+from benchmarks.workloads import WORKLOADS, Workload, add_round_flags, names
+from pipeddp import partition
+from pipeddp.partitioning.solve import block_move
 
 SCRIPT = "partition_quality"
 METHODS = ["pipeddp", "uniform", "params", "block-move"]

@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # started as a script
-import pipeddp  # noqa: E402
-from benchmarks.common import Run, median_ratio, parser  # noqa: E402
-from pipeddp.tools.models import mlp  # noqa: E402
+import pipeddp
+from benchmarks.common import Run, median_ratio, parser
+from pipeddp.tools.models import mlp
 
 SCRIPT = "prefetch"
 #: steps of an epoch left out of its time (the first batch's wait, and what prefetch=2 banks meanwhile)

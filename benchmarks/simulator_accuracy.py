@@ -8,7 +8,6 @@ among the configurations measured), then measured in interleaved rounds; targets
 
 from __future__ import annotations
 
-import copy
 import os
 import statistics
 import sys
@@ -19,17 +18,13 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # started as a script
-import pipeddp  # noqa: E402
-from benchmarks import baselines  # noqa: E402
-from benchmarks.baselines import Step  # noqa: E402
-from benchmarks.common import (  # noqa: E402
-    BARRIER, Run, StepTime, barrier_rounds, barrier_timed, check_same, fmt, gather, init_job, log0, parser,
-)
-from benchmarks.simulator_calibration import (  # noqa: E402
-    BATCH, DDP_BUCKET, SPECS, WORK, Calib, Spec, calibrate_allreduce, calibrate_engine_collectives, calibrate_p2p,
-    calibrate_threads, compute_sample, layer_costs, predict, probe_sample,
-)
-from pipeddp.partitioning.solve import solve  # noqa: E402
+import pipeddp
+from benchmarks import baselines, common
+from benchmarks import simulator_calibration as cal
+from benchmarks.baselines import Step
+from benchmarks.common import BARRIER, Run, StepTime, barrier_rounds, barrier_timed, fmt, gather, log0, on_rank0
+from benchmarks.simulator_calibration import BATCH, DDP_BUCKET, SPECS, WORK, Calib, Spec, compute_sample, predict
+from pipeddp.partitioning.solve import solve
 
 SCRIPT = "simulator_accuracy"
 LAYOUTS = ["1x1", "1x2", "2x1", "1x2-stage"]
@@ -52,59 +47,43 @@ def build(spec: Spec, model: torch.nn.Sequential, x: torch.Tensor, y: torch.Tens
                             name=name, virtual_stages=spec.virtual)
 
 
-def calibrators(rank: int, model: torch.nn.Sequential, x: torch.Tensor, y: torch.Tensor,
-                balance_of: Dict[int, List[int]]) -> Dict[int, Any]:
-    """Rank 0's calibration pipelines, one per micro-batch size b: 2 stages on the 2-stage cut, GPipe over 2
-    micro-batches of b (none of them is a measured configuration: those take the whole batch)."""
-    if rank != 0:
-        return {}
-    out = {}
-    for b, balance in balance_of.items():
-        step = baselines.pipeline(model, x[:2 * b], y[:2 * b], WORK.loss_fn, chunks=2, balance=balance,
-                                  schedule="gpipe", name=f"calibration mb={b}")
-        step.run()  # warm-up
-        out[b] = (step.run, step.module, balance, 2, step.close)
-    return out
-
-
-def prior(rank: int, model: torch.nn.Sequential, halves: List[torch.nn.Sequential], x: torch.Tensor,
-          y: torch.Tensor, sizes: List[int], quick: bool, reps: int) -> Tuple[Calib, Dict[int, List[int]],
-                                                                              Dict[int, Any]]:
+def prior(rank: int, model: torch.nn.Sequential, x: torch.Tensor, y: torch.Tensor, sizes: List[int], quick: bool,
+          reps: int) -> Tuple[Calib, Dict[int, List[int]], Dict[int, Step]]:
     """Phase 0, before anything of any configuration runs: links, compute samples, the cuts (``solve``'s
     optimal cut of the profiled costs at each micro-batch size, made on rank 0 and sent to rank 1), and a
-    sample at every micro-batch size with the contention fitted to a real pipeline step on that cut."""
-    calib = Calib(p2p=calibrate_p2p(rank, reps), allreduce=calibrate_allreduce(max(3, reps // 4)),
-                  engine_collectives=calibrate_engine_collectives(reps),
-                  thread_latency=calibrate_threads(reps * 10) if rank == 0 else 0.0)
+    sample at every micro-batch size with the contention fitted to a real pipeline step on that cut: rank 0's
+    calibration pipelines, 2 stages on the 2-stage cut, GPipe over 2 micro-batches of b (none of them is a
+    measured configuration: those take the whole batch)."""
+    calib = Calib(p2p=cal.calibrate_p2p(rank, reps), allreduce=cal.calibrate_allreduce(max(3, reps // 4)),
+                  engine_collectives=cal.calibrate_engine_collectives(reps),
+                  thread_latency=cal.calibrate_threads(reps * 10) if rank == 0 else 0.0)
     log0(f"links: p2p {calib.p2p['latency_s'] * 1e6:.0f} us + {calib.p2p['bandwidth_Bps'] / 1e9:.2f} GB/s; "
          f"DDP bucket all-reduce {calib.allreduce['latency_s'] * 1e6:.0f} us/step + "
          f"{calib.allreduce['bandwidth_Bps'] / 1e9:.2f} GB/s; thread hand-off {calib.thread_latency * 1e6:.0f} us; "
          f"engine collectives {calib.engine_collectives * 1e3:.2f} ms")
     for _ in range(1 if quick else 2):
         for b in sizes:
-            sample = compute_sample(rank, model, halves, x, b, repeat=1 if quick else 2, loss_reps=reps)
+            sample = compute_sample(rank, model, x, b, repeat=1 if quick else 2, loss_reps=reps)
             if rank == 0:
                 calib.add(b, dict(sample, when="before"))
-        calib.probe.append(probe_sample(rank))  # None on rank 1, which never predicts
-    balances: List[Any] = [{b: solve(layer_costs(calib, b), 2) for b in sizes} if rank == 0 else None]
-    dist.broadcast_object_list(balances, src=0)
-    pipes = calibrators(rank, model, x, y, balances[0])
+    balances = on_rank0(lambda: {b: solve(cal.layer_costs(calib, b), 2) for b in sizes})
+    pipes = {}
+    for b, balance in balances.items() if rank == 0 else ():
+        pipes[b] = baselines.pipeline(model, x[:2 * b], y[:2 * b], WORK.loss_fn, chunks=2, balance=balance,
+                                      schedule="gpipe", name=f"calibration mb={b}")
+        pipes[b].run()  # warm-up
     for b in sizes:
-        sample = compute_sample(rank, model, halves, x, b, repeat=1, loss_reps=reps, pipeline=_cal(pipes, b))
+        sample = compute_sample(rank, model, x, b, repeat=1, loss_reps=reps, pipeline=pipes.get(b))
         if rank == 0:
             calib.add(b, dict(sample, when="before, with a pipeline step"))
-    return calib, balances[0], pipes
-
-
-def _cal(pipes: Dict[int, Any], b: int) -> Optional[Any]:
-    return pipes[b][:4] if b in pipes else None
+    return calib, balances, pipes
 
 
 def measure(rank: int, steps: List[Step], specs: List[Spec], calib: Calib, model: torch.nn.Sequential,
-            halves: List[torch.nn.Sequential], x: torch.Tensor, settings: Dict[str, Any],
+            x: torch.Tensor, settings: Dict[str, Any],
             reps: int) -> Tuple[Dict[str, List[StepTime]], Dict[str, List[Optional[Dict[str, Any]]]]]:
     """The rounds: every configuration once per round (rotating order), each right after a calibration sample
-    at its micro-batch size (paired with its step); a probe sample after each round."""
+    at its micro-batch size (paired with its step)."""
     spec_of = {s.name: s for s in specs}
     paired: Dict[str, List[Optional[Dict[str, Any]]]] = {s.name: [] for s in specs}
     rounds_done, t0 = [0], time.perf_counter()
@@ -113,14 +92,13 @@ def measure(rank: int, steps: List[Step], specs: List[Spec], calib: Calib, model
         sample = None
         if not settings["no_recalibrate"]:
             b = spec_of[name].micro_batch
-            sample = compute_sample(rank, model, halves, x, b, repeat=1, loss_reps=max(3, reps // 4),
-                                    pipeline=_cal(settings["pipes"], b))
+            sample = compute_sample(rank, model, x, b, repeat=1, loss_reps=max(3, reps // 4),
+                                    pipeline=settings["pipes"].get(b))
             if rank == 0:
                 calib.add(b, dict(sample, when=f"round {rounds_done[0]}"))
         paired[name].append(sample)
 
     def after_round(got: Dict[str, StepTime]) -> bool:
-        calib.probe.append(probe_sample(rank))
         rounds_done[0] += 1
         log0(f"round {rounds_done[0]}/{settings['rounds']}: {time.perf_counter() - t0:.1f} s")
         return False
@@ -154,38 +132,33 @@ def rows_of(specs: List[Spec], times: Dict[str, List[StepTime]], peer: Dict[str,
             "plain_predicted_s": plain["step_s"], "plain_error": plain["step_s"] / meas - 1,
             "paired_errors": per_round, "paired_error": statistics.median(per_round) if per_round else None,
             "prediction": final, "prior_prediction": before[n],
-            "host": {"ours_cores": ours, "others_cores": others, "steal_cores": [a.steal / u for a, u in zip(mine, t)],
-                     "median_ours": statistics.median(ours), "median_others": statistics.median(others),
-                     "page_faults_minor": [a.faults[0] + b.faults[0] for a, b in zip(mine, theirs)],
-                     "page_faults_major": [a.faults[1] + b.faults[1] for a, b in zip(mine, theirs)]}})
+            "host": {"ours_cores": ours, "others_cores": others, "median_ours": statistics.median(ours),
+                     "median_others": statistics.median(others)}})
     return rows
 
 
 def job(settings: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-    rank = init_job(settings["timeout"])
+    rank = common.init_job(settings["timeout"])
     model, x, y = WORK.seeded(BATCH, settings["seed"])
-    check_same(model, x, y)
-    half = len(model) // 2
-    halves = [copy.deepcopy(model[:half]), copy.deepcopy(model[half:])]
+    common.check_same(model, x, y)
     specs = [s for s in SPECS if s.layout in settings["layouts"]]
     sizes = sorted({s.micro_batch for s in specs}, reverse=True)
     reps = 5 if settings["quick"] else 20
     t0 = time.perf_counter()
-    calib, balance_of, pipes = prior(rank, model, halves, x, y, sizes, settings["quick"], reps)
+    calib, balance_of, pipes = prior(rank, model, x, y, sizes, settings["quick"], reps)
     settings = dict(settings, pipes=pipes)
-    cuts4: List[Any] = [{b: solve(layer_costs(calib, b), 4) for b in sizes} if rank == 0 else None]
-    dist.broadcast_object_list(cuts4, src=0)
+    cuts4 = on_rank0(lambda: {b: solve(cal.layer_costs(calib, b), 4) for b in sizes})
 
     def balance(spec: Spec) -> List[int]:
         if spec.cut == 4:
-            return cuts4[0][spec.micro_batch]
+            return cuts4[spec.micro_batch]
         return balance_of[spec.micro_batch] if spec.cut == 2 else [len(model)]
 
     before: Dict[str, Any] = {}
     if rank == 0:
         for b in sizes:
-            log0(f"  micro-batch {b:3d}: layers {sum(layer_costs(calib, b)) * 1e3:7.1f} ms fwd+bwd alone, both cores "
-                 f"busy x{calib.contention(b):.2f}; 2-stage cut {balance_of[b]}")
+            log0(f"  micro-batch {b:3d}: layers {sum(cal.layer_costs(calib, b)) * 1e3:7.1f} ms fwd+bwd alone, "
+                 f"both cores busy x{calib.contention(b):.2f}; 2-stage cut {balance_of[b]}")
         before = {s.name: predict(s, calib, balance(s)) for s in specs}
         log0("a-priori predictions (ms): " + ", ".join(f"{k} {v['step_s'] * 1e3:.0f}" for k, v in before.items()))
     calib_s = time.perf_counter() - t0
@@ -195,23 +168,19 @@ def job(settings: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     grads = baselines.check_grads(steps, lambda step: plain.grads(), "plain")
     for step in steps if not settings["quick"] else []:  # a second untimed step: warm-up
         barrier_timed(step.run)
-    times, paired = measure(rank, steps, specs, calib, model, halves, x, settings, reps)
+    times, paired = measure(rank, steps, specs, calib, model, x, settings, reps)
     everyone = gather(times)
     for step in steps:
         step.close()
-    for *_, close in pipes.values():
-        close()
+    for pipe in pipes.values():
+        pipe.close()
     dist.barrier()
     if rank != 0:
         return None
-    sizes_info = {b: {"median": calib.contention(b), "pipeline_samples": calib.pipeline_ratios(b),
-                      "samples": calib.ratios(b),
-                      "profile_median": statistics.median(calib.profile_ratios(b)),
-                      "profile_samples": calib.profile_ratios(b)} for b in sizes}
     return {"rows": rows_of(specs, times, everyone[1], calib, balance, before, paired, grads), "sizes": sizes,
-            "contention": sizes_info, "probe_ratio": {"median": statistics.median(calib.probe), "samples": calib.probe},
-            "layers": {b: {"solo": calib.layers(b), "together": calib.layers(b, "together"), "loss_s": calib.loss(b),
-                           "samples": len(calib.samples[b])} for b in sizes},
+            "contention": {b: {"median": calib.contention(b), "samples": calib.pipeline_ratios(b)} for b in sizes},
+            "layers": {b: {"solo": calib.layers(b), "loss_s": calib.loss(b), "samples": len(calib.samples[b])}
+                       for b in sizes},
             "p2p": calib.p2p, "allreduce": calib.allreduce, "thread_latency_s": calib.thread_latency,
             "engine_collectives_s": calib.engine_collectives, "balances": balance_of, "rounds": settings["rounds"],
             "calibration_s": calib_s}
@@ -223,16 +192,13 @@ def report(res: Dict[str, Any], run: Run) -> Dict[str, Any]:
     run.table(f"simulator vs measurement: {WORK.model_text}, batch {BATCH}, 2 CPU cores (median of {res['rounds']} "
               "interleaved steps; mb = micro-batch size)",
               ["configuration", "mb", "cut", "contention", "bubble", "predicted ms", "measured ms", "error",
-               "a-priori ms", "a-priori err", "plain ms", "plain err", "paired err", "cores ours/others",
-               "faults/step"],
+               "a-priori ms", "a-priori err", "plain ms", "plain err", "paired err", "cores ours/others"],
               [[r["name"], r["micro_batch"], "/".join(map(str, r["balance"])) if len(r["balance"]) > 1 else "-",
                 f"x{r['prediction']['contention']:.2f}" if r["layout"] != "1x1" else "-",
                 f"{r['prediction']['bubble']:.0%}", f"{r['predicted_s'] * 1e3:.0f}", f"{r['measured_s'] * 1e3:.0f}",
                 fmt(r["error"], "+.1%"), f"{r['prior_predicted_s'] * 1e3:.0f}", fmt(r["prior_error"], "+.1%"),
                 f"{r['plain_predicted_s'] * 1e3:.0f}", fmt(r["plain_error"], "+.1%"), fmt(r["paired_error"], "+.1%"),
-                f"{r['host']['median_ours']:.2f}/{r['host']['median_others']:.2f}",
-                f"{statistics.median(r['host']['page_faults_minor']):.0f}/"
-                f"{statistics.median(r['host']['page_faults_major']):.0f}"] for r in rows],
+                f"{r['host']['median_ours']:.2f}/{r['host']['median_others']:.2f}"] for r in rows],
               caption="predicted: calibration from the same rounds as the measurements; a-priori: from before "
                       "them; plain: no contention, buckets, shared-core all-reduce, hand-off latency or engine "
                       "collectives; paired: from the sample right before each step; cores: CPU of this job / the rest")
@@ -254,14 +220,12 @@ def report(res: Dict[str, Any], run: Run) -> Dict[str, Any]:
         f"all-reduce {res['allreduce']['latency_s'] * 1e6:.0f} us/step + {res['allreduce']['bandwidth_Bps'] / 1e9:.2f} "
         f"GB/s, thread hand-off {res['thread_latency_s'] * 1e6:.0f} us, engine collectives "
         f"{res['engine_collectives_s'] * 1e3:.2f} ms; contention by micro-batch "
-        + ", ".join(f"{b}: x{v['median']:.2f}" for b, v in res["contention"].items()) + " (layer profile on both "
-        "cores: " + ", ".join(f"x{v['profile_median']:.2f}" for v in res["contention"].values())
-        + f"); parallel_probe x{res['probe_ratio']['median']:.2f}.")
+        + ", ".join(f"{b}: x{v['median']:.2f}" for b, v in res["contention"].items()))
     return summary
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = parser(__doc__, "1 round, light calibration", "results/simulator_accuracy.json", spawns=True)
+    p = common.parser(__doc__, "1 round, light calibration", "results/simulator_accuracy.json", spawns=True)
     p.add_argument("--rounds", type=int, default=None, help=f"measurement rounds (default "
                    f"{WORK.rounds[SCRIPT]}; 1 with --quick)")
     p.add_argument("--layouts", nargs="+", default=LAYOUTS, choices=LAYOUTS)

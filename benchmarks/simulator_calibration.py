@@ -1,8 +1,9 @@
 """What benchmarks/simulator_accuracy.py predicts from: calibration of compute, contention and links.
 
 Nothing here runs a configuration being predicted: per-layer costs and the loss at each micro-batch size,
-how much slower half the model runs while the other core runs the other half (contention), and the links
-(gloo ping-pong, thread hand-off, DDP's bucket all-reduce, ``HybridParallel``'s per-step collectives).
+how much slower compute runs while both cores compute (contention, fitted to a real 2-stage pipeline step that
+is not among the configurations), and the links (gloo ping-pong, thread hand-off, DDP's bucket all-reduce,
+``HybridParallel``'s per-step collectives).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks.common import interleaved, median_ratio, parallel_probe
 from benchmarks.workloads import WORKLOADS
 from pipeddp.partitioning.profile import LayerCost, profile_layers
 from pipeddp.runtime.channels import Inbox
@@ -98,7 +98,8 @@ def calibrate_p2p(rank: int, reps: int) -> Dict[str, Any]:
             dist.recv(buf, 0)
             dist.send(buf, 0)
 
-    one_way = [_median_time(lambda buf=torch.zeros(nbytes // 4): ping_pong(buf), reps) / 2 for nbytes in sizes]
+    one_way = [_median_time(lambda buf=buf: ping_pong(buf), reps) / 2
+               for buf in (torch.zeros(nbytes // 4) for nbytes in sizes)]
     a, c = _fit(sizes, one_way)
     return {"sizes": sizes, "one_way_s": one_way, "latency_s": a, "bandwidth_Bps": 1 / c}
 
@@ -114,11 +115,8 @@ def calibrate_allreduce(reps: int) -> Dict[str, Any]:
         dist.all_reduce(bucket)
         grads.copy_(bucket)
 
-    secs = []
-    for nbytes in sizes:
-        grads = torch.ones(nbytes // 4)
-        bucket = torch.empty_like(grads)
-        secs.append(_median_time(lambda: reduce(grads, bucket), reps))
+    buffers = [(torch.ones(n // 4), torch.empty(n // 4)) for n in sizes]  # allocated before the clock runs
+    secs = [_median_time(lambda g=g, bk=bk: reduce(g, bk), reps) for g, bk in buffers]
     a, c = _fit(sizes, secs)
     return {"sizes": sizes, "seconds": secs, "latency_s": a / 2, "bandwidth_Bps": 1 / c}
 
@@ -174,50 +172,20 @@ def time_loss(b: int, width: int, reps: int) -> Tuple[float, float]:
     return statistics.median(fs), statistics.median(bs)
 
 
-def stream(part: nn.Sequential, x: torch.Tensor, grad_input: bool, reps: int) -> float:
-    """Seconds per micro-batch of ``part`` run as a stage runs it: forward through its layers, then backward."""
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        xi = x.detach().clone().requires_grad_(grad_input)
-        out = part(xi)
-        out.backward(torch.ones_like(out))
-    return (time.perf_counter() - t0) / reps
-
-
-#: A calibration pipeline on rank 0: (its step, the engine, its cut, its micro-batches)
-Calibrator = Tuple[Callable[[], Any], Any, List[int], int]
-
-
-def compute_sample(rank: int, model: nn.Sequential, halves: Sequence[nn.Sequential], x: torch.Tensor, b: int,
-                   repeat: int, loss_reps: int, pipeline: Optional[Calibrator] = None) -> Optional[Dict[str, Any]]:
-    """One calibration sample of compute at micro-batch ``b`` (on rank 0): the layer profile alone (``solo``) and
-    on both ranks at once (``together``), the loss's seconds, and rank 0 running its half of the model as a stage
-    does, alone then while rank 1 runs the other half (``stream_solo`` / ``stream_together``: the contention);
-    with ``pipeline`` (rank 0's calibration pipeline at this micro-batch size) also the contention fitted to one
-    of its real steps (``pipeline``)."""
-    reps = max(2, 64 // b)
-    mine = halves[rank]
+def compute_sample(rank: int, model: nn.Sequential, x: torch.Tensor, b: int, repeat: int, loss_reps: int,
+                   pipeline: Any = None) -> Optional[Dict[str, Any]]:
+    """One calibration sample of compute at micro-batch ``b`` (on rank 0, while rank 1 waits): the layer profile,
+    the loss's seconds and, with ``pipeline`` (rank 0's calibration pipeline at this micro-batch size), the
+    contention fitted to one of its real steps (``pipeline``)."""
     dist.barrier()
     solo = profile_layers(model, x[:b], repeat=repeat) if rank == 0 else None
     loss = time_loss(b, x.shape[1], loss_reps) if rank == 0 else None
-    stream_solo = None
-    if rank == 0:
-        stream(mine, x[:b], False, 1)
-        stream_solo = stream(mine, x[:b], False, reps)
-    dist.barrier()
-    stream(mine, x[:b], rank > 0, 1)
-    stream_together = stream(mine, x[:b], rank > 0, reps)
-    dist.barrier()
-    together = profile_layers(model, x[:b], repeat=repeat)
     fitted = None
     if rank == 0 and pipeline is not None:
-        step, engine, balance, chunks = pipeline
-        fitted = pipeline_contention(step, engine, _costs(_layer_dicts(solo), loss, balance), chunks)
+        costs = _costs(_layer_dicts(solo), loss, pipeline.info["balance"])
+        fitted = pipeline_contention(pipeline.run, pipeline.module, costs, pipeline.module.chunks)
     dist.barrier()
-    if rank != 0:
-        return None
-    return {"solo": solo, "together": together, "loss": loss, "stream_solo": stream_solo,
-            "stream_together": stream_together, "pipeline": fitted}
+    return {"solo": solo, "loss": loss, "pipeline": fitted} if rank == 0 else None
 
 
 def _layer_dicts(costs: Sequence[LayerCost]) -> List[Dict[str, float]]:
@@ -253,21 +221,11 @@ def pipeline_contention(step: Callable[[], Any], engine: Any, costs: Sequence[St
     return (lo + hi) / 2
 
 
-def probe_sample(rank: int, reps: int = 3) -> Optional[float]:
-    """``parallel_probe``'s together / solo ratio (an L2-resident matmul on both cores vs one), rank 0."""
-    if rank != 0:
-        return None
-    solo, together = parallel_probe()
-    times = interleaved({"solo": solo, "together": together}, rounds=reps, warmup=0)
-    return median_ratio(times["together"], times["solo"])
-
-
 @dataclass
 class Calib:
     """Calibration samples collected so far (rank 0); compute samples by micro-batch size."""
 
     samples: Dict[int, List[Dict[str, Any]]] = field(default_factory=dict)
-    probe: List[float] = field(default_factory=list)
     p2p: Dict[str, Any] = field(default_factory=dict)
     allreduce: Dict[str, Any] = field(default_factory=dict)
     thread_latency: float = 0.0
@@ -278,12 +236,11 @@ class Calib:
 
     def only(self, b: int, sample: Dict[str, Any]) -> "Calib":
         """The same links, with ``sample`` as the only compute sample at ``b``."""
-        return Calib({b: [sample]}, self.probe, self.p2p, self.allreduce, self.thread_latency,
-                     self.engine_collectives)
+        return Calib({b: [sample]}, self.p2p, self.allreduce, self.thread_latency, self.engine_collectives)
 
-    def layers(self, b: int, key: str = "solo") -> List[Dict[str, float]]:
+    def layers(self, b: int) -> List[Dict[str, float]]:
         """Per layer: median forward / backward seconds over the samples, and sizes."""
-        samples: List[List[LayerCost]] = [c[key] for c in self.samples[b]]
+        samples: List[List[LayerCost]] = [c["solo"] for c in self.samples[b]]
         return [{"name": first.name, "forward": statistics.median(s[i].forward for s in samples),
                  "backward": statistics.median(s[i].backward for s in samples),
                  "activation_bytes": first.activation_bytes, "param_bytes": first.param_bytes}
@@ -293,22 +250,12 @@ class Calib:
         return (statistics.median(c["loss"][0] for c in self.samples[b]),
                 statistics.median(c["loss"][1] for c in self.samples[b]))
 
-    def ratios(self, b: int) -> List[float]:
-        """Per sample: half the model streamed while the other core streams the other half / alone."""
-        return [c["stream_together"] / c["stream_solo"] for c in self.samples[b]]
-
-    def profile_ratios(self, b: int) -> List[float]:
-        """Per sample: (sum of profiled layer times, both cores profiling) / (sum, alone)."""
-        return [sum(l.time for l in c["together"]) / sum(l.time for l in c["solo"]) for c in self.samples[b]]
-
     def pipeline_ratios(self, b: int) -> List[float]:
         """Per sample: the contention fitted to a real 2-stage pipeline step at micro-batch ``b``."""
         return [c["pipeline"] for c in self.samples[b] if c.get("pipeline") is not None]
 
     def contention(self, b: int) -> float:
-        """From real pipeline steps where there are samples of them, else from the streamed halves."""
-        fitted = self.pipeline_ratios(b)
-        return statistics.median(fitted) if fitted else statistics.median(self.ratios(b))
+        return statistics.median(self.pipeline_ratios(b))
 
 
 def _link(fit: Dict[str, Any]) -> Link:
@@ -352,8 +299,8 @@ def predict(spec: Spec, calib: Calib, balance: Sequence[int], *, plain: bool = F
     if not plain and spec.procs > 1:
         extra["step_overhead"] = calib.engine_collectives
     pred = simulate(costs, spec.schedule, stages=spec.stages, chunks=spec.m, replicas=spec.replicas,
-                    links=links.get(spec.layout), allreduce_link=_link(calib.allreduce) if spec.layout == "2x1" else None,
-                    virtual_stages=spec.virtual, **extra)
+                    links=links.get(spec.layout), virtual_stages=spec.virtual,
+                    allreduce_link=_link(calib.allreduce) if spec.layout == "2x1" else None, **extra)
     return {"step_s": pred.step_time, "bubble": pred.bubble, "exposed_allreduce_s": pred.exposed_allreduce,
             "allreduce_s": max(pred.allreduce_time), "contention": None if plain else sigma,
             "stage_ms": [round((c.forward + c.backward) * 1e3, 3) for c in costs]}

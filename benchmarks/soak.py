@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # started as a script
-import pipeddp  # noqa: E402
-from benchmarks.common import Run, init_job, parser  # noqa: E402
-from benchmarks.workloads import mlp_workload  # noqa: E402
+import pipeddp
+from benchmarks.common import Run, init_job, parser
+from benchmarks.workloads import mlp_workload
 
 PROCS = 2
 STAGES = 2

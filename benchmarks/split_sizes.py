@@ -15,11 +15,11 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # started as a script
-from benchmarks import baselines  # noqa: E402
-from benchmarks.baselines import mb_text  # noqa: E402
-from benchmarks.common import Run, interleaved, median_ms, median_ratio, parser  # noqa: E402
-from benchmarks.workloads import WORKLOADS, add_round_flags, check_rounds, names  # noqa: E402
-from pipeddp.runtime.microbatch import split_sizes  # noqa: E402
+from benchmarks import baselines
+from benchmarks.baselines import mb_text
+from benchmarks.common import Run, interleaved, median_ms, median_ratio, parser
+from benchmarks.workloads import WORKLOADS, add_round_flags, check_rounds, names
+from pipeddp.runtime.microbatch import split_sizes
 
 SCRIPT = "split_sizes"
 SPLITS = [8, 12, 16, 20, 24, 32, 48, 64, 96, 120]
