@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gc
 import os
-import re
 import shutil
 import statistics
 import sys
@@ -21,7 +20,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # started as a script
 import pipeddp
-from benchmarks.common import Run, init_job, log0, median_ratio, parser
+from benchmarks.common import Run, gather, init_job, log0, median_ratio, parser, proc_status
 from benchmarks.workloads import mlp_workload
 
 STAGES = 4
@@ -29,12 +28,6 @@ CONFIGS = ("consolidated", "sharded", "sharded-async")
 #: the targets: the sharded save's peak resident memory above what the rank held before it, as a share of the
 #: rank's own shard (parameters + optimizer state); the async save's blocking time against the one file's
 PEAK_TARGET, BLOCK_TARGET = 0.25, 0.25
-
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        m = re.search(rf"^{field}:\s+(\d+) kB", f.read(), flags=re.M)
-    return int(m.group(1)) if m else 0
 
 
 class PeakRSS:
@@ -49,7 +42,7 @@ class PeakRSS:
 
     def _sample(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, _status_kb("VmRSS") * 1024)
+            self.peak = max(self.peak, proc_status()["VmRSS"] * 1024)
             time.sleep(self.interval)
 
     def __enter__(self) -> "PeakRSS":
@@ -65,9 +58,9 @@ class PeakRSS:
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, _status_kb("VmRSS") * 1024)
+        self.peak = max(self.peak, proc_status()["VmRSS"] * 1024)
         if self.hwm_reset:
-            self.peak = max(self.peak, _status_kb("VmHWM") * 1024)
+            self.peak = max(self.peak, proc_status()["VmHWM"] * 1024)
 
 
 def _bytes(values: Any) -> int:
@@ -121,7 +114,7 @@ def job(settings: Dict[str, Any]) -> Optional[Dict[str, Any]]:
             path = os.path.join(out_dir, "one.pt" if name == "consolidated" else name)
             gc.collect()
             dist.barrier()
-            before = _status_kb("VmRSS") * 1024
+            before = proc_status()["VmRSS"] * 1024
             with PeakRSS() as peak:
                 t0 = time.perf_counter()
                 if name == "consolidated":
@@ -142,8 +135,7 @@ def job(settings: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     result = {"rank": rank, "shard_bytes": shard, "rows": rows, "step_s": step_s, "sizes": sizes,
               "balance": list(engine.balance)}
     engine.close()
-    everyone: Optional[List[Any]] = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object(result, everyone, dst=0)
+    everyone = gather(result)
     dist.barrier()
     return {"ranks": everyone} if rank == 0 else None
 

@@ -229,13 +229,12 @@ def barrier_timed(step: Optional[Callable[[], Any]], name: str = "") -> Tuple[St
 def barrier_rounds(
     steps: Mapping[str, Optional[Callable[[], Any]]], rounds: int, warmup: int = 0, *, extra: int = 0,
     before: Optional[Callable[[str], None]] = None,
-    wrap: Optional[Callable[[str, Callable[[], None]], None]] = None,
     after_round: Optional[Callable[[Dict[str, StepTime]], bool]] = None,
 ) -> Tuple[Dict[str, List[StepTime]], Dict[str, List[Any]]]:
     """``interleaved`` for a multi-process job (every rank calls it with the same names in the same order), each
-    step timed by ``barrier_timed``: ``before(name)`` runs before each step; in timed rounds ``wrap(name, run)``
-    calls ``run()`` once (to instrument it); after each timed round ``after_round`` sees this rank's readings and
-    says whether to stop (alike on every rank), so up to ``extra`` rounds may replace disturbed ones."""
+    step timed by ``barrier_timed``: ``before(name)`` runs before each step; after each timed round
+    ``after_round`` sees this rank's readings and says whether to stop (alike on every rank), so up to ``extra``
+    rounds may replace disturbed ones. Returns the readings and the steps' results by name."""
     names = list(steps)
     times: Dict[str, List[StepTime]] = {n: [] for n in names}
     results: Dict[str, List[Any]] = {n: [] for n in names}
@@ -247,19 +246,10 @@ def barrier_rounds(
         for name in names[k:] + names[:k]:
             if before is not None:
                 before(name)
-            out: List[Tuple[StepTime, Any]] = []
-
-            def run(name: str = name, out: List[Tuple[StepTime, Any]] = out) -> None:
-                out.append(barrier_timed(steps[name], name))
-
-            if wrap is not None and timed_round:
-                wrap(name, run)
-            else:
-                run()
-            got[name] = out[0][0]
+            got[name], result = barrier_timed(steps[name], name)
             if timed_round:
-                times[name].append(out[0][0])
-                results[name].append(out[0][1])
+                times[name].append(got[name])
+                results[name].append(result)
         if timed_round and after_round is not None:
             if after_round(got):
                 break
@@ -362,8 +352,8 @@ class Run:
 
     def targets(self, rows: Sequence[Sequence[Any]], title: str = "against the targets") -> List[Dict[str, Any]]:
         """Print (target, measured, goal[, met]) rows as one table; return them as JSON records."""
-        cells = [list(r[:3]) + ([] if len(r) < 4 else ["met" if r[3] else "NOT met"]) for r in rows]
-        self.table(title, ["target", "measured", "goal", "met"], cells)
+        self.table(title, ["target", "measured", "goal", "met"],
+                   [list(r[:3]) + ["-" if len(r) < 4 else "met" if r[3] else "NOT met"] for r in rows])
         return [dict(zip(("target", "measured", "goal", "met"), r)) for r in rows]
 
     def finish(self, settings: Optional[Mapping[str, Any]] = None, **payload: Any) -> Path:

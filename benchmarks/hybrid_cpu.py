@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -22,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import pipeddp
 from benchmarks import baselines, common
 from benchmarks.common import LossFn, Run, StepTime, fmt, gather, log0, median_ms, median_ratio
-from benchmarks.workloads import WORKLOADS, add_round_flags, check_rounds, names
+from benchmarks.workloads import WORKLOADS, add_round_flags, names
 from pipeddp.runtime.microbatch import split_sizes
 from pipeddp.tools.simulate import bubble_bound
 
@@ -119,24 +118,6 @@ class Judge:
         return bool(verdict[0])
 
 
-def breakdown(infos: Dict[str, List[Dict[int, Dict[str, float]]]], judge: Judge,
-              walls: Dict[str, List[float]]) -> Dict[str, Any]:
-    """Per pipeline: median per-stage forward/backward ms over its undisturbed rounds (both ranks' stages)."""
-    parts = gather(infos)
-    if parts is None:
-        return {}
-    out: Dict[str, Any] = {}
-    for name, mine in parts[0].items():
-        per_round = [{s: v for p in parts if i < len(p[name]) for s, v in p[name][i].items()} for i in range(len(mine))]
-        if not per_round:
-            continue
-        use = [i for i, ok in enumerate(judge.clean[name]) if ok] or list(range(len(per_round)))
-        out[name] = {"step_ms": statistics.median(walls[name][i] for i in use) * 1e3, "rounds": len(use),
-                     "stages": [{k: statistics.median(per_round[i][s][k] for i in use) for k in per_round[0][s]}
-                                for s in sorted(per_round[0])]}
-    return out
-
-
 def profiled_cut(model: nn.Sequential, x: torch.Tensor, m: int) -> Dict[str, Any]:
     """pipeddp's cut, profiled at micro-batch size (on rank 0, then sent to rank 1: what HybridParallel does)."""
     t0 = time.perf_counter()
@@ -164,19 +145,9 @@ def run_m(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, m: 
         solo, both = baselines.parallel_probe(STAGES) if rank == 0 else (None, None)
         steps += [baselines.Step("host_solo", solo), baselines.Step("host_both", both)]
     judge = Judge(steps, opts["rounds"], opts["max_foreign"])
-    infos: Dict[str, List[Any]] = {s.name: [] for s in steps}
-    by_name = {s.name: s for s in steps}
-
-    def wrap(name: str, run: Callable[[], None]) -> None:  # the timed rounds also record where time goes
-        traced = by_name[name].traced if opts["trace"] else None
-        if traced is None:
-            return run()
-        infos[name].append(traced(run))
-
     times, _ = common.barrier_rounds({s.name: s.run for s in steps}, opts["rounds"], opts["warmup"],
-                              extra=opts["max_retries"], wrap=wrap, after_round=judge)
+                                     extra=opts["max_retries"], after_round=judge)
     walls = {k: [t.wall for t in v] for k, v in times.items()}
-    stages = breakdown(infos, judge, walls)
     for step in steps:
         step.close()
     dist.barrier()
@@ -187,7 +158,7 @@ def run_m(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, m: 
             "torch_pipelining": torch_report, "check": checked,
             "rounds_run": len(walls[steps[0].name]), "pairs_undisturbed": judge.undisturbed_pairs(),
             "undisturbed": judge.clean, "foreign_cores": judge.foreign,
-            "breakdown": stages, "times_s": walls, "max_foreign_cores": opts["max_foreign"]}
+            "times_s": walls, "max_foreign_cores": opts["max_foreign"]}
 
 
 def job(settings: Dict[str, Any]) -> Optional[Dict[str, Any]]:
@@ -309,14 +280,6 @@ def tables(name: str, res: Dict[str, Any], run: Run) -> None:
               + [f"vs {_short(t)}" for t in TORCH] + ["host 2-core"], out,
               caption="bound = 2m/(m+1); efficiency = (vs accum) / bound; host 2-core = a 1-thread matmul kernel on "
                       "both cores at once vs alone, interleaved with the steps (ideal 2.00x)")
-    split = [[r["m"], _short(c), f"{b['step_ms']:.0f}"]
-             + baselines.split_cells(b["stages"], b["step_ms"], r["analysis"]["median_ms"]["accum"])
-             for r in rows for c, b in r["breakdown"].items()]
-    if split:
-        run.table(f"{name}: where the pipelines' time goes (medians over the undisturbed rounds)",
-                  ["m", "config", "step ms"] + baselines.SPLIT_COLUMNS, split,
-                  caption="F/B = time inside each stage's forward/backward (torch: *_one_chunk); "
-                          "idle = 1 - busy / step")
     for r in rows:
         for k, v in r["torch_pipelining"].items():
             failed = [a["cut"] for a in v["attempts"] if not a["ok"]]
@@ -360,7 +323,6 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     add_round_flags(p, SCRIPT)
     p.add_argument("--schedules", nargs="+", default=["1f1b"], choices=["1f1b", "gpipe"],
                    help="pipeddp schedules to time (default 1f1b, the one judged against the targets)")
-    p.add_argument("--no-trace", action="store_true", help="do not record the per-stage forward/backward breakdown")
     p.add_argument("--no-probe", action="store_true", help="skip the host parallelism probe (~50 ms per round)")
     p.add_argument("--group-timeout", type=float, default=60.0, help="seconds a torch pipelining rank awaits its peer")
     p.add_argument("--max-foreign", type=float, default=0.15,
@@ -373,7 +335,6 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     batches = {k: WORKLOADS[k].batch[SCRIPT] for k in args.models}
     if any(m < STAGES or n % m for m in args.ms for n in batches.values()):  # torch: equal micro-batches, >= 1 a stage
         p.error(f"every m must be >= {STAGES} and divide the batch {batches}")
-    check_rounds(p, args)
     args.schedules = sorted(dict.fromkeys(args.schedules), key=lambda s: s != "1f1b")  # 1f1b first: judged
     return args
 
@@ -385,7 +346,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         **dict(zip(("rounds", "warmup"), WORKLOADS[name].rounds_of(SCRIPT, args))),
         "max_retries": args.max_retries if args.max_retries is not None else (0 if args.quick else RETRIES[name]),
     } for name in args.models}
-    settings = {**vars(args), "trace": not args.no_trace, "probe": not args.no_probe, "per_model": per_model}
+    settings = {**vars(args), "probe": not args.no_probe, "per_model": per_model}
     res = pipeddp.spawn(job, STAGES, args=(settings,), timeout=args.timeout, threads=1)[0]
     targets = report(res, run)
     run.finish({"stages": STAGES, "threads_per_process_or_stage": 1, "per_model": per_model}, targets=targets,

@@ -19,11 +19,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # started as a script
 import pipeddp
-from benchmarks import baselines
+from benchmarks import baselines, common
 from benchmarks.baselines import mb_text
-from benchmarks.common import (
-    BARRIER, Run, barrier_rounds, check_same, fmt, gather, init_job, log0, median_ratio, parser,
-)
+from benchmarks.common import Run, fmt, gather, log0, median_ratio, on_rank0
 from benchmarks.workloads import WORKLOADS, names
 from pipeddp.runtime.microbatch import split_sizes
 
@@ -88,21 +86,15 @@ def build(rank: int, model: torch.nn.Sequential, x: torch.Tensor, y: torch.Tenso
     return steps
 
 
-def agreed_cuts(rank: int, model: torch.nn.Sequential, x: torch.Tensor, m: int) -> Dict[str, Any]:
-    """pipeddp's cuts, profiled on rank 0 at the micro-batch each configuration runs, sent to rank 1."""
-    n = x.shape[0]
-    mb = split_sizes(n, chunks=m)[0]
-    plan: List[Any] = [None]
-    if rank == 0:
-        t0 = time.perf_counter()
-        naive = pipeddp.partition(model, STAGES, method="time", sample=x, chunks=1)
-        piped = pipeddp.partition(model, STAGES, method="time", sample=x[:mb], chunks=1)
-        plan = [{"naive": list(naive.balance), "naive_stage_ms": [c * 1e3 for c in naive.stage_costs],
-                 "pipeline": list(piped.balance), "pipeline_stage_ms": [c * 1e3 for c in piped.stage_costs],
-                 "profiled_at": {"naive": n, "pipeline": mb}, "profile_s": time.perf_counter() - t0,
-                 "microbatch": mb, "hybrid_chunks": max(1, len(split_sizes(n // PROCS, split_size=mb)))}]
-    dist.broadcast_object_list(plan, src=0)
-    c = plan[0]
+def profiled_cuts(model: torch.nn.Sequential, x: torch.Tensor, m: int) -> Dict[str, Any]:
+    """pipeddp's cuts, profiled at the micro-batch each configuration runs (on rank 0; ``on_rank0`` sends them)."""
+    n, mb, t0 = x.shape[0], split_sizes(x.shape[0], chunks=m)[0], time.perf_counter()
+    naive = pipeddp.partition(model, STAGES, method="time", sample=x, chunks=1)
+    piped = pipeddp.partition(model, STAGES, method="time", sample=x[:mb], chunks=1)
+    c = {"naive": list(naive.balance), "naive_stage_ms": [c * 1e3 for c in naive.stage_costs],
+         "pipeline": list(piped.balance), "pipeline_stage_ms": [c * 1e3 for c in piped.stage_costs],
+         "profiled_at": {"naive": n, "pipeline": mb}, "profile_s": time.perf_counter() - t0,
+         "microbatch": mb, "hybrid_chunks": max(1, len(split_sizes(n // PROCS, split_size=mb)))}
     log0(f"  cuts: naive MP {c['naive']} at micro-batch {n} (stage ms {[round(v) for v in c['naive_stage_ms']]}), "
          f"pipeline/hybrid {c['pipeline']} at micro-batch {mb} ({[round(v) for v in c['pipeline_stage_ms']]}), "
          f"{c['profile_s']:.0f} s")
@@ -110,11 +102,11 @@ def agreed_cuts(rank: int, model: torch.nn.Sequential, x: torch.Tensor, m: int) 
 
 
 def job(settings: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-    rank = init_job(settings["timeout"], settings["device"])
+    rank = common.init_job(settings["timeout"], settings["device"])
     work = WORKLOADS[settings["model"]]
     model, x, y = work.seeded(settings["batch"], settings["seed"], settings["side"])
-    check_same(model, x, y)
-    cuts = agreed_cuts(rank, model, x, settings["chunks"])
+    common.check_same(model, x, y)
+    cuts = on_rank0(lambda: profiled_cuts(model, x, settings["chunks"]))
     steps = build(rank, model, x, y, work.loss_fn, cuts, settings)
 
     @functools.lru_cache(maxsize=None)
@@ -124,7 +116,7 @@ def job(settings: Dict[str, Any]) -> Optional[Dict[str, Any]]:
         return ref.grads()
 
     checked = baselines.check_grads(steps, lambda step: accumulation(step.info["equivalent_chunks"]), "accum")
-    times, recs = barrier_rounds({s.name: s.run for s in steps}, settings["rounds"], settings["warmup"])
+    times, recs = common.barrier_rounds({s.name: s.run for s in steps}, settings["rounds"], settings["warmup"])
     for step in steps:
         step.close()
     everyone = gather({"recs": recs})
@@ -153,7 +145,7 @@ def analyse(res: Dict[str, Any]) -> List[Dict[str, Any]]:
             per_round.append({"wall": wall, "lead": lead, "fwd": fwd, "bwd": wall - lead - fwd, **busy,
                               "allreduce": statistics.mean(r.get("allreduce", 0.0) for r in recs)})
 
-        def med(key: str, idx: Optional[int] = None) -> float:
+        def med(key: str, idx: Optional[int] = None, per_round: List[Dict[str, Any]] = per_round) -> float:
             return statistics.median(pr[key] if idx is None else pr[key][idx] for pr in per_round) * 1e3
 
         separable = cfg.get("schedule", "gpipe") == "gpipe"
@@ -180,13 +172,10 @@ def report(res: Dict[str, Any], rows: List[Dict[str, Any]], rounds: int, run: Ru
               caption=f"{res['describe']}; gloo, 1 intra-op thread per process / stage thread. GPipe rows: fwd = "
                       "first F start to last F end, bwd = the rest (all-reduce and waiting included), other = before "
                       "the first F; 1F1B rows: step and busy time only. range: lowest-highest per-round speedup")
-    run.table("per-round step time (s), rounds in time order (the host drifts; ratios are taken within a round)",
-              ["config"] + [f"r{i + 1}" for i in range(rounds)],
-              [[r["name"]] + [f"{v:.2f}" for v in res["walls"][r["name"]]] for r in rows])
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = parser(__doc__, "3x32x32, 1 round", spawns=True)
+    p = common.parser(__doc__, "3x32x32, 1 round", spawns=True)
     p.add_argument("--model", default="resnet50", choices=names(SCRIPT))
     p.add_argument("--side", type=int, default=None, help="image side (default 64; 32 with --quick)")
     p.add_argument("--batch", type=int, default=128, help="global batch (default 128; must be even)")
@@ -205,11 +194,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args.model, args.batch = "resnet50", (8 if args.quick else 128) * PROCS
         args.side = args.side or (32 if args.quick else 224)
     args.side = args.side or (32 if args.quick else 64)
-    args.rounds = args.rounds if args.rounds is not None else WORKLOADS[args.model].default_rounds(SCRIPT, args.quick)
+    args.rounds = args.rounds if args.rounds is not None else 1 if args.quick else WORKLOADS[args.model].rounds[SCRIPT]
     args.warmup = args.warmup if args.warmup is not None else (0 if args.quick else 1)
     if args.batch < 2 or args.batch % PROCS or args.chunks < 1 or args.rounds < 1 or args.warmup < 0:
         p.error("need an even --batch, --chunks >= 1, --rounds >= 1 and --warmup >= 0")
-    run = Run(SCRIPT, args, BARRIER)
+    run = Run(SCRIPT, args, common.BARRIER)
     run.console.print(f"iteration table: {args.model}, 3x{args.side}x{args.side}, global batch {args.batch}, "
                       f"m={args.chunks}, schedules {args.schedules}, {args.rounds} rounds (+{args.warmup} warm-up); "
                       f"one spawned job of {PROCS} processes x 1 thread (gloo)")

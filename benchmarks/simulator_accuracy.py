@@ -234,7 +234,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = p.parse_args(argv)
     if args.device != "cpu":
         p.error("runs on the CPU only: it predicts CPU steps from CPU calibrations")
-    args.rounds = args.rounds if args.rounds is not None else WORK.default_rounds(SCRIPT, args.quick)
+    args.rounds = args.rounds if args.rounds is not None else 1 if args.quick else WORK.rounds[SCRIPT]
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
     run = Run(SCRIPT, args, BARRIER)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # started as a script
 import pipeddp
-from benchmarks.common import Run, init_job, parser
+from benchmarks.common import Run, init_job, parser, proc_status
 from benchmarks.workloads import mlp_workload
 
 PROCS = 2
@@ -30,9 +30,7 @@ STAGES = 2
 def sample(step: int, t0: float) -> Dict[str, Any]:
     """Resident memory (kB), threads and open fds, after a garbage collection: only memory still held counts."""
     gc.collect()
-    with open("/proc/self/status") as f:
-        fields = (line.partition(":") for line in f)
-        st = {k: int(v.split()[0]) for k, _, v in fields if k in ("VmRSS", "VmHWM", "Threads")}
+    st = proc_status()
     return {"step": step, "t": time.perf_counter() - t0, "rss_kb": st["VmRSS"], "hwm_kb": st.get("VmHWM"),
             "os_threads": st["Threads"], "py_threads": threading.active_count(),
             "fds": len(os.listdir("/proc/self/fd"))}

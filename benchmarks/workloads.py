@@ -13,9 +13,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from pipeddp.tools.models import mlp, resnet
-
 from benchmarks.common import LossFn
+from pipeddp.tools.models import mlp, resnet
 
 
 @dataclass(frozen=True)
@@ -34,27 +33,20 @@ class Workload:
     rounds: Dict[str, int] = field(default_factory=dict)
     warmup: int = 0
 
-    def data(self, n: int, side: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``(x, y)`` of ``n`` samples from the global RNG (ranks seeded alike draw the same); ``side``: image side."""
-        return self.inputs(n, side), self.targets(n)
-
     def seeded(self, n: int, seed: int, side: Optional[int] = None) -> Tuple[nn.Sequential, torch.Tensor, torch.Tensor]:
-        """Model (train mode), x and y of ``n`` samples, drawn in this order after ``torch.manual_seed(seed)``:
-        every rank of a job, and every run of a script, builds the same."""
+        """Model (train mode), x and y of ``n`` samples (``side``: image side), drawn in this order after
+        ``torch.manual_seed(seed)``: every rank of a job, and every run of a script, builds the same."""
         torch.manual_seed(seed)
         model = self.build().train()
-        return (model, *self.data(n, side))
+        return model, self.inputs(n, side), self.targets(n)
 
     def describe(self, n: int, side: Optional[int] = None) -> str:
         shape = "" if side is None or "MLP" in self.model_text else f", 3x{side}x{side}"
         return f"{self.model_text}{shape}, batch {n}, {self.loss_text}"
 
-    def default_rounds(self, script: str, quick: bool, quick_rounds: int = 1) -> int:
-        return quick_rounds if quick else self.rounds[script]
-
     def rounds_of(self, script: str, args: argparse.Namespace, quick_rounds: int = 1) -> Tuple[int, int]:
         """``(rounds, warmup)`` for this model: the flags where given, else its defaults (--quick: no warm-up)."""
-        rounds = args.rounds if args.rounds is not None else self.default_rounds(script, args.quick, quick_rounds)
+        rounds = args.rounds if args.rounds is not None else quick_rounds if args.quick else self.rounds[script]
         warmup = getattr(args, "warmup", None)
         return rounds, warmup if warmup is not None else (0 if args.quick else self.warmup)
 
@@ -100,20 +92,22 @@ def names(script: str) -> List[str]:
     return [k for k, w in WORKLOADS.items() if script in w.batch]
 
 
+def at_least(least: int) -> Callable[[str], int]:
+    """An argparse type: an int >= ``least`` (anything else is the parser's error)."""
+    def parse(text: str) -> int:
+        if int(text) < least:
+            raise argparse.ArgumentTypeError(f"must be >= {least}, got {text}")
+        return int(text)
+    return parse
+
+
 def add_round_flags(p: argparse.ArgumentParser, script: str, what: str = "timed rounds per (model, m)",
                     warmup: bool = True, quick_rounds: int = 1) -> None:
-    """--rounds (and --warmup), their help naming each model's default; ``check_rounds`` validates them."""
+    """--rounds (>= 1) and --warmup (>= 0), their help naming each model's default."""
     choices = names(script)
     per_model = ", ".join(f"{k} {WORKLOADS[k].rounds[script]}" for k in choices)
-    p.add_argument("--rounds", type=int, default=None,
+    p.add_argument("--rounds", type=at_least(1), default=None,
                    help=f"{what}; default per model: {per_model}; {quick_rounds} with --quick")
     if warmup:
-        p.add_argument("--warmup", type=int, default=None, help="untimed rounds before them; default per model: "
-                       + ", ".join(f"{k} {WORKLOADS[k].warmup}" for k in choices) + "; 0 with --quick")
-
-
-def check_rounds(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Exit with the parser's error unless --rounds >= 1 and --warmup >= 0 (where given)."""
-    warmup = getattr(args, "warmup", None)
-    if (args.rounds is not None and args.rounds < 1) or (warmup is not None and warmup < 0):
-        p.error("--rounds must be >= 1 and --warmup >= 0")
+        p.add_argument("--warmup", type=at_least(0), default=None, help="untimed rounds before them; default per "
+                       "model: " + ", ".join(f"{k} {WORKLOADS[k].warmup}" for k in choices) + "; 0 with --quick")

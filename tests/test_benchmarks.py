@@ -115,8 +115,8 @@ def test_partition_quality_script_never_ranks_pipeddp_below_another_cut_on_its_o
 
 
 @pytest.mark.timeout(300)
-def test_split_sizes_script_times_pipelines_that_compute_the_plain_gradients(tmp_path):
-    doc = _run_script("split_sizes", "--model", "mlp", "--batch", "64", "--splits", "16", "24", "--rounds", "1",
+def test_pipeline_cpu_splits_time_pipelines_that_compute_the_plain_gradients(tmp_path):
+    doc = _run_script("pipeline_cpu", "--splits", "16", "24", "--models", "mlp", "--batch", "64", "--rounds", "1",
                       tmp_path=tmp_path)
     assert [r["split_size"] for r in doc["by_split"]] == [16, 24]
     assert doc["by_split"][1]["microbatch_sizes"] == [24, 24, 16]
