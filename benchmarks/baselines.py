@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
-import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -243,36 +242,6 @@ def guarded_torch(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_f
     dist.all_gather_object(errors, err)
     failed = sorted((e for e in errors if e), key=lambda e: "timed out" in e.lower())
     return (None, " | ".join(failed)) if failed else (step, "")
-
-
-def parallel_probe(workers: int = 2, size: int = 256, reps: int = 50) -> Tuple[Callable[[], None], Callable[[], None]]:
-    """A fixed 1-thread matmul kernel that fits in L2: ``(solo, together)`` runs it once, or once on each of
-    ``workers`` threads. A VM's cores are not always all there: timed next to the steps, ``probe_speedup`` is
-    the parallel speedup the host really offered, the ceiling of any multi-core speedup measured beside it."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    outs = [torch.empty(size, size) for _ in range(workers)]
-
-    def kernel(out: torch.Tensor) -> None:
-        torch.set_num_threads(1)  # OpenMP settings are per thread: a new thread would use every core
-        for _ in range(reps):
-            torch.mm(a, b, out=out)
-
-    def solo() -> None:
-        kernel(outs[0])
-
-    def together() -> None:
-        threads = [threading.Thread(target=kernel, args=(o,)) for o in outs]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-
-    return solo, together
-
-
-def probe_speedup(solo: Sequence[float], together: Sequence[float], workers: int = 2) -> float:
-    """The parallel speedup the host delivered: median over rounds of ``workers * solo / together``."""
-    return common.median_ratio([workers * t for t in solo], together)
 
 
 def stage_breakdown(spans: Sequence[Span]) -> Breakdown:

@@ -109,7 +109,7 @@ class Judge:
                 self.clean[n].append(f <= self.max_foreign)
             least = min(self.undisturbed_pairs().values(), default=len(self.clean[self.names[0]]))
             verdict = [least >= self.rounds]
-            bad = [n for n in self.names if not n.startswith("host_") and not self.clean[n][-1]]
+            bad = [n for n in self.names if not self.clean[n][-1]]
             tag = (f"{len(bad)} step(s) disturbed (other processes used up to "
                    f"{max(self.foreign[n][-1] for n in bad):.2f} cores)") if bad else "undisturbed"
             print(f"    round {len(self.clean[self.names[0]])}: {tag}; fewest undisturbed pairs {least}/{self.rounds} "
@@ -141,9 +141,6 @@ def run_m(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, m: 
     # BatchNorm sees micro-batches, so the whole batch and DDP's halves match accum only on the MLP
     checked = baselines.check_grads(steps, "accum", "accum",
                                     exempt=["whole-1t", "whole-2t", "ddp"] if opts["has_bn"] else [])
-    if opts["probe"]:
-        solo, both = baselines.parallel_probe(STAGES) if rank == 0 else (None, None)
-        steps += [baselines.Step("host_solo", solo), baselines.Step("host_both", both)]
     judge = Judge(steps, opts["rounds"], opts["max_foreign"])
     times, _ = common.barrier_rounds({s.name: s.run for s in steps}, opts["rounds"], opts["warmup"],
                                      extra=opts["max_retries"], after_round=judge)
@@ -212,12 +209,9 @@ def analyse(row: Dict[str, Any]) -> Dict[str, Any]:
     for name in list(row["times_s"]) + [t for t in TORCH if t not in row["times_s"]]:
         got = _series(row, name)
         medians[name] = None if got is None else median_ms([v for v, ok in zip(*got) if ok] or got[0])
-    host = None
-    if "host_solo" in row["times_s"]:  # too short for the CPU-time reading: every round counts
-        host = baselines.probe_speedup(row["times_s"]["host_solo"], row["times_s"]["host_both"], STAGES)
     return {"median_ms": medians, "bound": bound, "speedup": speed,
             "torch_speedup_vs_accum": {t: _pair_ratio(row, "accum", t)[0] for t in TORCH},
-            "accum_over_whole": _pair_ratio(row, "accum", "whole-1t")[0], "host_parallel_speedup": host}
+            "accum_over_whole": _pair_ratio(row, "accum", "whole-1t")[0]}
 
 
 def targets(model: str, rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
@@ -273,22 +267,18 @@ def tables(name: str, res: Dict[str, Any], run: Run) -> None:
         for i, p in enumerate(sorted(a["speedup"], key=lambda s: (s.replace("replica", "a"), s))):
             s = a["speedup"][p]
             out.append([r["m"] if i == 0 else "", _short(p), _x(s["accum"]), _x(s["bound"]), f"{s['efficiency']:.0%}",
-                        _x(s["whole-1t"]), _x(s["whole-2t"]), _x(s["ddp"])] + [_x(s[t]) for t in TORCH]
-                       + [_x(a["host_parallel_speedup"]) if i == 0 else ""])
+                        _x(s["whole-1t"]), _x(s["whole-2t"]), _x(s["ddp"])] + [_x(s[t]) for t in TORCH])
     run.table(f"{name}: pipeddp speedups (median of per-round ratios; > 1 = pipeddp faster)",
               ["m", "pipeddp", "vs accum", "bound", "efficiency", "vs whole 1t", "vs whole 2t", "vs ddp"]
-              + [f"vs {_short(t)}" for t in TORCH] + ["host 2-core"], out,
-              caption="bound = 2m/(m+1); efficiency = (vs accum) / bound; host 2-core = a 1-thread matmul kernel on "
-                      "both cores at once vs alone, interleaved with the steps (ideal 2.00x)")
+              + [f"vs {_short(t)}" for t in TORCH], out, caption="bound = 2m/(m+1); efficiency = (vs accum) / bound")
     for r in rows:
         for k, v in r["torch_pipelining"].items():
             failed = [a["cut"] for a in v["attempts"] if not a["ok"]]
             if failed:
                 run.console.print(f"[yellow]{name} m={r['m']}: {k} failed on cut(s) {failed}, used "
                                   f"{v['used_cut']}")
-        judged = [n for n in r["undisturbed"] if not n.startswith("host_")]  # the probe is too short to judge
-        kept = [f for n in judged for f, ok in zip(r["foreign_cores"][n], r["undisturbed"][n]) if ok]
-        left = sum(not ok for n in judged for ok in r["undisturbed"][n])
+        kept = [f for n in r["undisturbed"] for f, ok in zip(r["foreign_cores"][n], r["undisturbed"][n]) if ok]
+        left = sum(not ok for n in r["undisturbed"] for ok in r["undisturbed"][n])
         run.console.print(f"{name} m={r['m']}: {r['rounds_run']} timed rounds, {left} disturbed step(s) left out; "
                           f"other processes used at most {max(kept, default=0):.2f} cores during the steps kept")
 
@@ -323,7 +313,6 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     add_round_flags(p, SCRIPT)
     p.add_argument("--schedules", nargs="+", default=["1f1b"], choices=["1f1b", "gpipe"],
                    help="pipeddp schedules to time (default 1f1b, the one judged against the targets)")
-    p.add_argument("--no-probe", action="store_true", help="skip the host parallelism probe (~50 ms per round)")
     p.add_argument("--group-timeout", type=float, default=60.0, help="seconds a torch pipelining rank awaits its peer")
     p.add_argument("--max-foreign", type=float, default=0.15,
                    help="a step during which other processes used more than this many cores is left out (0.15)")
@@ -346,7 +335,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         **dict(zip(("rounds", "warmup"), WORKLOADS[name].rounds_of(SCRIPT, args))),
         "max_retries": args.max_retries if args.max_retries is not None else (0 if args.quick else RETRIES[name]),
     } for name in args.models}
-    settings = {**vars(args), "probe": not args.no_probe, "per_model": per_model}
+    settings = {**vars(args), "per_model": per_model}
     res = pipeddp.spawn(job, STAGES, args=(settings,), timeout=args.timeout, threads=1)[0]
     targets = report(res, run)
     run.finish({"stages": STAGES, "threads_per_process_or_stage": 1, "per_model": per_model}, targets=targets,

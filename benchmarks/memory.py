@@ -1,40 +1,34 @@
-"""What shard= saves per rank, and what it costs in step time: DDP against FSDP2 over each stage's replicas.
+"""Memory of a HybridParallel job on CPU: what shard= saves per rank and costs in step time, and (``--soak``)
+whether a long run leaks memory, threads or file descriptors. See benchmarks/README.md.
 
-A model of 16 x Linear(2048, 2048) with AdamW, cut into 2 stages, R = 1, 2 and 4 replicas, replica and stage mode,
-each ``shard=`` setting (with one replica there is nothing to shard: only ``"none"`` runs). Every configuration is
-its own spawned gloo job (fresh processes, so the peak RSS is its own); the configurations of one (mode, R) run
-round by round in rotating order, and each step time is set beside ``shard="none"`` of the same rounds.
-
-Per rank (the largest over the ranks), in MB of tensor storage:
-
-* at rest (after ``optimizer.step()``): the parameters, their gradients and the optimizer state this rank holds
-  (a shard's local storage for DTensors);
-* at the step's peak: the parameters (shards plus the whole parameters FSDP has gathered) and gradients (the
-  sharded ``.grad`` plus the whole gradients accumulating over the micro-batches), sampled whenever FSDP finishes
-  a gather, before each stage's reduction and at every layer's forward;
-* the process's RSS sampled at the same moments, and its peak RSS (``ru_maxrss``, model construction included);
-  CUDA's max allocated where the stages run on a GPU.
-
-Targets (docs/sharding.md): optimizer state <= 1.05/R of unsharded; with "optimizer" parameters and gradients at
-rest <= 1.05/R; with "full" the peak parameter memory <= 1/R of the stage plus its largest layer; "optimizer"
-step time >= 0.95x DDP's at R = 2.
+shard=: every configuration is its own spawned gloo job (fresh processes, so the peak RSS is its own); the
+configurations of one (mode, R) run round by round in rotating order, and each step time is set beside
+``shard="none"`` of the same rounds. The step's peak is sampled whenever FSDP finishes a gather, before each
+stage's reduction and at every layer's forward. --soak: replica mode's stage threads, local channels and
+per-stage DDP groups are the long-lived machinery most likely to leak; samples are taken after gc.collect().
 """
 
 from __future__ import annotations
 
+import argparse
+import gc
 import os
 import resource
 import statistics
 import sys
+import threading
 import time
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Sequence
 
+import numpy
 import torch
+import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # started as a script
 import pipeddp
-from benchmarks.common import Run, barrier_timed, gather, init_job, parser
+from benchmarks.common import Run, barrier_timed, gather, init_job, parser, proc_status
+from benchmarks.workloads import mlp_workload
 
 MB = 1 << 20
 SHARDS = ("none", "optimizer", "full")
@@ -215,24 +209,104 @@ def run_config(mode: str, replicas: int, args: Any) -> List[Dict[str, Any]]:
     return rows
 
 
-def main() -> None:
-    p = parser(__doc__, "Linear(256) x 4, 1 timed step, 1 round, R = 1 and 2", spawns=True)
-    p.add_argument("--width", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--batch", type=int, default=8, help="samples per replica per step")
-    p.add_argument("--chunks", type=int, default=4)
-    p.add_argument("--steps", type=int, default=2, help="timed steps per configuration and round")
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4])
-    p.add_argument("--modes", nargs="+", default=["replica", "stage"], choices=["replica", "stage"])
-    args = p.parse_args()
-    if args.quick:
-        args.width, args.layers, args.steps, args.rounds, args.replicas = 256, 4, 1, 1, [1, 2]
-    run = Run("memory", args)
+def sample(step: int, t0: float) -> Dict[str, Any]:
+    """Resident memory (kB), threads and open fds, after a garbage collection: only memory still held counts."""
+    gc.collect()
+    st = proc_status()
+    return {"step": step, "t": time.perf_counter() - t0, "rss_kb": st["VmRSS"], "hwm_kb": st.get("VmHWM"),
+            "os_threads": st["Threads"], "py_threads": threading.active_count(),
+            "fds": len(os.listdir("/proc/self/fd"))}
+
+
+def soak_job(settings: Dict[str, Any]) -> Dict[str, Any]:
+    """One replica: a real training loop (zero_grad, train_step, optimizer step), sampled at ``marks``."""
+    rank = init_job(settings["timeout"])
+    torch.manual_seed(settings["seed"])
+    work = mlp_workload(settings["layers"], settings["width"])
+    engine = pipeddp.HybridParallel(work.build(), stages=2, chunks=settings["chunks"], mode="replica",
+                                    devices=["cpu"] * 2, backend="gloo", threads=1)
+    opt = torch.optim.SGD(engine.parameters(), lr=0.01, momentum=0.9)
+    gen = torch.Generator().manual_seed(settings["seed"] * 1000 + rank)  # a fresh local batch every step
+    n, w = settings["batch"], settings["width"]
+    steps, warmup = settings["steps"], settings["warmup"]
+    marks = set(round(warmup + i * (steps - warmup) / (settings["samples"] - 1)) for i in range(settings["samples"]))
+    samples: List[Dict[str, Any]] = []
+    losses: List[float] = []
+    t0 = t_mark = time.perf_counter()
+    last_mark = 0
+    for step in range(1, steps + 1):
+        x, y = torch.randn(n, w, generator=gen), torch.randn(n, w, generator=gen)
+        opt.zero_grad(set_to_none=True)
+        loss = engine.train_step(x, y, work.loss_fn)
+        opt.step()
+        if step % 50 == 0 or step == steps:
+            losses.append(float(loss))
+        if step in marks:
+            now = time.perf_counter()
+            s = sample(step, t0)
+            s["ms_per_step"] = (now - t_mark) * 1e3 / (step - last_mark)  # since the previous sample
+            samples.append(s)
+            t_mark, last_mark = time.perf_counter(), step
+    engine.check_replicas()  # the replicas still agree bit for bit
+    out = {"rank": rank, "samples": samples, "losses": losses, "balance": list(engine.balance),
+           "elapsed_s": time.perf_counter() - t0}
+    engine.close()
+    dist.barrier()
+    return out
+
+
+def verdict(samples: List[Dict[str, Any]], tol_mb: float) -> Dict[str, Any]:
+    """Growth from the first sample to the last, and the RSS trend (least squares, MB per 1,000 steps)."""
+    s0, s1 = samples[0], samples[-1]
+    rss = [s["rss_kb"] / 1024 for s in samples]
+    steps = [s["step"] for s in samples]
+    slope = float(numpy.polyfit(steps, rss, 1)[0]) * 1000 if len(samples) > 2 else 0.0
+    growth = {"rss_mb": rss[-1] - rss[0], "os_threads": s1["os_threads"] - s0["os_threads"],
+              "py_threads": s1["py_threads"] - s0["py_threads"], "fds": s1["fds"] - s0["fds"]}
+    ok = growth["rss_mb"] < tol_mb and growth["os_threads"] <= 0 and growth["py_threads"] <= 0 and growth["fds"] <= 0
+    return {"start": s0, "end": s1,
+            "max": {k: max(s[k] for s in samples) for k in ("rss_kb", "os_threads", "py_threads", "fds")},
+            "growth": growth, "rss_slope_mb_per_1000_steps": slope, "no_leak": ok}
+
+
+def soak_report(per_rank: List[Dict[str, Any]], args: argparse.Namespace, run: Run) -> None:
+    """Start / end / max per rank (every sample is in the JSON), and the loss: training really happened."""
     rows = []
-    for mode in args.modes:
-        for replicas in args.replicas:
-            rows.extend(run_config(mode, replicas, args))
+    for v in per_rank:
+        s0, s1, mx = v["start"], v["end"], v["max"]
+        rows.append([f"rank {v['rank']}", " / ".join(f"{s['rss_kb'] / 1024:.1f}" for s in (s0, s1, mx)),
+                     f"{v['growth']['rss_mb']:+.2f}", f"{v['rss_slope_mb_per_1000_steps']:+.2f}"]
+                    + [" / ".join(str(s[k]) for s in (s0, s1, mx)) for k in ("os_threads", "py_threads", "fds")]
+                    + [f"{s0['ms_per_step']:.1f} / {s1['ms_per_step']:.1f}", "no leak" if v["no_leak"] else "GROWTH"])
+    run.table(f"soak: {args.steps} steps, 2 x 2 hybrid (replica mode), start (step {args.warmup}) / end / max",
+              ["rank", "RSS MB", "RSS growth MB", "RSS trend MB/1k steps", "OS threads", "Python threads", "open fds",
+               "ms/step start / end", "verdict"], rows,
+              caption=f"{args.samples} samples per rank after gc.collect(); no leak: RSS grew < "
+                      f"{args.rss_tolerance_mb:g} MB, threads and fds did not; trend: least-squares slope of RSS")
+    losses = per_rank[0]["losses"]
+    run.console.print(f"loss (global mean, every 50 steps): first {losses[0]:.4f}, last {losses[-1]:.4f}; replicas "
+                      f"checked identical (check_replicas) at the end; balance {per_rank[0]['balance']}")
+
+
+def soak(args: argparse.Namespace, run: Run) -> Dict[str, Any]:
+    """--soak: 2 processes, each a replica of 2 stage threads, train ``args.steps`` steps; samples per rank."""
+    if args.warmup < 1 or args.steps <= args.warmup or args.samples < 2:
+        raise SystemExit("--soak needs --warmup >= 1, --steps > --warmup and --samples >= 2")
+    run.console.print(f"soak: {args.steps} steps of HybridParallel(mode='replica') 2 replicas x 2 stages, "
+                      f"{mlp_workload(args.layers, args.width).model_text}, local batch {args.batch}, {args.chunks} "
+                      f"micro-batches, 1 thread per stage thread, gloo; samples at steps {args.warmup}..{args.steps}")
+    res = pipeddp.spawn(soak_job, 2, args=(vars(args),), timeout=args.timeout, threads=1)
+    per_rank = [{**r, **verdict(r["samples"], args.rss_tolerance_mb)} for r in res]
+    soak_report(per_rank, args, run)
+    ok = all(r["no_leak"] for r in per_rank)
+    run.console.print(f"[bold]verdict: {'no leak' if ok else 'GROWTH beyond tolerance'}[/bold]")
+    return {"settings": {"processes": 2, "stages": 2, "mode": "replica", "optimizer": "SGD(lr=0.01, momentum=0.9)"},
+            "no_leak": ok, "ranks": per_rank}
+
+
+def shards(args: argparse.Namespace, run: Run) -> Dict[str, Any]:
+    """Every (mode, R) and shard= setting: the per-rank table and the targets (docs/sharding.md)."""
+    rows = [row for mode in args.modes for replicas in args.replicas for row in run_config(mode, replicas, args)]
     run.table("per rank, MB (the largest rank); speed: step time of shard='none' / this one, same rounds",
               ["mode", "R", "shard", "params rest", "grads rest", "Adam state", "params peak", "grads peak",
                "RSS peak", "maxrss", "speed vs none"],
@@ -253,8 +327,39 @@ def main() -> None:
         if r["shard"] == "full":
             checks.append([name + "params peak MB (stage/R + largest layer)", r["params_peak"] / MB,
                            f"<= {r['full_peak_bound'] / MB:.0f}", r["params_peak"] <= r["full_peak_bound"] * 1.0001])
-    run.finish(rows=rows, targets=run.targets(checks))
+    return {"rows": rows, "targets": run.targets(checks)}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = parser(__doc__, "Linear(256) x 4, 1 timed step, 1 round, R = 1 and 2 (--soak: 200 steps)", spawns=True)
+    p.add_argument("--soak", action="store_true", help="the leak check: train --steps, sample memory, threads, fds")
+    p.add_argument("--width", type=int, default=None, help="default 2048 (--quick 256; --soak 256)")
+    p.add_argument("--layers", type=int, default=None, help="default 16 (--quick 4; --soak 8)")
+    p.add_argument("--batch", type=int, default=None, help="samples per replica per step (default 8; --soak 64)")
+    p.add_argument("--chunks", type=int, default=4)
+    p.add_argument("--steps", type=int, default=None, help="timed steps per configuration and round (default 2; "
+                   "--quick 1); --soak: training steps (default 2000; --quick 200)")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--modes", nargs="+", default=["replica", "stage"], choices=["replica", "stage"])
+    p.add_argument("--warmup", type=int, default=50, help="--soak: steps before the first (start) sample")
+    p.add_argument("--samples", type=int, default=11, help="--soak: samples from start to end, evenly spaced")
+    p.add_argument("--rss-tolerance-mb", type=float, default=5.0, help="--soak: RSS growth that is no leak")
+    args = p.parse_args(argv)
+    if args.device != "cpu":
+        p.error("runs on the CPU only: it watches the resident memory of CPU processes")
+    small = {"width": 256, "layers": 4, "batch": 8, "steps": 1} if args.quick else {}
+    defaults = {"width": 256, "layers": 8, "batch": 64, "steps": 200 if args.quick else 2000} if args.soak else {
+        "width": 2048, "layers": 16, "batch": 8, "steps": 2, **small}
+    for key, value in defaults.items():
+        setattr(args, key, getattr(args, key) or value)
+    if args.quick and not args.soak:
+        args.rounds, args.replicas = 1, [1, 2]
+    run = Run("soak" if args.soak else "memory", args, "one spawned gloo job of 2 replicas; samples after "
+              "gc.collect()" if args.soak else "each configuration its own spawned gloo job, rounds in rotating order")
+    run.finish(**(soak if args.soak else shards)(args, run))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

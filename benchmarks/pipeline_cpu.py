@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # started as a script
 from benchmarks import baselines
 from benchmarks.baselines import Step, mb_text
-from benchmarks.common import Run, fmt, here, interleaved, median_ms, median_ratio, parser, timed_call
+from benchmarks.common import Run, here, interleaved, median_ms, median_ratio, parser, timed_call
 from benchmarks.workloads import WORKLOADS, Workload, add_round_flags, mlp_workload, names
 from pipeddp.runtime.microbatch import split_sizes
 from pipeddp.runtime.schedule import get_schedule, play
@@ -76,8 +76,7 @@ def run_m(work: Workload, model: torch.nn.Sequential, x: torch.Tensor, y: torch.
                       f"{[round(v, 1) for v in stage_ms]}), build {first.info['build_s']:.1f} s")
     try:
         # BatchNorm sees micro-batches: only the pipelines must match accumulation, not the whole batch
-        probe = {} if args.no_probe else dict(zip(("host_solo", "host_both"), baselines.parallel_probe(STAGES)))
-        times, checked = timed(steps, "accum", "accum", rounds, warmup, ["whole"], probe)
+        times, checked = timed(steps, "accum", "accum", rounds, warmup, ["whole"])
         medians = {k: median_ms(v) for k, v in times.items()}
         trace = {} if args.no_trace else {s: trace_step(steps[s], m, medians["accum"]) for s in args.schedules}
     finally:
@@ -89,7 +88,6 @@ def run_m(work: Workload, model: torch.nn.Sequential, x: torch.Tensor, y: torch.
             "accum_over_whole": median_ratio(times["accum"], times["whole"]),
             "speedup_vs_whole": {s: median_ratio(times["whole"], times[s]) for s in args.schedules},
             "speedup_vs_accum": vs_accum, "bound": bound, "efficiency": {s: v / bound for s, v in vs_accum.items()},
-            "host_parallel_speedup": baselines.probe_speedup(times["host_solo"], times["host_both"]) if probe else None,
             "check": checked, "trace": trace, "times_s": times}
 
 
@@ -102,14 +100,12 @@ def report(work: Workload, n: int, rows: List[Dict[str, Any]], schedules: Sequen
             head = [r["m"], r["microbatch_sizes"][0], str(r["balance"]), f"{r['median_ms']['whole']:.1f}",
                     f"{r['median_ms']['accum']:.1f}", f"{r['accum_over_whole']:.2f}x"] if i == 0 else [""] * 6
             table.append(head + [s, f"{r['median_ms'][s]:.1f}", f"{r['speedup_vs_whole'][s]:.2f}x",
-                                 f"{r['speedup_vs_accum'][s]:.2f}x", f"{r['bound']:.2f}x", f"{r['efficiency'][s]:.0%}",
-                                 fmt(r["host_parallel_speedup"], ".2f", "x") if i == 0 else ""])
+                                 f"{r['speedup_vs_accum'][s]:.2f}x", f"{r['bound']:.2f}x", f"{r['efficiency'][s]:.0%}"])
     run.table(f"{work.name}: 2-stage CPU pipeline, 1 thread per stage; medians of {rounds} interleaved rounds",
               ["m", "mb", "balance", "whole ms", "accum ms", "accum/whole", "schedule", "pipe ms", "vs whole",
-               "vs accum", "bound", "efficiency", "host 2-core"], table,
+               "vs accum", "bound", "efficiency"], table,
               caption=f"{work.describe(n)}. vs whole/accum: median per-round speedup of the pipeline; bound = "
-                      "2m/(m+1); efficiency = (vs accum) / bound; host 2-core = a 1-thread matmul kernel on both cores "
-                      "at once over one (ideal 2.00x)")
+                      "2m/(m+1); efficiency = (vs accum) / bound")
     traced = [(r, s, r["trace"][s]) for r in rows for s in schedules if s in r["trace"]]
     if traced:
         run.table(f"{work.name}: where the pipeline's time goes (one traced step per row)",
@@ -277,7 +273,6 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--schedules", nargs="+", default=["1f1b", "gpipe"], choices=["1f1b", "gpipe"])
     add_round_flags(p, SCRIPT)
     p.add_argument("--no-trace", action="store_true", help="skip the traced step per pipeline")
-    p.add_argument("--no-probe", action="store_true", help="skip the host parallelism probe (~50 ms per round)")
     p.add_argument("--splits", nargs="*", type=int, default=None, help="step time per split size (default "
                    f"{' '.join(map(str, SPLITS))}; sizes > batch are skipped) -> results/split_sizes[_<model>].json")
     p.add_argument("--batch", type=int, default=None, help="--splits: the batch (default: resnet50 120, mlp 240)")
