@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import statistics
 import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence
@@ -21,23 +20,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import pipeddp
 from benchmarks import baselines, common
 from benchmarks.baselines import mb_text
-from benchmarks.common import Run, fmt, gather, log0, median_ratio, on_rank0
+from benchmarks.common import Run, fmt, gather, log0, median_ms, median_ratio, on_rank0
 from benchmarks.workloads import WORKLOADS, names
 from pipeddp.runtime.microbatch import split_sizes
 
 SCRIPT = "iteration_table"
 STAGES = 2
 PROCS = 2
-
-
-def phases(spans: List[Any], t0: float) -> Dict[str, Any]:
-    """Forward / backward phases and per-stage busy seconds of one traced pipeddp step started at ``t0``."""
-    comp = [s for s in spans if s.lane == "compute" and s.kind in ("F", "B")]
-    fs = [s for s in comp if s.kind == "F"]
-    return {"lead": min(s.start for s in fs) - t0, "fwd": max(s.end for s in fs) - min(s.start for s in fs),
-            "F": [sum(s.duration for s in fs if s.stage == st) for st in range(STAGES)],
-            "B": [sum(s.duration for s in comp if s.kind == "B" and s.stage == st) for st in range(STAGES)],
-            "allreduce": sum(s.duration for s in spans if s.kind == "allreduce")}
 
 
 def recorded(step: baselines.Step, chunks: int, layout: str, batch: int) -> baselines.Step:
@@ -50,16 +39,18 @@ def recorded(step: baselines.Step, chunks: int, layout: str, batch: int) -> base
         return step
     inner = step.run
 
-    def run() -> Dict[str, Any]:
+    def run() -> Dict[str, float]:
+        """The step's lead (before the first forward) and forward span (first forward start to last forward end),
+        from pipeddp's trace, or timed directly for the plain model and DDP."""
         trace = getattr(step.module, "trace", None)
         if trace is not None:
             trace.clear()
         t0 = time.perf_counter()
-        loss = inner()
-        if trace is not None:
-            return {**phases(trace.spans, t0), "loss": float(loss)}
-        ph = step.info["phases"]
-        return {"lead": ph["lead"], "fwd": ph["fwd"], "F": [ph["fwd"]], "B": [ph["bwd"]], "loss": float(loss)}
+        inner()
+        if trace is None:
+            return {"lead": step.info["phases"]["lead"], "fwd": step.info["phases"]["fwd"]}
+        fs = [s for s in trace.spans if s.lane == "compute" and s.kind == "F"]
+        return {"lead": min(s.start for s in fs) - t0, "fwd": max(s.end for s in fs) - min(s.start for s in fs)}
 
     return dataclasses.replace(step, run=run)
 
@@ -131,30 +122,22 @@ def job(settings: Dict[str, Any]) -> Optional[Dict[str, Any]]:
 
 
 def analyse(res: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """Per configuration: median fwd / bwd / other / step (ms) and per-stage busy times, from every round."""
+    """Per configuration: median fwd / bwd / other / step (ms) over the rounds."""
     walls, base = res["walls"], res["walls"]["one device"]
     rows = []
     for cfg in res["configs"]:
         name = cfg["name"]
-        per_round = []
+        lead, fwd, bwd = [], [], []  # per round: the slowest rank's (replicas and DDP ranks run alike)
         for i, wall in enumerate(walls[name]):
             recs = [rk["recs"][name][i] for rk in res["ranks"] if rk["recs"][name][i] is not None]
-            lead, fwd = max(r["lead"] for r in recs), max(r["fwd"] for r in recs)
-            # busy time per stage, averaged over the ranks that ran it (replicas / DDP ranks)
-            busy = {k: [statistics.mean(r[k][s] for r in recs) for s in range(len(recs[0][k]))] for k in "FB"}
-            per_round.append({"wall": wall, "lead": lead, "fwd": fwd, "bwd": wall - lead - fwd, **busy,
-                              "allreduce": statistics.mean(r.get("allreduce", 0.0) for r in recs)})
-
-        def med(key: str, idx: Optional[int] = None, per_round: List[Dict[str, Any]] = per_round) -> float:
-            return statistics.median(pr[key] if idx is None else pr[key][idx] for pr in per_round) * 1e3
-
+            lead.append(max(r["lead"] for r in recs))
+            fwd.append(max(r["fwd"] for r in recs))
+            bwd.append(wall - lead[-1] - fwd[-1])
         separable = cfg.get("schedule", "gpipe") == "gpipe"
-        n_st = len(per_round[0]["F"])
-        rows.append({**cfg, "separable": separable, "step_ms": med("wall"),
-                     "fwd_ms": med("fwd") if separable else None, "bwd_ms": med("bwd") if separable else None,
-                     "other_ms": med("lead") if separable else None,
-                     "F_busy_ms": [med("F", s) for s in range(n_st)], "B_busy_ms": [med("B", s) for s in range(n_st)],
-                     "allreduce_span_ms": med("allreduce"), "speedup_vs_one_device": median_ratio(base, walls[name]),
+        rows.append({**cfg, "separable": separable, "step_ms": median_ms(walls[name]),
+                     **{f"{k}_ms": median_ms(v) if separable else None
+                        for k, v in (("fwd", fwd), ("bwd", bwd), ("other", lead))},
+                     "speedup_vs_one_device": median_ratio(base, walls[name]),
                      "speedup_per_round": [b / w for b, w in zip(base, walls[name])], "rounds": len(walls[name])})
     return rows
 
@@ -163,15 +146,13 @@ def report(res: Dict[str, Any], rows: List[Dict[str, Any]], rounds: int, run: Ru
     table = [[r["name"], r["procs_x_threads"], f"{r['batch_per_process']}{'/proc' if r['procs'] > 1 else ''}",
               mb_text(r["microbatch_sizes"]), str(r.get("balance", "-")), fmt(r["fwd_ms"]), fmt(r["bwd_ms"]),
               fmt(r["other_ms"]), fmt(r["step_ms"]), f"{r['speedup_vs_one_device']:.2f}x",
-              f"{min(r['speedup_per_round']):.2f}-{max(r['speedup_per_round']):.2f}",
-              " / ".join(f"{v:.0f}" for v in r["F_busy_ms"]), " / ".join(f"{v:.0f}" for v in r["B_busy_ms"])]
-             for r in rows]
+              f"{min(r['speedup_per_round']):.2f}-{max(r['speedup_per_round']):.2f}"] for r in rows]
     run.table(f"ms per iteration (forward + backward), median of {rounds} interleaved rounds",
               ["config", "processes x threads", "batch", "micro-batches", "balance", "fwd ms", "bwd ms", "other ms",
-               "step ms", "vs one device", "range", "F busy ms (per stage)", "B busy ms (per stage)"], table,
+               "step ms", "vs one device", "range"], table,
               caption=f"{res['describe']}; gloo, 1 intra-op thread per process / stage thread. GPipe rows: fwd = "
                       "first F start to last F end, bwd = the rest (all-reduce and waiting included), other = before "
-                      "the first F; 1F1B rows: step and busy time only. range: lowest-highest per-round speedup")
+                      "the first F; 1F1B rows: step time only. range: lowest-highest per-round speedup")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

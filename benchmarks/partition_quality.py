@@ -16,8 +16,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # started as a script
 from benchmarks.baselines import layers
-from benchmarks.common import LossFn, Run, here, median_ratio, parser, timed_call
-from benchmarks.workloads import WORKLOADS, Workload, add_round_flags, names
+from benchmarks.common import LossFn, Run, here, parser, timed_call
+from benchmarks.workloads import WORKLOADS, Workload, add_round_flags, at_least, names
 from pipeddp import partition
 from pipeddp.partitioning.solve import block_move
 
@@ -110,20 +110,14 @@ def run_model(work: Workload, stage_counts: Sequence[int], rounds: int, seed: in
     whole = med[(0, n)]
     rows: List[Dict[str, Any]] = []
     for s in stage_counts:
-        ref_bott = [max(times[k][r] for k in ranges(by_s[s][0]["pipeddp"]["balance"])) for r in range(rounds)]
         for meth in METHODS:
             c = by_s[s][0][meth]
-            keys_c = ranges(c["balance"])
-            stage_ms = [med[k] * 1e3 for k in keys_c]
-            bott = [max(times[k][r] for k in keys_c) for r in range(rounds)]
+            stage_ms = [med[k] * 1e3 for k in ranges(c["balance"])]
             rows.append({"model": work.name, "stages": s, "method": meth, "balance": c["balance"],
                          "measured_stage_ms": stage_ms, "measured_bottleneck_ms": max(stage_ms),
                          "ideal_ms": whole * 1e3 / s, "measured_ratio": max(stage_ms) / (whole * 1e3 / s),
                          "measured_ratio_vs_own_sum": max(stage_ms) / (sum(stage_ms) / s),
-                         "measured_ratio_per_round_median": statistics.median(
-                             b / (times[(0, n)][r] / s) for r, b in enumerate(bott)),
-                         "predicted_ratio": c["predicted_ratio"], "predicted_stage_ms": c["predicted_stage_ms"],
-                         "bottleneck_vs_pipeddp": median_ratio(bott, ref_bott)})
+                         "predicted_ratio": c["predicted_ratio"], "predicted_stage_ms": c["predicted_stage_ms"]})
     return {"workload": work.describe(x.shape[0]), "layers": n, "input_shape": list(x.shape), "rounds": rounds,
             "profile_s": profile_s, "measure_s": measure_s, "whole_ms": whole * 1e3,
             "profile_layer_ms": {s: [c * 1e3 for c in by_s[s][1]] for s in stage_counts},
@@ -141,15 +135,13 @@ def report(results: Dict[str, Any], run: Run) -> None:
                        f"{r['predicted_ratio']:.2f}",
                        f"{r['measured_ratio']:.2f}" + (" *" if r["measured_ratio"] == best else ""),
                        f"{r['measured_ratio_vs_own_sum']:.2f}", " / ".join(f"{v:.0f}" for v in r["measured_stage_ms"]),
-                       f"{r['ideal_ms']:.0f}",
-                       "-" if r["method"] == "pipeddp" else f"{r['bottleneck_vs_pipeddp']:.2f}x"]
-                      for i, r in enumerate(rows)]
+                       f"{r['ideal_ms']:.0f}"] for i, r in enumerate(rows)]
     run.table("partition quality: bottleneck stage / ideal (1.00 = perfect split), measured vs predicted",
               ["model", "stages", "cut", "balance", "predicted", "measured", "max / mean",
-               "measured stage ms (fwd+bwd)", "ideal ms", "bottleneck vs pipeddp"], table,
+               "measured stage ms (fwd+bwd)", "ideal ms"], table,
               caption="measured = largest median stage time / (whole model's median fwd+bwd / stages); predicted = "
                       "the same from the profile pipeddp cut with; * = best measured; max / mean = bottleneck / mean "
-                      "of the cut's own stages; bottleneck vs pipeddp > 1: pipeddp's cut faster. "
+                      "of the cut's own stages. "
                       + "; ".join(f"{k}: {v['workload']}, {v['rounds']} rounds" for k, v in results.items()))
 
 
@@ -158,13 +150,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = parser(__doc__, "resnet18 + mlp, 2 and 4 stages, 2 rounds")
     p.add_argument("--models", nargs="+", default=None, choices=choices,
                    help="default: resnet50 resnet18 mlp (resnet18 mlp with --quick)")
-    p.add_argument("--stages", nargs="+", type=int, default=None, help="stage counts (default 2 3 4; 2 4 with --quick)")
+    p.add_argument("--stages", nargs="+", type=at_least(1), default=None,
+                   help="stage counts (default 2 3 4; 2 4 with --quick)")
     add_round_flags(p, SCRIPT, "measurement rounds", warmup=False, quick_rounds=2)
     args = p.parse_args(argv)
     models = args.models or (["resnet18", "mlp"] if args.quick else ["resnet50", "resnet18", "mlp"])
     stage_counts = sorted(set(args.stages or ([2, 4] if args.quick else [2, 3, 4])))
-    if any(s < 1 for s in stage_counts) or (args.rounds is not None and args.rounds < 1):
-        p.error("--stages and --rounds must be >= 1")
     torch.set_num_threads(1)
     run = Run(SCRIPT, args)
     results: Dict[str, Any] = {}

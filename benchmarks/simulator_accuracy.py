@@ -2,8 +2,8 @@
 
 Configurations of the MLP, every schedule included, are predicted from calibration alone
 (simulator_calibration.py; the contention of the two cores is fitted to real 2-stage pipeline steps that are not
-among the configurations measured), then measured in interleaved rounds; targets: median |error| <= 10 %, worst
-<= 15 %. See benchmarks/README.md.
+among the configurations measured), then measured in interleaved rounds, each step right after a calibration
+sample at its micro-batch size; targets: median |error| <= 10 %, worst <= 15 %. See benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -22,12 +22,11 @@ import pipeddp
 from benchmarks import baselines, common
 from benchmarks import simulator_calibration as cal
 from benchmarks.baselines import Step
-from benchmarks.common import BARRIER, Run, StepTime, barrier_rounds, barrier_timed, fmt, gather, log0, on_rank0
+from benchmarks.common import Run, StepTime, fmt, log0, on_rank0
 from benchmarks.simulator_calibration import BATCH, DDP_BUCKET, SPECS, WORK, Calib, Spec, compute_sample, predict
 from pipeddp.partitioning.solve import solve
 
 SCRIPT = "simulator_accuracy"
-LAYOUTS = ["1x1", "1x2", "2x1", "1x2-stage"]
 
 
 def build(spec: Spec, model: torch.nn.Sequential, x: torch.Tensor, y: torch.Tensor, balance: List[int]) -> Step:
@@ -79,50 +78,17 @@ def prior(rank: int, model: torch.nn.Sequential, x: torch.Tensor, y: torch.Tenso
     return calib, balances, pipes
 
 
-def measure(rank: int, steps: List[Step], specs: List[Spec], calib: Calib, model: torch.nn.Sequential,
-            x: torch.Tensor, settings: Dict[str, Any],
-            reps: int) -> Tuple[Dict[str, List[StepTime]], Dict[str, List[Optional[Dict[str, Any]]]]]:
-    """The rounds: every configuration once per round (rotating order), each right after a calibration sample
-    at its micro-batch size (paired with its step)."""
-    spec_of = {s.name: s for s in specs}
-    paired: Dict[str, List[Optional[Dict[str, Any]]]] = {s.name: [] for s in specs}
-    rounds_done, t0 = [0], time.perf_counter()
-
-    def before(name: str) -> None:
-        sample = None
-        if not settings["no_recalibrate"]:
-            b = spec_of[name].micro_batch
-            sample = compute_sample(rank, model, x, b, repeat=1, loss_reps=max(3, reps // 4),
-                                    pipeline=settings["pipes"].get(b))
-            if rank == 0:
-                calib.add(b, dict(sample, when=f"round {rounds_done[0]}"))
-        paired[name].append(sample)
-
-    def after_round(got: Dict[str, StepTime]) -> bool:
-        rounds_done[0] += 1
-        log0(f"round {rounds_done[0]}/{settings['rounds']}: {time.perf_counter() - t0:.1f} s")
-        return False
-
-    times, _ = barrier_rounds({s.name: s.run for s in steps}, settings["rounds"], 0, before=before,
-                              after_round=after_round)
-    return times, paired
-
-
-def rows_of(specs: List[Spec], times: Dict[str, List[StepTime]], peer: Dict[str, List[StepTime]], calib: Calib,
-            balance: Any, before: Dict[str, Any], paired: Dict[str, List[Any]],
-            grads: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """Per configuration (rank 0): the measurement, the final / a-priori / plain / paired predictions and what
-    the host did meanwhile. A 1-process step is timed to its own end, a 2-process one to the closing barrier."""
+def rows_of(times: Dict[str, List[StepTime]], calib: Calib, balance: Any, before: Dict[str, Any],
+            paired: Dict[str, List[Any]], grads: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """Per configuration (rank 0): the measurement and the final / a-priori / plain / paired predictions. A
+    1-process step is timed to its own end, a 2-process one to the closing barrier."""
     rows = []
-    for s in specs:
-        n, mine, theirs = s.name, times[s.name], peer[s.name]
-        t = [(st.wall if s.procs > 1 else st.own) for st in mine]
+    for s in SPECS:
+        n, t = s.name, [(st.wall if s.procs > 1 else st.own) for st in times[s.name]]
         meas = statistics.median(t)
         final, plain = predict(s, calib, balance(s)), predict(s, calib, balance(s), plain=True)
         per_round = [predict(s, calib.only(s.micro_batch, smp), balance(s))["step_s"] / ti - 1
-                     for smp, ti in zip(paired[n], t) if smp is not None]
-        ours = [(a.cpu + b.cpu) / ti for a, b, ti in zip(mine, theirs, t)]
-        others = [max(a.busy - a.cpu - b.cpu, 0.0) / ti for a, b, ti in zip(mine, theirs, t)]
+                     for smp, ti in zip(paired[n], t)]
         rows.append({
             "name": n, "layout": s.layout, "schedule": s.schedule if s.stages > 1 else None, "m": s.m,
             "micro_batch": s.micro_batch, "balance": balance(s), "procs": s.procs, "check": grads.get(n),
@@ -130,10 +96,8 @@ def rows_of(specs: List[Spec], times: Dict[str, List[StepTime]], peer: Dict[str,
             "error": final["step_s"] / meas - 1,
             "prior_predicted_s": before[n]["step_s"], "prior_error": before[n]["step_s"] / meas - 1,
             "plain_predicted_s": plain["step_s"], "plain_error": plain["step_s"] / meas - 1,
-            "paired_errors": per_round, "paired_error": statistics.median(per_round) if per_round else None,
-            "prediction": final, "prior_prediction": before[n],
-            "host": {"ours_cores": ours, "others_cores": others, "median_ours": statistics.median(ours),
-                     "median_others": statistics.median(others)}})
+            "paired_errors": per_round, "paired_error": statistics.median(per_round),
+            "prediction": final, "prior_prediction": before[n]})
     return rows
 
 
@@ -141,12 +105,10 @@ def job(settings: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     rank = common.init_job(settings["timeout"])
     model, x, y = WORK.seeded(BATCH, settings["seed"])
     common.check_same(model, x, y)
-    specs = [s for s in SPECS if s.layout in settings["layouts"]]
-    sizes = sorted({s.micro_batch for s in specs}, reverse=True)
+    sizes = sorted({s.micro_batch for s in SPECS}, reverse=True)
     reps = 5 if settings["quick"] else 20
     t0 = time.perf_counter()
     calib, balance_of, pipes = prior(rank, model, x, y, sizes, settings["quick"], reps)
-    settings = dict(settings, pipes=pipes)
     cuts4 = on_rank0(lambda: {b: solve(cal.layer_costs(calib, b), 4) for b in sizes})
 
     def balance(spec: Spec) -> List[int]:
@@ -159,25 +121,32 @@ def job(settings: Dict[str, Any]) -> Optional[Dict[str, Any]]:
         for b in sizes:
             log0(f"  micro-batch {b:3d}: layers {sum(cal.layer_costs(calib, b)) * 1e3:7.1f} ms fwd+bwd alone, "
                  f"both cores busy x{calib.contention(b):.2f}; 2-stage cut {balance_of[b]}")
-        before = {s.name: predict(s, calib, balance(s)) for s in specs}
+        before = {s.name: predict(s, calib, balance(s)) for s in SPECS}
         log0("a-priori predictions (ms): " + ", ".join(f"{k} {v['step_s'] * 1e3:.0f}" for k, v in before.items()))
     calib_s = time.perf_counter() - t0
-    steps = [build(s, model, x, y, balance(s)) for s in specs]
+    steps = [build(s, model, x, y, balance(s)) for s in SPECS]
     plain = baselines.whole(model, x, y, WORK.loss_fn)
     plain()  # the MLP has no BatchNorm: every split of the batch must give the plain model's gradients
     grads = baselines.check_grads(steps, lambda step: plain.grads(), "plain")
     for step in steps if not settings["quick"] else []:  # a second untimed step: warm-up
-        barrier_timed(step.run)
-    times, paired = measure(rank, steps, specs, calib, model, x, settings, reps)
-    everyone = gather(times)
-    for step in steps:
+        common.barrier_timed(step.run)
+    spec_of = {s.name: s for s in SPECS}
+    paired: Dict[str, List[Optional[Dict[str, Any]]]] = {s.name: [] for s in SPECS}
+
+    def before_step(name: str) -> None:  # a calibration sample at the step's micro-batch size, paired with it
+        b = spec_of[name].micro_batch
+        sample = compute_sample(rank, model, x, b, repeat=1, loss_reps=max(3, reps // 4), pipeline=pipes.get(b))
+        if rank == 0:
+            calib.add(b, dict(sample, when=f"round {len(paired[name])}"))
+        paired[name].append(sample)
+
+    times, _ = common.barrier_rounds({s.name: s.run for s in steps}, settings["rounds"], before=before_step)
+    for step in steps + list(pipes.values()):
         step.close()
-    for pipe in pipes.values():
-        pipe.close()
     dist.barrier()
     if rank != 0:
         return None
-    return {"rows": rows_of(specs, times, everyone[1], calib, balance, before, paired, grads), "sizes": sizes,
+    return {"rows": rows_of(times, calib, balance, before, paired, grads), "sizes": sizes,
             "contention": {b: {"median": calib.contention(b), "samples": calib.pipeline_ratios(b)} for b in sizes},
             "layers": {b: {"solo": calib.layers(b), "loss_s": calib.loss(b), "samples": len(calib.samples[b])}
                        for b in sizes},
@@ -192,23 +161,22 @@ def report(res: Dict[str, Any], run: Run) -> Dict[str, Any]:
     run.table(f"simulator vs measurement: {WORK.model_text}, batch {BATCH}, 2 CPU cores (median of {res['rounds']} "
               "interleaved steps; mb = micro-batch size)",
               ["configuration", "mb", "cut", "contention", "bubble", "predicted ms", "measured ms", "error",
-               "a-priori ms", "a-priori err", "plain ms", "plain err", "paired err", "cores ours/others"],
+               "a-priori ms", "a-priori err", "plain ms", "plain err", "paired err"],
               [[r["name"], r["micro_batch"], "/".join(map(str, r["balance"])) if len(r["balance"]) > 1 else "-",
                 f"x{r['prediction']['contention']:.2f}" if r["layout"] != "1x1" else "-",
                 f"{r['prediction']['bubble']:.0%}", f"{r['predicted_s'] * 1e3:.0f}", f"{r['measured_s'] * 1e3:.0f}",
                 fmt(r["error"], "+.1%"), f"{r['prior_predicted_s'] * 1e3:.0f}", fmt(r["prior_error"], "+.1%"),
-                f"{r['plain_predicted_s'] * 1e3:.0f}", fmt(r["plain_error"], "+.1%"), fmt(r["paired_error"], "+.1%"),
-                f"{r['host']['median_ours']:.2f}/{r['host']['median_others']:.2f}"] for r in rows],
+                f"{r['plain_predicted_s'] * 1e3:.0f}", fmt(r["plain_error"], "+.1%"), fmt(r["paired_error"], "+.1%")]
+               for r in rows],
               caption="predicted: calibration from the same rounds as the measurements; a-priori: from before "
                       "them; plain: no contention, buckets, shared-core all-reduce, hand-off latency or engine "
-                      "collectives; paired: from the sample right before each step; cores: CPU of this job / the rest")
+                      "collectives; paired: from the sample right before each step")
     summary = {}
     for key in ("error", "prior_error", "plain_error", "paired_error"):
-        if all(r[key] is not None for r in rows):
-            errs = [abs(r[key]) for r in rows]
-            summary[key] = {"median_abs": statistics.median(errs), "worst_abs": max(errs),
-                            "worst": max(rows, key=lambda r: abs(r[key]))["name"],
-                            "met": statistics.median(errs) <= 0.10 and max(errs) <= 0.15}
+        errs = [abs(r[key]) for r in rows]
+        summary[key] = {"median_abs": statistics.median(errs), "worst_abs": max(errs),
+                        "worst": max(rows, key=lambda r, key=key: abs(r[key]))["name"],
+                        "met": statistics.median(errs) <= 0.10 and max(errs) <= 0.15}
     labels = {"error": "final (judged)", "prior_error": "a-priori", "paired_error": "paired by round",
               "plain_error": "plain simulator"}
     run.table("accuracy against the targets (median |error| <= 10 %, worst <= 15 %)",
@@ -225,23 +193,20 @@ def report(res: Dict[str, Any], run: Run) -> Dict[str, Any]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = common.parser(__doc__, "1 round, light calibration", "results/simulator_accuracy.json", spawns=True)
+    p = common.parser(__doc__, "1 round, light calibration", spawns=True)
     p.add_argument("--rounds", type=int, default=None, help=f"measurement rounds (default "
                    f"{WORK.rounds[SCRIPT]}; 1 with --quick)")
-    p.add_argument("--layouts", nargs="+", default=LAYOUTS, choices=LAYOUTS)
-    p.add_argument("--no-recalibrate", action="store_true",
-                   help="calibrate only before measuring (no calibration sample in the rounds)")
     args = p.parse_args(argv)
     if args.device != "cpu":
         p.error("runs on the CPU only: it predicts CPU steps from CPU calibrations")
     args.rounds = args.rounds if args.rounds is not None else 1 if args.quick else WORK.rounds[SCRIPT]
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
-    run = Run(SCRIPT, args, BARRIER)
+    run = Run(SCRIPT, args, common.BARRIER)
     res = pipeddp.spawn(job, 2, args=(vars(args),), timeout=args.timeout, threads=1)[0]
     summary = report(res, run)
     run.finish({"model": WORK.model_text, "batch": BATCH, "threads": 1, "ddp_bucket_bytes": DDP_BUCKET,
-                "specs": [s.name for s in SPECS if s.layout in args.layouts]}, summary=summary, **res)
+                "specs": [s.name for s in SPECS]}, summary=summary, **res)
     return 0
 
 
