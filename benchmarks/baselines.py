@@ -256,19 +256,6 @@ def stage_breakdown(spans: Sequence[Span]) -> Breakdown:
     return out
 
 
-#: the columns ``split_cells`` fills: where a pipeline's step goes
-SPLIT_COLUMNS = ["stage0 / stage1 F+B ms", "idle s0 / s1", "busy / accum", "imbalance"]
-
-
-def split_cells(stages: Sequence[Dict[str, float]], span_ms: float, accum_ms: float) -> List[str]:
-    """Table cells of a traced step: per stage forward+backward ms, idle share of ``span_ms``, all stages' busy
-    time over accumulation's step (> 1: the same work ran slower on cores busy at once), max / mean busy."""
-    busy = [s["F_ms"] + s["B_ms"] for s in stages]
-    return [" / ".join(f"{s['F_ms']:.0f}+{s['B_ms']:.0f}" for s in stages),
-            " / ".join(f"{max(0.0, 1 - b / span_ms):.0%}" for b in busy), f"{sum(busy) / accum_ms:.2f}",
-            f"{max(busy) / (sum(busy) / len(busy)):.2f}"]
-
-
 def record(engine: Any, run: Callable[[], Any], rank: int = 0) -> List[Span]:
     """The spans of a pipeddp engine's trace over one call of ``run`` (a clock reading around every action)."""
     engine.trace = Trace(rank)

@@ -6,6 +6,7 @@ CPU process each (``mode="stage"``, gloo). See benchmarks/README.md.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import shutil
@@ -13,7 +14,7 @@ import statistics
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,60 +31,41 @@ CONFIGS = ("consolidated", "sharded", "sharded-async")
 PEAK_TARGET, BLOCK_TARGET = 0.25, 0.25
 
 
-class PeakRSS:
-    """This process's peak resident memory over a ``with`` block (bytes): the kernel's high-water mark, reset at
-    the start through /proc/self/clear_refs where that is allowed, and RSS sampled every ``interval`` s in a
-    thread (which is all there is where the reset is not allowed; a sample can miss a short peak)."""
+@contextlib.contextmanager
+def peak_rss(out: Dict[str, Any], interval: float = 0.002) -> Iterator[None]:
+    """This process's peak resident memory over a ``with`` block, in ``out["peak"]`` (bytes): the kernel's
+    high-water mark, reset at the start through /proc/self/clear_refs where that is allowed (``out["hwm_reset"]``),
+    and RSS sampled every ``interval`` s in a thread (all there is without the reset; a sample can miss a peak)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+        out["hwm_reset"] = True
+    except OSError:
+        out["hwm_reset"] = False
+    stop, peak = threading.Event(), [0]
 
-    def __init__(self, interval: float = 0.002) -> None:
-        self.interval, self.peak, self.hwm_reset = interval, 0, False
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, name="rss-sampler", daemon=True)
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], proc_status()["VmRSS"] * 1024)
+            time.sleep(interval)
 
-    def _sample(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, proc_status()["VmRSS"] * 1024)
-            time.sleep(self.interval)
-
-    def __enter__(self) -> "PeakRSS":
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # resets VmHWM to the current RSS
-            self.hwm_reset = True
-        except OSError:
-            pass
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, proc_status()["VmRSS"] * 1024)
-        if self.hwm_reset:
-            self.peak = max(self.peak, proc_status()["VmHWM"] * 1024)
+    sampler = threading.Thread(target=sample, name="rss-sampler", daemon=True)
+    sampler.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        sampler.join()
+        st = proc_status()
+        out["peak"] = max(peak[0], st["VmRSS"] * 1024, st["VmHWM"] * 1024 if out["hwm_reset"] else 0)
 
 
 def _bytes(values: Any) -> int:
     if isinstance(values, torch.Tensor):
         return values.numel() * values.element_size()
-    if isinstance(values, dict):
-        return sum(_bytes(v) for v in values.values())
-    if isinstance(values, (list, tuple)):
-        return sum(_bytes(v) for v in values)
+    if isinstance(values, (dict, list, tuple)):
+        return sum(_bytes(v) for v in (values.values() if isinstance(values, dict) else values))
     return 0
-
-
-def _remove(path: str) -> None:
-    if os.path.isdir(path):
-        shutil.rmtree(path)
-    elif os.path.exists(path):
-        os.unlink(path)
-
-
-def _disk_bytes(path: str) -> int:
-    if os.path.isdir(path):
-        return sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path))
-    return os.path.getsize(path)
 
 
 def job(settings: Dict[str, Any]) -> Optional[Dict[str, Any]]:
@@ -114,8 +96,8 @@ def job(settings: Dict[str, Any]) -> Optional[Dict[str, Any]]:
             path = os.path.join(out_dir, "one.pt" if name == "consolidated" else name)
             gc.collect()
             dist.barrier()
-            before = proc_status()["VmRSS"] * 1024
-            with PeakRSS() as peak:
+            before, peak = proc_status()["VmRSS"] * 1024, {}
+            with peak_rss(peak):
                 t0 = time.perf_counter()
                 if name == "consolidated":
                     engine.save(path, optimizer=opt)
@@ -125,11 +107,12 @@ def job(settings: Dict[str, Any]) -> Optional[Dict[str, Any]]:
                 engine.wait_for_save()
                 durable = time.perf_counter() - t0
             dist.barrier()
-            rows[name].append({"blocked_s": blocked, "durable_s": durable, "rss_before": before, "rss_peak": peak.peak,
-                               "hwm_reset": peak.hwm_reset})
+            rows[name].append({"blocked_s": blocked, "durable_s": durable, "rss_before": before,
+                               "rss_peak": peak["peak"], "hwm_reset": peak["hwm_reset"]})
             if rank == 0:
-                sizes[name] = _disk_bytes(path)
-                _remove(path)
+                files = [os.path.join(path, f) for f in os.listdir(path)] if os.path.isdir(path) else [path]
+                sizes[name] = sum(os.path.getsize(f) for f in files)
+                shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
             dist.barrier()
         log0(f"    round {r + 1}/{settings['rounds']} done")
     result = {"rank": rank, "shard_bytes": shard, "rows": rows, "step_s": step_s, "sizes": sizes,
@@ -188,16 +171,16 @@ def report(res: Dict[str, Any], run: Run, settings: Dict[str, Any]) -> None:
               + [f"rank {p['rank']} peak above before MB (of shard)" for p in c["consolidated"]["ranks"]], rows,
               caption=f"medians over rounds of the slowest rank; shard (parameters + Adam state) per rank MB: "
                       f"{shards}; peak: VmHWM reset by clear_refs {'yes' if t['hwm_reset'] else 'no (RSS sampled)'}")
-    run.console.print(f"targets: sharded save's peak above what a rank held before, worst rank "
-                      f"{t['sharded_peak_above_before_share_worst_rank']:.0%} of its shard (target <= "
-                      f"{PEAK_TARGET:.0%}: {'met' if t['sharded_peak_met'] else 'NOT met'}); loop blocked by the async "
-                      f"save / by the one file {t['async_blocked_over_consolidated']:.3f} (target <= {BLOCK_TARGET}: "
-                      f"{'met' if t['blocked_met'] else 'NOT met'}); sharded sync / one file "
-                      f"{t['sharded_sync_blocked_over_consolidated']:.3f}")
+    run.targets([["sharded save's peak above what a rank held before / its shard, worst rank",
+                  t["sharded_peak_above_before_share_worst_rank"], f"<= {PEAK_TARGET}", t["sharded_peak_met"]],
+                 ["loop blocked by the async save / by the one file", t["async_blocked_over_consolidated"],
+                  f"<= {BLOCK_TARGET}", t["blocked_met"]],
+                 ["loop blocked by the sharded sync save / by the one file",
+                  t["sharded_sync_blocked_over_consolidated"], "-"]])
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = parser(__doc__, "4 x Linear(256, 256), 1 round", None, "results/checkpoint_scale[_quick].json", spawns=True)
+    p = parser(__doc__, "4 x Linear(256, 256), 1 round", spawns=True)
     p.add_argument("--layers", type=int, default=None, help="Linear layers (default 16; 4 with --quick)")
     p.add_argument("--width", type=int, default=None, help="their width (default 4096; 256 with --quick)")
     p.add_argument("--rounds", type=int, default=None, help="rounds of the 3 saves (default 3; 1 with --quick)")
@@ -210,14 +193,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args.layers = args.layers or (4 if args.quick else 16)
     args.width = args.width or (256 if args.quick else 4096)
     args.rounds = args.rounds or (1 if args.quick else 3)
-    args.out = args.out or f"results/checkpoint_scale{'_quick' if args.quick else ''}.json"
+    run = Run("checkpoint_scale", args, "one spawned gloo job of 4 stage processes; the 3 saves once per round, "
+                                        "rotating order; blocked/durable: the slowest rank")
     args.dir = args.dir or os.path.join(os.path.dirname(os.path.abspath(args.out)), "checkpoint_scale.tmp")
     os.makedirs(args.dir, exist_ok=True)
     work = mlp_workload(args.layers, args.width)
     settings = {**vars(args), "model_text": work.model_text}
     params = args.layers * (args.width * args.width + args.width) * 4
-    run = Run("checkpoint_scale", args, "one spawned gloo job of 4 stage processes; the 3 saves once per round, "
-                                        "rotating order; blocked/durable: the slowest rank")
     run.console.print(f"checkpoint_scale: {work.model_text}: {params / 1e9:.2f} GB of float32 parameters, "
                       f"{2 * params / 1e9:.2f} GB of Adam state, {STAGES} stage processes; checkpoints in {args.dir}")
     try:
@@ -226,7 +208,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         shutil.rmtree(args.dir, ignore_errors=True)
     analysed = analyse(res["ranks"])
     report(analysed, run, settings)
-    run.finish({"stages": STAGES, "mode": "stage", "optimizer": "Adam", "parameter_bytes": params},
+    run.finish({"stages": STAGES, "mode": "stage", "optimizer": "Adam", "parameter_bytes": params, "dir": args.dir},
                targets=analysed["targets"], configs=analysed["configs"], ranks=res["ranks"])
     return 0
 

@@ -104,10 +104,8 @@ def interleaved(fns: Mapping[str, Callable[[], Any]], rounds: int, warmup: int =
 def median_ratio(a: Sequence[float], b: Sequence[float]) -> float:
     """Median of ``a[i] / b[i]`` over rounds (b's speedup when a is the baseline): within a round the host's
     drift cancels, and the median drops rounds hit by a hiccup."""
-    if len(a) != len(b):
+    if len(a) != len(b) or not a:
         raise ValueError(f"series of {len(a)} and {len(b)} rounds: they must come from the same rounds")
-    if not a:
-        raise ValueError("empty series")
     return statistics.median(x / y for x, y in zip(a, b))
 
 
@@ -261,10 +259,7 @@ def barrier_rounds(
 
 def machine_info() -> Dict[str, Any]:
     """What a reader needs to judge a number later: software versions, cores, platform, date."""
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        usable = os.cpu_count()
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
             "processor": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),

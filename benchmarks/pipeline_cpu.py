@@ -49,12 +49,13 @@ def trace_step(step: Step, m: int, accum_ms: float) -> Dict[str, Any]:
     spans = [s for s in spans if s.lane == "compute"]
     makespan = (max(s.end for s in spans) - min(s.start for s in spans)) * 1e3
     stages = list(baselines.stage_breakdown(spans).values())
+    busy = [s["F_ms"] + s["B_ms"] for s in stages]
     durations = {(s.stage, s.kind, s.mb): s.duration for s in spans}
     plan = get_schedule(step.info["schedule"], STAGES, m)
     predicted = play(plan, duration=lambda st, a: durations[(st, a.kind, a.mb)]).makespan * 1e3
     return {"step_ms": wall[0] * 1e3, "makespan_ms": makespan, "stages": stages, "predicted_ms": predicted,
-            "busy_over_accum": sum(s["F_ms"] + s["B_ms"] for s in stages) / accum_ms,
-            "makespan_over_predicted": makespan / predicted, "cells": baselines.split_cells(stages, makespan, accum_ms)}
+            "idle_frac": [1 - b / makespan for b in busy], "busy_over_accum": sum(busy) / accum_ms,
+            "imbalance": max(busy) / (sum(busy) / len(busy)), "makespan_over_predicted": makespan / predicted}
 
 
 def run_m(work: Workload, model: torch.nn.Sequential, x: torch.Tensor, y: torch.Tensor, m: int, rounds: int,
@@ -109,11 +110,14 @@ def report(work: Workload, n: int, rows: List[Dict[str, Any]], schedules: Sequen
     traced = [(r, s, r["trace"][s]) for r in rows for s in schedules if s in r["trace"]]
     if traced:
         run.table(f"{work.name}: where the pipeline's time goes (one traced step per row)",
-                  ["m", "schedule", "step ms"] + baselines.SPLIT_COLUMNS + ["replayed ms", "makespan / replayed"],
-                  [[r["m"], s, t["step_ms"]] + t["cells"] + [t["predicted_ms"], t["makespan_over_predicted"]]
-                   for r, s, t in traced],
-                  caption="idle = 1 - busy / makespan; imbalance = max stage busy / mean; replayed = the schedule "
-                          "replayed with these action durations and free hand-offs")
+                  ["m", "schedule", "step ms", "stage0 / stage1 F+B ms", "idle s0 / s1", "busy / accum", "imbalance",
+                   "replayed ms", "makespan / replayed"],
+                  [[r["m"], s, t["step_ms"], " / ".join(f"{v['F_ms']:.0f}+{v['B_ms']:.0f}" for v in t["stages"]),
+                    " / ".join(f"{v:.0%}" for v in t["idle_frac"]), t["busy_over_accum"], t["imbalance"],
+                    t["predicted_ms"], t["makespan_over_predicted"]] for r, s, t in traced],
+                  caption="idle = 1 - busy / makespan; imbalance = max stage busy / mean; busy / accum > 1: the same "
+                          "work ran slower on two cores at once; replayed = the schedule replayed with these action "
+                          "durations and free hand-offs")
     r, s = max(((r, s) for r in rows for s in schedules), key=lambda rs: rs[0]["speedup_vs_whole"][rs[1]])
     best = {"m": r["m"], "schedule": s, "speedup_vs_whole": r["speedup_vs_whole"][s],
             "speedup_vs_accum": r["speedup_vs_accum"][s]}

@@ -34,7 +34,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # started as a script
 import pipeddp  # noqa: E402
-from benchmarks import baselines  # noqa: E402
+from benchmarks import baselines, common  # noqa: E402
 from benchmarks.common import (BARRIER, LossFn, Run, barrier_rounds, barrier_timed, check_same, gather,  # noqa: E402
                                init_job, log0, median_ratio, parser)
 from benchmarks.workloads import WORKLOADS  # noqa: E402
@@ -61,12 +61,8 @@ ROUNDS = {"mlp": 8, "resnet50": 4}
 
 def cuts(rank: int, model: nn.Sequential, x: torch.Tensor, m: int) -> Dict[int, List[int]]:
     """pipeddp's cuts into 2 and 4 stages, profiled on rank 0 at micro-batch size and sent to rank 1."""
-    plan: List[Any] = [None]
-    if rank == 0:
-        plan = [{n: list(pipeddp.partition(model, n, method="time", sample=x, chunks=m).balance)
-                 for n in (DEVICES, 2 * DEVICES)}]
-    dist.broadcast_object_list(plan, src=0)
-    return plan[0]
+    return common.on_rank0(lambda: {n: list(pipeddp.partition(model, n, method="time", sample=x, chunks=m).balance)
+                                    for n in (DEVICES, 2 * DEVICES)})
 
 
 def steps_at(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, m: int, loss_fn: LossFn,
