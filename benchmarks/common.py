@@ -141,16 +141,18 @@ def proc_status() -> Dict[str, int]:
         return {k: int(v.split()[0]) for k, v in fields if v.split() and v.split()[0].isdigit()}
 
 
-def parser(doc: str, quick: str, out: Optional[str] = None, out_help: str = "",
-           spawns: bool = False) -> argparse.ArgumentParser:
+def parser(doc: str, quick: str, out: Optional[str] = None, out_help: str = "", spawns: bool = False,
+           device: bool = True) -> argparse.ArgumentParser:
     """The flags every script has: --quick (a smoke run, small and short), --seed, --out (the JSON; by default
-    ``Run`` writes results/<script>[_quick].json) and --timeout where the script spawns a job: each is bounded."""
+    ``Run`` writes results/<script>[_quick].json), --device unless the script measures CPU effects only, and
+    --timeout where the script spawns a job: each is bounded."""
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help=f"smoke run: {quick}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=out, help="JSON path (default "
                    f"{out or out_help or 'results/<script>[_quick].json'})")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the configurations run")
+    if device:
+        p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the configurations run")
     if spawns:
         p.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole spawned job")
     return p

@@ -14,7 +14,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -32,12 +32,16 @@ STAGES = 2
 SPLITS = [8, 12, 16, 20, 24, 32, 48, 64, 96, 120]
 
 
-def timed(steps: Dict[str, Step], reference: Any, label: str, rounds: int, warmup: int, exempt: Sequence[str] = (),
-          extra: Optional[Dict[str, Callable[[], Any]]] = None) -> Tuple[Dict[str, List[float]], Dict[str, Any]]:
-    """Check every step's gradients against ``reference`` (see ``baselines.check_grads``), then time the steps and
-    ``extra`` in interleaved rounds; the times and the check."""
-    checked = baselines.check_grads(list(steps.values()), reference, label, exempt)
-    return interleaved({**{k: s.run for k, s in steps.items()}, **(extra or {})}, rounds, warmup), checked
+def timed(steps: Dict[str, Step], reference: Any, label: str, rounds: int, warmup: int,
+          exempt: Sequence[str] = ()) -> Tuple[Dict[str, List[float]], Dict[str, Any]]:
+    """Check every step's gradients against ``reference`` (see ``baselines.check_grads``), then time the steps in
+    interleaved rounds, and close them; the times and the check."""
+    try:
+        checked = baselines.check_grads(list(steps.values()), reference, label, exempt)
+        return interleaved({k: s.run for k, s in steps.items()}, rounds, warmup), checked
+    finally:
+        for step in steps.values():
+            step.close()
 
 
 def trace_step(step: Step, m: int, accum_ms: float) -> Dict[str, Any]:
@@ -66,26 +70,25 @@ def run_m(work: Workload, model: torch.nn.Sequential, x: torch.Tensor, y: torch.
              "accum": baselines.accumulate(model, x, y, work.loss_fn, m)}
     balance: Any = "time"
     for sched in args.schedules:
-        t0 = time.perf_counter()
         steps[sched] = baselines.pipeline(model, x, y, work.loss_fn, chunks=m, balance=balance, sample=x,
                                           schedule=sched, name=sched)
-        steps[sched].info["build_s"] = time.perf_counter() - t0
         balance = steps[sched].info["balance"]
     first, sizes = steps[args.schedules[0]], steps["accum"].info["microbatch_sizes"]
     stage_ms = [c * 1e3 for c in first.module.partition.stage_costs]
     run.console.print(f"  {work.name} m={m}: micro-batches {mb_text(sizes)}, balance {balance} (profiled stage ms "
-                      f"{[round(v, 1) for v in stage_ms]}), build {first.info['build_s']:.1f} s")
+                      f"{[round(v, 1) for v in stage_ms]})")
     try:
         # BatchNorm sees micro-batches: only the pipelines must match accumulation, not the whole batch
-        times, checked = timed(steps, "accum", "accum", rounds, warmup, ["whole"])
+        checked = baselines.check_grads(list(steps.values()), "accum", "accum", ["whole"])
+        times = interleaved({k: s.run for k, s in steps.items()}, rounds, warmup)
         medians = {k: median_ms(v) for k, v in times.items()}
-        trace = {} if args.no_trace else {s: trace_step(steps[s], m, medians["accum"]) for s in args.schedules}
+        trace = {s: trace_step(steps[s], m, medians["accum"]) for s in args.schedules}
     finally:
         for step in steps.values():
             step.close()
     bound, vs_accum = bubble_bound(STAGES, m), {s: median_ratio(times["accum"], times[s]) for s in args.schedules}
     return {"m": m, "microbatch_sizes": sizes, "balance": first.info["balance"], "profiled_stage_ms": stage_ms,
-            "build_s": {s: steps[s].info["build_s"] for s in args.schedules}, "median_ms": medians,
+            "median_ms": medians,
             "accum_over_whole": median_ratio(times["accum"], times["whole"]),
             "speedup_vs_whole": {s: median_ratio(times["whole"], times[s]) for s in args.schedules},
             "speedup_vs_accum": vs_accum, "bound": bound, "efficiency": {s: v / bound for s, v in vs_accum.items()},
@@ -185,11 +188,7 @@ def splits(args: argparse.Namespace, run: Run) -> Dict[str, Any]:
         run.console.print(f"  {name}: {mb_text(step.info['microbatch_sizes'])} micro-batches, cut at micro-batch "
                           f"{sample.shape[0]} -> balance {step.info['balance']}")
     bn = any(isinstance(m, (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d)) for m in model.modules())
-    try:
-        times, checked = timed(steps, "plain", "plain", rounds, args.warmup or 0, list(steps) if bn else [])
-    finally:
-        for step in steps.values():
-            step.close()
+    times, checked = timed(steps, "plain", "plain", rounds, args.warmup or 0, list(steps) if bn else [])
     rows: List[Dict[str, Any]] = []
     for k in args.splits:
         t = times[f"split={k}"]
@@ -250,8 +249,6 @@ def precision(args: argparse.Namespace, run: Run) -> Dict[str, Any]:
     ref = {name: "plain " + name.split()[-1].replace("compiled", "fp32") for name in steps}
     times, check = timed(steps, lambda s: steps[ref[s.name]].grads(), "plain (same precision)", rounds, 1,
                          [k for k in steps if "bf16" in k])
-    for s in steps.values():
-        s.close()
     pairs = [("pipeline bf16", "pipeline fp32", "bf16 autocast vs float32, same pipeline"),
              ("pipeline bf16", "plain bf16", "pipeline vs plain model, both bf16"),
              ("plain bf16", "plain fp32", "bf16 vs float32, plain model"),
@@ -276,7 +273,6 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                    help="numbers of micro-batches (default 1 2 4 8 16; 1 4 with --quick; --precision: 8)")
     p.add_argument("--schedules", nargs="+", default=["1f1b", "gpipe"], choices=["1f1b", "gpipe"])
     add_round_flags(p, SCRIPT)
-    p.add_argument("--no-trace", action="store_true", help="skip the traced step per pipeline")
     p.add_argument("--splits", nargs="*", type=int, default=None, help="step time per split size (default "
                    f"{' '.join(map(str, SPLITS))}; sizes > batch are skipped) -> results/split_sizes[_<model>].json")
     p.add_argument("--batch", type=int, default=None, help="--splits: the batch (default: resnet50 120, mlp 240)")

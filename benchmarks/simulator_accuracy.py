@@ -24,6 +24,7 @@ from benchmarks import simulator_calibration as cal
 from benchmarks.baselines import Step
 from benchmarks.common import Run, StepTime, fmt, log0, on_rank0
 from benchmarks.simulator_calibration import BATCH, DDP_BUCKET, SPECS, WORK, Calib, Spec, compute_sample, predict
+from benchmarks.workloads import at_least
 from pipeddp.partitioning.solve import solve
 
 SCRIPT = "simulator_accuracy"
@@ -193,15 +194,11 @@ def report(res: Dict[str, Any], run: Run) -> Dict[str, Any]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = common.parser(__doc__, "1 round, light calibration", spawns=True)
-    p.add_argument("--rounds", type=int, default=None, help=f"measurement rounds (default "
+    p = common.parser(__doc__, "1 round, light calibration", spawns=True, device=False)  # CPU steps, CPU calibration
+    p.add_argument("--rounds", type=at_least(1), default=None, help=f"measurement rounds (default "
                    f"{WORK.rounds[SCRIPT]}; 1 with --quick)")
     args = p.parse_args(argv)
-    if args.device != "cpu":
-        p.error("runs on the CPU only: it predicts CPU steps from CPU calibrations")
     args.rounds = args.rounds if args.rounds is not None else 1 if args.quick else WORK.rounds[SCRIPT]
-    if args.rounds < 1:
-        p.error("--rounds must be >= 1")
     run = Run(SCRIPT, args, common.BARRIER)
     res = pipeddp.spawn(job, 2, args=(vars(args),), timeout=args.timeout, threads=1)[0]
     summary = report(res, run)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from benchmarks.common import barrier_timed
 from benchmarks.workloads import WORKLOADS
 from pipeddp.partitioning.profile import LayerCost, profile_layers
 from pipeddp.runtime.channels import Inbox
@@ -75,15 +76,8 @@ def _fit(sizes: Sequence[float], times: Sequence[float]) -> Tuple[float, float]:
 
 
 def _median_time(op: Callable[[], Any], reps: int) -> float:
-    """Median seconds of ``op`` over ``reps`` runs after one untimed run, every run started by a barrier."""
-    got = []
-    for i in range(reps + 1):
-        dist.barrier()
-        t0 = time.perf_counter()
-        op()
-        if i:
-            got.append(time.perf_counter() - t0)
-    return statistics.median(got)
+    """Median seconds of ``op`` over ``reps`` runs after one untimed run, every run between two barriers."""
+    return statistics.median([barrier_timed(op)[0].own for _ in range(reps + 1)][1:])
 
 
 def calibrate_p2p(rank: int, reps: int) -> Dict[str, Any]:
@@ -270,12 +264,8 @@ def layer_costs(calib: Calib, b: int) -> List[float]:
     return costs
 
 
-def stage_costs(calib: Calib, b: int, balance: Sequence[int]) -> List[StageCost]:
-    """The simulator's per-stage costs of ``balance`` at micro-batch ``b`` (the loss on the last stage)."""
-    return _costs(calib.layers(b), calib.loss(b), balance)
-
-
 def _costs(layers: Sequence[Dict[str, float]], loss: Tuple[float, float], balance: Sequence[int]) -> List[StageCost]:
+    """The simulator's per-stage costs of ``balance`` (the loss on the last stage)."""
     lf, lb = loss
     out, start = [], 0
     for s, count in enumerate(balance):
@@ -291,7 +281,8 @@ def _costs(layers: Sequence[Dict[str, float]], loss: Tuple[float, float], balanc
 def predict(spec: Spec, calib: Calib, balance: Sequence[int], *, plain: bool = False) -> Dict[str, Any]:
     """Simulate ``spec`` from ``calib``. ``plain``: the simulator's own model alone (no contention, no DDP
     buckets, the all-reduce beside the compute for free, free thread hand-offs, no engine collectives)."""
-    costs, sigma = stage_costs(calib, spec.micro_batch, balance), calib.contention(spec.micro_batch)
+    b = spec.micro_batch
+    costs, sigma = _costs(calib.layers(b), calib.loss(b), balance), calib.contention(b)
     links = {"1x2": None if plain else Link(math.inf, calib.thread_latency), "1x2-stage": _link(calib.p2p)}
     extra: Dict[str, Any] = {} if plain else {"contention": [1.0, sigma]}
     if not plain and spec.replicas > 1:
