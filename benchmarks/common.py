@@ -158,6 +158,15 @@ def parser(doc: str, quick: str, out: Optional[str] = None, out_help: str = "", 
     return p
 
 
+def at_least(least: int) -> Callable[[str], int]:
+    """An argparse type: an int >= ``least`` (anything else is the parser's error)."""
+    def parse(text: str) -> int:
+        if int(text) < least:
+            raise argparse.ArgumentTypeError(f"must be >= {least}, got {text}")
+        return int(text)
+    return parse
+
+
 def init_job(timeout: float, device: str = "cpu") -> int:
     """Join the spawned job's group (gloo; on CUDA nccl for CUDA tensors, one GPU per rank), every collective
     bounded by ``timeout`` seconds, 1 intra-op thread."""

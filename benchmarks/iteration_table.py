@@ -19,9 +19,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # started as a script
 import pipeddp
 from benchmarks import baselines, common
-from benchmarks.baselines import mb_text
+from benchmarks.baselines import WORKLOADS, mb_text, names
 from benchmarks.common import Run, fmt, gather, log0, median_ms, median_ratio, on_rank0
-from benchmarks.workloads import WORKLOADS, names
 from pipeddp.runtime.microbatch import split_sizes
 
 SCRIPT = "iteration_table"

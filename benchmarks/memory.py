@@ -27,8 +27,8 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # started as a script
 import pipeddp
+from benchmarks.baselines import mlp_workload
 from benchmarks.common import Run, barrier_timed, gather, init_job, parser, proc_status
-from benchmarks.workloads import mlp_workload
 
 MB = 1 << 20
 SHARDS = ("none", "optimizer", "full")
@@ -332,7 +332,7 @@ def shards(args: argparse.Namespace, run: Run) -> Dict[str, Any]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = parser(__doc__, "Linear(256) x 4, 1 timed step, 1 round, R = 1 and 2 (--soak: 200 steps)", spawns=True,
-               device=False)  # it watches the resident memory of CPU processes
+               device=False)  # HybridParallel picks its devices
     p.add_argument("--soak", action="store_true", help="the leak check: train --steps, sample memory, threads, fds")
     p.add_argument("--width", type=int, default=None, help="default 2048 (--quick 256; --soak 256)")
     p.add_argument("--layers", type=int, default=None, help="default 16 (--quick 4; --soak 8)")

@@ -15,9 +15,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # started as a script
-from benchmarks.baselines import layers
-from benchmarks.common import LossFn, Run, here, parser, timed_call
-from benchmarks.workloads import WORKLOADS, Workload, add_round_flags, at_least, names
+from benchmarks.baselines import WORKLOADS, Workload, add_round_flags, layers, names
+from benchmarks.common import LossFn, Run, at_least, here, parser, timed_call
 from pipeddp import partition
 from pipeddp.partitioning.solve import block_move
 

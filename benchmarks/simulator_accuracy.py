@@ -22,9 +22,8 @@ import pipeddp
 from benchmarks import baselines, common
 from benchmarks import simulator_calibration as cal
 from benchmarks.baselines import Step
-from benchmarks.common import Run, StepTime, fmt, log0, on_rank0
+from benchmarks.common import Run, StepTime, at_least, fmt, log0, on_rank0
 from benchmarks.simulator_calibration import BATCH, DDP_BUCKET, SPECS, WORK, Calib, Spec, compute_sample, predict
-from benchmarks.workloads import at_least
 from pipeddp.partitioning.solve import solve
 
 SCRIPT = "simulator_accuracy"
