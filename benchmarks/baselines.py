@@ -141,9 +141,9 @@ class Step:
 
 def check_grads(steps: Sequence[Step], reference: Union[str, Callable[[Step], Grads]], label: str,
                 exempt: Sequence[str] = ()) -> Dict[str, Dict[str, float]]:
-    """Run every step once on every rank (also its warm-up) and compare its gradients, merged on rank 0, with
-    ``reference``: one of ``steps`` (run first) or a function of the step. A difference above 1e-4 is printed,
-    except for steps in ``exempt`` (not expected to match, e.g. whole batch vs micro-batches under BatchNorm)."""
+    """Run every step once (also its warm-up) and compare its gradients, merged on rank 0, with ``reference`` (one
+    of ``steps``, run first, or a function of the step); a difference above 1e-4 is printed, but for ``exempt``
+    (not expected to match, e.g. whole batch vs micro-batches under BatchNorm)."""
     ref: Optional[Grads] = None
     out: Dict[str, Dict[str, float]] = {}
     for step in sorted(steps, key=lambda s: s.name != reference):
@@ -182,8 +182,8 @@ def layers(model: nn.Sequential, a: int, b: int) -> nn.Sequential:
 
 def _direct(name: str, mod: nn.Module, params: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn,
             threads: Optional[int] = None, procs: int = 1) -> Step:
-    """A module stepped directly; ``info["phases"]`` holds the last step's zero_grad / forward (with the
-    loss) / backward seconds, which only a directly timed step can separate."""
+    """A module stepped directly; ``info["phases"]``: the last step's zero_grad / forward (with the loss) /
+    backward seconds, which only a directly timed step can separate."""
     phases: Dict[str, float] = {}
 
     def run() -> torch.Tensor:
@@ -255,11 +255,9 @@ TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleave
 def torch_pipelining(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn, *,
                      balance: Sequence[int], schedule: str, chunks: int, group: Any = None,
                      name: str = "torch") -> Step:
-    """``torch.distributed.pipelining``: rank r runs stages r, r + ranks, ... (their ``balance`` slices) as
-    ``PipelineStage``s; shapes inferred at the first step (the check step pays), gradients of the mean of
-    micro-batch mean losses (scale_grads). ``schedule`` names pipeddp's counterpart (``TORCH_SCHEDULES``);
-    "zbv" places stages in the V its schedule requires (rank r holds stages r and n - 1 - r).
-    ``traced`` times the stages' ``forward_one_chunk`` / ``backward_one_chunk`` (with their bookkeeping)."""
+    """``torch.distributed.pipelining``: rank r runs stages r, r + ranks, ... (``balance`` slices; "zbv": r and
+    n - 1 - r, the V its schedule requires) as ``PipelineStage``s, shapes inferred at the first step (the check step
+    pays); ``schedule`` names pipeddp's counterpart. ``traced`` times the stages' ``*_one_chunk`` calls."""
     from torch.distributed import pipelining
 
     rank, ranks = dist.get_rank(), dist.get_world_size() if group is None else dist.get_world_size(group)
@@ -313,10 +311,9 @@ def torch_pipelining(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, los
 
 def guarded_torch(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn, timeout: float,
                   **kwargs: Any) -> Tuple[Optional[Step], str]:
-    """``torch_pipelining(**kwargs)`` on a process group of its own (``timeout`` seconds), its first step run
-    (torch infers shapes there). A failing rank tears the group down, so that the peer's pending receive fails
-    instead of hanging; every rank learns every rank's errors (real errors before timeouts). Returns the step,
-    or None and the errors."""
+    """``torch_pipelining(**kwargs)`` on a process group of its own (``timeout`` seconds), its first step run. A
+    failing rank tears the group down, so that the peer's pending receive fails instead of hanging; the step, or
+    None and every rank's errors (real errors before timeouts)."""
     group: Any = dist.new_group(list(range(dist.get_world_size())), timeout=timedelta(seconds=timeout))
     step: Optional[Step] = None
     err = ""
@@ -372,9 +369,8 @@ def pipeline(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_fn: Lo
 
 def hybrid(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn, *, stages: int = 2,
            mode: str = "replica", name: str = "hybrid", **kwargs: Any) -> Step:
-    """``pipeddp.HybridParallel`` over the job's ranks (gloo). Replica mode: each rank a replica on
-    ``stages`` CPU stage threads, fed its replica's share of the batch; stage mode: one stage per rank, x
-    fed to stage 0 and y to the last stage."""
+    """``pipeddp.HybridParallel`` over the job's ranks: in replica mode each rank a replica on ``stages`` stage
+    threads, fed its replica's share of the batch; in stage mode one stage per rank."""
     rank, replica_mode = dist.get_rank(), mode == "replica"
     engine = pipeddp.HybridParallel(copy.deepcopy(model), stages=stages, mode=mode,
                                     devices=devices(stages, rank * stages) if replica_mode else devices(1, rank),

@@ -126,27 +126,23 @@ def job(settings: Dict[str, Any]) -> Optional[Dict[str, Any]]:
 def analyse(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
     """Per configuration: the loop's blocking time and time to durable (the slowest rank, median over rounds), each
     rank's peak above its resident memory before the save, against its shard; the targets."""
-    rounds = len(ranks[0]["rows"][CONFIGS[0]])
-    out: Dict[str, Any] = {"configs": {}}
+    c: Dict[str, Any] = {}
     for name in CONFIGS:
-        blocked = [max(r["rows"][name][i]["blocked_s"] for r in ranks) for i in range(rounds)]
-        durable = [max(r["rows"][name][i]["durable_s"] for r in ranks) for i in range(rounds)]
-        per_rank = []
+        slowest = {k: [max(rows) for rows in zip(*([row[k] for row in r["rows"][name]] for r in ranks))]
+                   for k in ("blocked_s", "durable_s")}
+        c[name] = {**slowest, "blocked_median_s": statistics.median(slowest["blocked_s"]),
+                   "durable_median_s": statistics.median(slowest["durable_s"]),
+                   "disk_mb": ranks[0]["sizes"].get(name, 0) / 2**20, "ranks": []}
         for r in ranks:
-            extra = max(row["rss_peak"] - row["rss_before"] for row in r["rows"][name])
-            per_rank.append({"rank": r["rank"], "shard_mb": r["shard_bytes"] / 2**20,
-                             "rss_before_mb": max(row["rss_before"] for row in r["rows"][name]) / 2**20,
-                             "rss_peak_mb": max(row["rss_peak"] for row in r["rows"][name]) / 2**20,
-                             "peak_above_before_mb": extra / 2**20,
-                             "peak_above_before_share": extra / r["shard_bytes"]})
-        out["configs"][name] = {"blocked_s": blocked, "durable_s": durable,
-                                "blocked_median_s": statistics.median(blocked),
-                                "durable_median_s": statistics.median(durable), "ranks": per_rank,
-                                "disk_mb": ranks[0]["sizes"].get(name, 0) / 2**20}
-    c = out["configs"]
+            rows, extra = r["rows"][name], max(row["rss_peak"] - row["rss_before"] for row in r["rows"][name])
+            c[name]["ranks"].append({"rank": r["rank"], "shard_mb": r["shard_bytes"] / 2**20,
+                                     "rss_before_mb": max(row["rss_before"] for row in rows) / 2**20,
+                                     "rss_peak_mb": max(row["rss_peak"] for row in rows) / 2**20,
+                                     "peak_above_before_mb": extra / 2**20,
+                                     "peak_above_before_share": extra / r["shard_bytes"]})
     worst_share = max(p["peak_above_before_share"] for p in c["sharded"]["ranks"])
     block_ratio = median_ratio(c["sharded-async"]["blocked_s"], c["consolidated"]["blocked_s"])
-    out["targets"] = {
+    targets = {
         "sharded_peak_above_before_share_worst_rank": worst_share, "sharded_peak_target": PEAK_TARGET,
         "sharded_peak_met": worst_share <= PEAK_TARGET,
         "async_blocked_over_consolidated": block_ratio, "blocked_target": BLOCK_TARGET,
@@ -155,7 +151,7 @@ def analyse(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
                                                                c["consolidated"]["blocked_s"]),
         "hwm_reset": all(row["hwm_reset"] for r in ranks for rows in r["rows"].values() for row in rows),
     }
-    return out
+    return {"configs": c, "targets": targets}
 
 
 def report(res: Dict[str, Any], run: Run, settings: Dict[str, Any]) -> None:

@@ -1,8 +1,7 @@
-"""The harness every benchmark's figures rest on: timing, gradient checks, machine stamp, report.
+"""The harness every benchmark's figures rest on: timing, spawned jobs, gradient checks, machine stamp, report.
 
-The host's speed drifts, so configurations are interleaved round by round and compared by medians of
-per-round ratios (benchmarks/README.md, "How a figure is timed"): ``interleaved`` in one process,
-``barrier_rounds`` in a multi-process job, every step timed between two barriers (``barrier_timed``).
+The host's speed drifts, so configurations are interleaved round by round and compared by medians of per-round
+ratios (benchmarks/README.md, "How a figure is timed"): ``interleaved`` in one process, ``barrier_rounds`` in a job.
 """
 
 from __future__ import annotations
@@ -85,9 +84,8 @@ def timed_call(fn: Callable[[], Any], name: str = "") -> Tuple[float, Any]:
 
 
 def interleaved(fns: Mapping[str, Callable[[], Any]], rounds: int, warmup: int = 1) -> Dict[str, List[float]]:
-    """Time every configuration once per round, in an order rotated by one each round (no configuration always
-    follows the same neighbour); the first ``warmup`` rounds pay for lazy initialisation and are dropped.
-    Returns seconds per call by name; round i of every list comes from the same stretch of time."""
+    """Seconds per call by name: every configuration once per round, in an order rotated by one each round (none
+    always follows the same neighbour); the first ``warmup`` rounds pay for lazy initialisation and are dropped."""
     names = list(fns)
     if rounds < 1 or warmup < 0 or not names:
         raise ValueError(f"need rounds >= 1, warmup >= 0 and a configuration, got {rounds}, {warmup}, {names}")
@@ -143,9 +141,8 @@ def proc_status() -> Dict[str, int]:
 
 def parser(doc: str, quick: str, out: Optional[str] = None, out_help: str = "", spawns: bool = False,
            device: bool = True) -> argparse.ArgumentParser:
-    """The flags every script has: --quick (a smoke run, small and short), --seed, --out (the JSON; by default
-    ``Run`` writes results/<script>[_quick].json), --device unless the script measures CPU effects only, and
-    --timeout where the script spawns a job: each is bounded."""
+    """The flags every script has: --quick (a smoke run), --seed, --out (default results/<script>[_quick].json),
+    --device unless it measures CPU effects only, and --timeout where it spawns a job: each job is bounded."""
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help=f"smoke run: {quick}")
     p.add_argument("--seed", type=int, default=0)
@@ -168,8 +165,7 @@ def at_least(least: int) -> Callable[[str], int]:
 
 
 def init_job(timeout: float, device: str = "cpu") -> int:
-    """Join the spawned job's group (gloo; on CUDA nccl for CUDA tensors, one GPU per rank), every collective
-    bounded by ``timeout`` seconds, 1 intra-op thread."""
+    """Join the spawned job's group (gloo; nccl too on CUDA), every collective bounded by ``timeout`` seconds."""
     use_device(device)
     dist.init_process_group("gloo" if device == "cpu" else "cpu:gloo,cuda:nccl",
                             timeout=datetime.timedelta(seconds=timeout))
@@ -240,10 +236,9 @@ def barrier_rounds(
     before: Optional[Callable[[str], None]] = None,
     after_round: Optional[Callable[[Dict[str, StepTime]], bool]] = None,
 ) -> Tuple[Dict[str, List[StepTime]], Dict[str, List[Any]]]:
-    """``interleaved`` for a multi-process job (every rank calls it with the same names in the same order), each
-    step timed by ``barrier_timed``: ``before(name)`` runs before each step; after each timed round
-    ``after_round`` sees this rank's readings and says whether to stop (alike on every rank), so up to ``extra``
-    rounds may replace disturbed ones. Returns the readings and the steps' results by name."""
+    """``interleaved`` for a job (every rank calls it alike), each step timed by ``barrier_timed``, ``before(name)``
+    before each; after each timed round ``after_round`` sees this rank's readings and says whether to stop (alike
+    on every rank), so up to ``extra`` rounds may replace disturbed ones. The readings and results by name."""
     names = list(steps)
     times: Dict[str, List[StepTime]] = {n: [] for n in names}
     results: Dict[str, List[Any]] = {n: [] for n in names}
@@ -329,9 +324,8 @@ def _jsonable(value: Any) -> Any:
 
 
 class Run:
-    """One run of a benchmark script, the one report writer: its clock, its tables and its JSON. The commit is
-    read at the start (spawned processes import the code as it was then); tables are 160 columns wide (in a
-    file or a pipe rich would assume 80 and squeeze them)."""
+    """One run of a script, the one report writer: its clock, tables and JSON. The commit is read at the start (the
+    spawned processes import the code as it was then); tables are 160 wide (in a pipe rich would assume 80)."""
 
     def __init__(self, benchmark: str, args: argparse.Namespace, timing: str = INTERLEAVED) -> None:
         use_device(getattr(args, "device", "cpu"))

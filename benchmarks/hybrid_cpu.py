@@ -7,7 +7,6 @@ analyses a saved JSON again. See benchmarks/README.md.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -21,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import pipeddp
 from benchmarks import baselines, common
 from benchmarks.baselines import WORKLOADS, add_round_flags, names
-from benchmarks.common import LossFn, Run, StepTime, fmt, gather, log0, median_ms, median_ratio
+from benchmarks.common import LossFn, Run, StepTime, at_least, fmt, gather, log0, median_ms, median_ratio
 from pipeddp.runtime.microbatch import split_sizes
 from pipeddp.tools.simulate import bubble_bound
 
@@ -33,52 +32,42 @@ TORCH = ("torch-gpipe@cut", "torch-1f1b@cut", "torch-gpipe@naive", "torch-1f1b@n
 
 
 def local_steps(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, m: int, balance: List[int],
-                loss_fn: LossFn, schedules: Sequence[str]) -> List[baselines.Step]:
-    """The baselines and pipeddp's two modes; 1-process ones run on rank 0 while rank 1 stands by."""
-    tag = {s: "" if s == "1f1b" else f"-{s}" for s in schedules}
+                loss_fn: LossFn) -> List[baselines.Step]:
+    """The baselines and pipeddp's two modes (1F1B); 1-process ones run on rank 0 while rank 1 stands by."""
     if rank == 0:
         steps = [baselines.whole(model, x, y, loss_fn, name="whole-1t"),
                  baselines.whole(model, x, y, loss_fn, name="whole-2t", threads=2),
-                 baselines.accumulate(model, x, y, loss_fn, m)]
-        steps += [baselines.pipeline(model, x, y, loss_fn, chunks=m, balance=balance, schedule=s,
-                                     name=f"pipeddp-replica{tag[s]}") for s in schedules]
+                 baselines.accumulate(model, x, y, loss_fn, m),
+                 baselines.pipeline(model, x, y, loss_fn, chunks=m, balance=balance, name="pipeddp-replica")]
     else:
-        steps = [baselines.idle(n) for n in ["whole-1t", "whole-2t", "accum"]
-                 + [f"pipeddp-replica{tag[s]}" for s in schedules]]
-    steps.append(baselines.ddp(model, x, y, loss_fn))
-    steps += [baselines.hybrid(model, x, y, loss_fn, mode="stage", chunks=m, balance=balance, schedule=s,
-                               name=f"pipeddp-stage{tag[s]}") for s in schedules]
-    return steps
+        steps = [baselines.idle(n) for n in ["whole-1t", "whole-2t", "accum", "pipeddp-replica"]]
+    return steps + [baselines.ddp(model, x, y, loss_fn),
+                    baselines.hybrid(model, x, y, loss_fn, mode="stage", chunks=m, balance=balance,
+                                     name="pipeddp-stage")]
 
 
-def torch_steps(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, m: int, cuts: Dict[str, int],
+def torch_steps(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, m: int, cuts: Dict[str, int],
                 loss_fn: LossFn, group_timeout: float) -> Tuple[List[baselines.Step], Dict[str, Any]]:
-    """torch pipelining for each named cut that works; a failing cut is recorded and the next one tried. Each
-    configuration gets a process group of its own with a short timeout, so that a failing rank (e.g. an in-place
-    first op on the received activation) can tear it down and the peer's pending receive fails instead of hanging.
-    A cut equal to an earlier label's is timed once (``alias_of``)."""
+    """torch pipelining at each named cut, each on a process group of its own (``baselines.guarded_torch``: a
+    failing configuration, e.g. an in-place first op on the received activation, is recorded and left out). A cut
+    equal to an earlier label's is timed once (``alias_of``)."""
     steps: List[baselines.Step] = []
     report: Dict[str, Any] = {}
     done: Dict[Tuple[int, str], str] = {}
-    for label, cut0 in cuts.items():
+    for label, cut in cuts.items():
         for sched in ("gpipe", "1f1b"):
-            name, attempts, cut = f"torch-{sched}@{label}", [], cut0
-            while 0 < cut < len(model):
-                if (cut, sched) in done:
-                    attempts.append({"cut": cut, "ok": True, "alias_of": done[(cut, sched)]})
-                    break
-                step, err = baselines.guarded_torch(model, x, y, loss_fn, group_timeout, name=name, chunks=m,
-                                                    balance=[cut, len(model) - cut], schedule=sched)
-                attempts.append({"cut": cut, "ok": step is not None, **({"error": err} if step is None else {})})
-                if step is not None:
-                    steps.append(step)
-                    done[(cut, sched)] = name
-                    break
-                log0(f"    {name}: cut {cut} failed ({err.splitlines()[0][:200]}); trying cut {cut + 1}")
-                cut += 1
-            last = attempts[-1] if attempts else {}
-            report[name] = {"requested_cut": cut0, "attempts": attempts,
-                            "used_cut": last["cut"] if last.get("ok") else None, "alias_of": last.get("alias_of")}
+            name = f"torch-{sched}@{label}"
+            if (cut, sched) in done:
+                report[name] = {"cut": cut, "alias_of": done[(cut, sched)]}
+                continue
+            step, err = baselines.guarded_torch(model, x, y, loss_fn, group_timeout, name=name, chunks=m,
+                                                balance=[cut, len(model) - cut], schedule=sched)
+            report[name] = {"cut": cut, **({"error": err} if step is None else {})}
+            if step is None:
+                log0(f"    {name}: failed ({err.splitlines()[0][:200]})")
+                continue
+            steps.append(step)
+            done[(cut, sched)] = name
     return steps, report
 
 
@@ -134,8 +123,8 @@ def run_m(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, m: 
     naive = [n // 2, n - n // 2]
     log0(f"  m={m}: pipeddp balance {balance} (profiled stage ms {[round(v, 1) for v in cut['stage_ms']]}), "
          f"naive {naive}")
-    steps = local_steps(rank, model, x, y, m, balance, loss_fn, opts["schedules"])
-    more, torch_report = torch_steps(rank, model, x, y, m, {"cut": balance[0], "naive": naive[0]}, loss_fn,
+    steps = local_steps(rank, model, x, y, m, balance, loss_fn)
+    more, torch_report = torch_steps(model, x, y, m, {"cut": balance[0], "naive": naive[0]}, loss_fn,
                                      opts["group_timeout"])
     steps += more
     # BatchNorm sees micro-batches, so the whole batch and DDP's halves match accum only on the MLP
@@ -250,8 +239,7 @@ def _short(name: str) -> str:
 def tables(name: str, res: Dict[str, Any], run: Run) -> None:
     """Step times, pipeddp's speedups, where the pipelines' time goes; failed torch cuts and disturbed steps."""
     rows = res["by_m"]
-    cols = ["whole-1t", "whole-2t", "accum", "ddp", "pipeddp-replica", "pipeddp-stage"]
-    cols += sorted({n for r in rows for n in r["times_s"] if n.startswith("pipeddp") and n not in cols}) + list(TORCH)
+    cols = ["whole-1t", "whole-2t", "accum", "ddp", *PIPEDDP, *TORCH]
     run.table(f"{name}: ms per training step (median over undisturbed steps of the interleaved rounds)",
               ["m", "pipeddp cut", "naive cut", "rounds"] + [_short(c) for c in cols],
               [[r["m"], str(r["balance"]), str(r["naive_balance"]),
@@ -272,15 +260,12 @@ def tables(name: str, res: Dict[str, Any], run: Run) -> None:
               ["m", "pipeddp", "vs accum", "bound", "efficiency", "vs whole 1t", "vs whole 2t", "vs ddp"]
               + [f"vs {_short(t)}" for t in TORCH], out, caption="bound = 2m/(m+1); efficiency = (vs accum) / bound")
     for r in rows:
-        for k, v in r["torch_pipelining"].items():
-            failed = [a["cut"] for a in v["attempts"] if not a["ok"]]
-            if failed:
-                run.console.print(f"[yellow]{name} m={r['m']}: {k} failed on cut(s) {failed}, used "
-                                  f"{v['used_cut']}")
+        failed = [k for k, v in r["torch_pipelining"].items() if "error" in v]
         kept = [f for n in r["undisturbed"] for f, ok in zip(r["foreign_cores"][n], r["undisturbed"][n]) if ok]
         left = sum(not ok for n in r["undisturbed"] for ok in r["undisturbed"][n])
         run.console.print(f"{name} m={r['m']}: {r['rounds_run']} timed rounds, {left} disturbed step(s) left out; "
-                          f"other processes used at most {max(kept, default=0):.2f} cores during the steps kept")
+                          f"other processes used at most {max(kept, default=0):.2f} cores during the steps kept; "
+                          f"torch failed: {failed or 'none'}")
 
 
 def _values(v: Any) -> str:
@@ -304,15 +289,13 @@ def report(models: Dict[str, Any], run: Run) -> List[Dict[str, Any]]:
     return found
 
 
-def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+def main(argv: Optional[Sequence[str]] = None) -> int:
     choices = names(SCRIPT)
     p = common.parser(__doc__, "mlp, m = 2 8, 1 round, no warm-up round", "results/hybrid_cpu.json", spawns=True)
     p.add_argument("--models", nargs="+", default=None, choices=choices, help="default: all (mlp with --quick)")
-    p.add_argument("--ms", nargs="+", type=int, default=None,
+    p.add_argument("--ms", nargs="+", type=at_least(STAGES), default=None,
                    help="numbers of micro-batches (default 2 4 8 16; 2 8 with --quick); must divide the batch")
     add_round_flags(p, SCRIPT)
-    p.add_argument("--schedules", nargs="+", default=["1f1b"], choices=["1f1b", "gpipe"],
-                   help="pipeddp schedules to time (default 1f1b, the one judged against the targets)")
     p.add_argument("--group-timeout", type=float, default=60.0, help="seconds a torch pipelining rank awaits its peer")
     p.add_argument("--max-foreign", type=float, default=0.15,
                    help="a step during which other processes used more than this many cores is left out (0.15)")
@@ -322,14 +305,8 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     args.models = args.models or (["mlp"] if args.quick else choices)
     args.ms = args.ms or ([2, 8] if args.quick else [2, 4, 8, 16])
     batches = {k: WORKLOADS[k].batch[SCRIPT] for k in args.models}
-    if any(m < STAGES or n % m for m in args.ms for n in batches.values()):  # torch: equal micro-batches, >= 1 a stage
-        p.error(f"every m must be >= {STAGES} and divide the batch {batches}")
-    args.schedules = sorted(dict.fromkeys(args.schedules), key=lambda s: s != "1f1b")  # 1f1b first: judged
-    return args
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = parse(argv)
+    if any(n % m for m in args.ms for n in batches.values()):  # torch's schedules need equal micro-batches
+        p.error(f"every m must divide the batch {batches}")
     run = Run(SCRIPT, args, common.BARRIER)
     per_model = {name: {
         **dict(zip(("rounds", "warmup"), WORKLOADS[name].rounds_of(SCRIPT, args))),

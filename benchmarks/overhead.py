@@ -1,19 +1,10 @@
 """What the engine itself costs: per action, on a model too small to hide it, and (``--prefetch``) on the input path.
 
-Per action: a model of 4 x (Linear(64, 64) + ReLU), batch 64 in 8 micro-batches, so the compute per micro-batch
-is tens of microseconds and whatever an engine adds per action (one forward or backward of one micro-batch on one
-stage) shows. In one process, interleaved round by round: ``accum`` (the plain model accumulating over the same
-micro-batches, the yardstick), ``Pipeline`` with one stage (``pipeddp-1``) and two (``pipeddp-2``, every
-dependency a hand-off between two threads), torch's ``Schedule1F1B`` with one stage (``torch-1``, a one-rank gloo
-group), and one message there and back between two Python threads (``queue.SimpleQueue``), the cost of the
-hand-off itself. Extra time per action = (step - accum) / actions (2 m per stage), medians of per-round values.
-
---prefetch: a dataset whose loading costs about half a step (``--load-share``; each batch waits, as a read from
-a slow disk or the network does: the waiting holds no core, so on this 2-core host loading can hide behind
-compute, which a core-bound decode could not) feeds ``HybridParallel`` (one process, 2 CPU stage threads, 1F1B,
-an MLP). Every round trains ``--steps`` batches without prefetch and with ``prefetch=2``, the order alternating
-each round; per-round ratios, medians. Targets: with prefetch a step takes <= 1.10x the larger of loading and
-computing; without, about their sum.
+Per action: 4 x (Linear(64, 64) + ReLU), batch 64 in 8 micro-batches, so the compute per micro-batch is tens of
+microseconds and whatever an engine adds per action (one forward or backward of one micro-batch on one stage)
+shows; the hand-off itself is timed as one message there and back between two Python threads. --prefetch: each
+batch waits, as a read from a slow disk or the network does: the waiting holds no core, so on this 2-core host
+loading can hide behind compute, which a core-bound decode could not. See benchmarks/README.md.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # started as a script
 from benchmarks import baselines
 from benchmarks.baselines import WORKLOADS, Step, Workload, add_round_flags, mb_text, mlp_workload, names
-from benchmarks.common import Run, here, interleaved, median_ms, median_ratio, parser, timed_call
+from benchmarks.common import Run, at_least, here, interleaved, median_ms, median_ratio, parser, timed_call
 from pipeddp.runtime.microbatch import split_sizes
 from pipeddp.runtime.schedule import get_schedule, play
 from pipeddp.tools.simulate import bubble_bound
@@ -263,16 +263,16 @@ def precision(args: argparse.Namespace, run: Run) -> Dict[str, Any]:
             "median_ms": {k: median_ms(v) for k, v in times.items()}, "times_s": times}
 
 
-def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+def main(argv: Optional[Sequence[str]] = None) -> int:
     choices = names(SCRIPT)
     p = parser(__doc__, "1 round, no warm-up round, m = 1 4 (--splits: 16 48; --precision: a small MLP, 2 rounds)",
                out_help="results/pipeline_cpu.json, split_sizes[_<model>].json, precision_cpu.json")
     p.add_argument("--models", nargs="+", default=None, choices=choices, help="default: all (--splits: resnet50)")
-    p.add_argument("--ms", nargs="+", type=int, default=None,
+    p.add_argument("--ms", nargs="+", type=at_least(1), default=None,
                    help="numbers of micro-batches (default 1 2 4 8 16; 1 4 with --quick; --precision: 8)")
     p.add_argument("--schedules", nargs="+", default=["1f1b", "gpipe"], choices=["1f1b", "gpipe"])
     add_round_flags(p, SCRIPT)
-    p.add_argument("--splits", nargs="*", type=int, default=None, help="step time per split size (default "
+    p.add_argument("--splits", nargs="*", type=at_least(1), default=None, help="step time per split size (default "
                    f"{' '.join(map(str, SPLITS))}; sizes > batch are skipped) -> results/split_sizes[_<model>].json")
     p.add_argument("--batch", type=int, default=None, help="--splits: the batch (default: resnet50 120, mlp 240)")
     p.add_argument("--precision", action="store_true", help="float32 against bfloat16 autocast and compile=True "
@@ -280,8 +280,6 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.models = args.models or (["resnet50"] if args.splits is not None else choices)
     args.ms = args.ms or ([8] if args.precision else [1, 4] if args.quick else [1, 2, 4, 8, 16])
-    if any(m < 1 for m in args.ms + (args.splits or [])):
-        p.error("--ms and --splits values must be >= 1")
     args.schedules = list(dict.fromkeys(args.schedules))
     if args.splits is not None:
         args.batch = args.batch or WORKLOADS[args.models[0]].batch["split_sizes"]
@@ -290,11 +288,6 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
             p.error(f"no split size <= batch {args.batch}")
         suffix = "" if args.models[0] == "resnet50" else f"_{args.models[0]}"
         args.out = args.out or f"results/split_sizes{suffix}{'_quick' if args.quick else ''}.json"
-    return args
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = parse(argv)
     torch.set_num_threads(1)  # the plain model's thread; each pipeline stage gets threads=1 as well
     if args.precision or args.splits is not None:
         run = Run("precision_cpu" if args.precision else "split_sizes", args)

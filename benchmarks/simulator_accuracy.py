@@ -183,12 +183,6 @@ def report(res: Dict[str, Any], run: Run) -> Dict[str, Any]:
               ["prediction", "median |error|", "worst |error|", "worst configuration", "targets"],
               [[labels[k], f"{v['median_abs']:.1%}", f"{v['worst_abs']:.1%}", v["worst"], ("NOT met", "met")[v["met"]]]
                for k, v in summary.items()])
-    run.console.print(
-        f"calibration: p2p {res['p2p']['latency_s'] * 1e6:.0f} us + {res['p2p']['bandwidth_Bps'] / 1e9:.2f} GB/s, "
-        f"all-reduce {res['allreduce']['latency_s'] * 1e6:.0f} us/step + {res['allreduce']['bandwidth_Bps'] / 1e9:.2f} "
-        f"GB/s, thread hand-off {res['thread_latency_s'] * 1e6:.0f} us, engine collectives "
-        f"{res['engine_collectives_s'] * 1e3:.2f} ms; contention by micro-batch "
-        + ", ".join(f"{b}: x{v['median']:.2f}" for b, v in res["contention"].items()))
     return summary
 
 

@@ -69,10 +69,13 @@ SPECS: List[Spec] = [Spec("1x1", 1), Spec("1x1", 4), Spec("1x1", 16), Spec("1x2"
                      Spec("1x2-stage", 8, "interleaved", 2)]
 
 
-def _fit(sizes: Sequence[float], times: Sequence[float]) -> Tuple[float, float]:
-    """Least squares ``t = a + c * bytes``; returns (a, c), both clipped at >= 0."""
-    c = max(float(numpy.polyfit(sizes, times, 1)[0]), 1e-15)
-    return max(statistics.fmean(times) - c * statistics.fmean(sizes), 0.0), c
+def _fitted(sizes: List[int], ops: Sequence[Callable[[], Any]], reps: int, per_op: float = 1.0) -> Dict[str, Any]:
+    """Median seconds of each op (times ``per_op``), one per size, fitted by least squares to latency + bytes /
+    bandwidth (both clipped at >= 0)."""
+    secs = [_median_time(op, reps) * per_op for op in ops]
+    c = max(float(numpy.polyfit(sizes, secs, 1)[0]), 1e-15)
+    latency = max(statistics.fmean(secs) - c * statistics.fmean(sizes), 0.0)
+    return {"sizes": sizes, "seconds": secs, "latency_s": latency, "bandwidth_Bps": 1 / c}
 
 
 def _median_time(op: Callable[[], Any], reps: int) -> float:
@@ -92,10 +95,8 @@ def calibrate_p2p(rank: int, reps: int) -> Dict[str, Any]:
             dist.recv(buf, 0)
             dist.send(buf, 0)
 
-    one_way = [_median_time(lambda buf=buf: ping_pong(buf), reps) / 2
-               for buf in (torch.zeros(nbytes // 4) for nbytes in sizes)]
-    a, c = _fit(sizes, one_way)
-    return {"sizes": sizes, "one_way_s": one_way, "latency_s": a, "bandwidth_Bps": 1 / c}
+    bufs = [torch.zeros(n // 4) for n in sizes]  # allocated before the clock runs
+    return _fitted(sizes, [lambda buf=buf: ping_pong(buf) for buf in bufs], reps, per_op=0.5)
 
 
 def calibrate_allreduce(reps: int) -> Dict[str, Any]:
@@ -109,10 +110,9 @@ def calibrate_allreduce(reps: int) -> Dict[str, Any]:
         dist.all_reduce(bucket)
         grads.copy_(bucket)
 
-    buffers = [(torch.ones(n // 4), torch.empty(n // 4)) for n in sizes]  # allocated before the clock runs
-    secs = [_median_time(lambda g=g, bk=bk: reduce(g, bk), reps) for g, bk in buffers]
-    a, c = _fit(sizes, secs)
-    return {"sizes": sizes, "seconds": secs, "latency_s": a / 2, "bandwidth_Bps": 1 / c}
+    bufs = [(torch.ones(n // 4), torch.empty(n // 4)) for n in sizes]  # allocated before the clock runs
+    fit = _fitted(sizes, [lambda g=g, bk=bk: reduce(g, bk) for g, bk in bufs], reps)
+    return dict(fit, latency_s=fit["latency_s"] / 2)  # a ring of 2 pays the latency twice
 
 
 def calibrate_engine_collectives(reps: int) -> float:
