@@ -194,8 +194,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     work = mlp_workload(args.layers, args.width)
     settings = {**vars(args), "model_text": work.model_text}
     params = args.layers * (args.width * args.width + args.width) * 4
-    run.console.print(f"checkpoint_scale: {work.model_text}: {params / 1e9:.2f} GB of float32 parameters, "
-                      f"{2 * params / 1e9:.2f} GB of Adam state, {STAGES} stage processes; checkpoints in {args.dir}")
     try:
         res = pipeddp.spawn(job, STAGES, args=(settings,), timeout=args.timeout, threads=1)[0]
     finally:

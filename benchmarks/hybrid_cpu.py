@@ -1,8 +1,7 @@
 """pipeddp on 2 CPU cores against the plain model, accumulation, DDP and torch.distributed.pipelining.
 
-One spawned 2-process gloo job times every configuration between barriers; steps disturbed by other
-processes are left out and replaced (``--max-foreign``, ``--max-retries``). ``report(doc["models"], run)``
-analyses a saved JSON again. See benchmarks/README.md.
+One spawned 2-process gloo job times every configuration between barriers; steps disturbed by other processes are
+left out and replaced (``--max-foreign``, ``--max-retries``). See benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -246,9 +245,7 @@ def tables(name: str, res: Dict[str, Any], run: Run) -> None:
                 f"{min(r['pairs_undisturbed'].values(), default=0)}/{r['rounds_run']}"]
                + [fmt(v, ".0f" if v is not None and v >= 100 else ".1f") for v in
                   (r["analysis"]["median_ms"].get(c) for c in cols)] for r in rows],
-              caption=f"{res['workload']}. 1 intra-op thread per process or stage thread (whole 2t: 2); "
-                      "@cut: given pipeddp's cut, @naive: len(model)//2; rounds = fewest undisturbed rounds of any "
-                      "pipeddp-vs-baseline pair / rounds run. The columns: benchmarks/README.md")
+              caption=f"{res['workload']}; rounds: fewest undisturbed rounds of a pipeddp-vs-baseline pair / run")
     out = []
     for r in rows:
         a = r["analysis"]

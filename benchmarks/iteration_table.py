@@ -149,9 +149,8 @@ def report(res: Dict[str, Any], rows: List[Dict[str, Any]], rounds: int, run: Ru
     run.table(f"ms per iteration (forward + backward), median of {rounds} interleaved rounds",
               ["config", "processes x threads", "batch", "micro-batches", "balance", "fwd ms", "bwd ms", "other ms",
                "step ms", "vs one device", "range"], table,
-              caption=f"{res['describe']}; gloo, 1 intra-op thread per process / stage thread. GPipe rows: fwd = "
-                      "first F start to last F end, bwd = the rest (all-reduce and waiting included), other = before "
-                      "the first F; 1F1B rows: step time only. range: lowest-highest per-round speedup")
+              caption=f"{res['describe']}. GPipe rows: fwd = first F start to last F end, bwd = the rest (all-reduce "
+                      "and waiting included), other = before the first F; range: lowest-highest per-round speedup")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -179,9 +178,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.batch < 2 or args.batch % PROCS or args.chunks < 1 or args.rounds < 1 or args.warmup < 0:
         p.error("need an even --batch, --chunks >= 1, --rounds >= 1 and --warmup >= 0")
     run = Run(SCRIPT, args, common.BARRIER)
-    run.console.print(f"iteration table: {args.model}, 3x{args.side}x{args.side}, global batch {args.batch}, "
-                      f"m={args.chunks}, schedules {args.schedules}, {args.rounds} rounds (+{args.warmup} warm-up); "
-                      f"one spawned job of {PROCS} processes x 1 thread (gloo)")
     res = pipeddp.spawn(job, PROCS, args=(vars(args),), timeout=args.timeout, threads=1)[0]
     rows = analyse(res)
     report(res, rows, args.rounds, run)

@@ -271,7 +271,9 @@ def soak_report(per_rank: List[Dict[str, Any]], args: argparse.Namespace, run: R
                      f"{v['growth']['rss_mb']:+.2f}", f"{v['rss_slope_mb_per_1000_steps']:+.2f}"]
                     + [" / ".join(str(s[k]) for s in (s0, s1, mx)) for k in ("os_threads", "py_threads", "fds")]
                     + [f"{s0['ms_per_step']:.1f} / {s1['ms_per_step']:.1f}", "no leak" if v["no_leak"] else "GROWTH"])
-    run.table(f"soak: {args.steps} steps, 2 x 2 hybrid (replica mode), start (step {args.warmup}) / end / max",
+    run.table(f"soak: {args.steps} steps, 2 x 2 hybrid (replica mode), "
+              f"{mlp_workload(args.layers, args.width).model_text}, local batch {args.batch}, {args.chunks} "
+              f"micro-batches; start (step {args.warmup}) / end / max",
               ["rank", "RSS MB", "RSS growth MB", "RSS trend MB/1k steps", "OS threads", "Python threads", "open fds",
                "ms/step start / end", "verdict"], rows,
               caption=f"{args.samples} samples per rank after gc.collect(); no leak: RSS grew < "
@@ -286,9 +288,6 @@ def soak(args: argparse.Namespace, run: Run) -> Dict[str, Any]:
     """--soak: 2 processes, each a replica of 2 stage threads, train ``args.steps`` steps; samples per rank."""
     if args.warmup < 1 or args.steps <= args.warmup or args.samples < 2:
         raise SystemExit("--soak needs --warmup >= 1, --steps > --warmup and --samples >= 2")
-    run.console.print(f"soak: {args.steps} steps of HybridParallel(mode='replica') 2 replicas x 2 stages, "
-                      f"{mlp_workload(args.layers, args.width).model_text}, local batch {args.batch}, {args.chunks} "
-                      f"micro-batches, 1 thread per stage thread, gloo; samples at steps {args.warmup}..{args.steps}")
     res = pipeddp.spawn(soak_job, 2, args=(vars(args),), timeout=args.timeout, threads=1)
     per_rank = [{**r, **verdict(r["samples"], args.rss_tolerance_mb)} for r in res]
     soak_report(per_rank, args, run)

@@ -54,7 +54,7 @@ def round_trip(messages: int) -> float:
     return elapsed / messages
 
 
-def measure(args: argparse.Namespace) -> Dict[str, Any]:
+def measure(args: argparse.Namespace, run: Run) -> Dict[str, Any]:
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
     model = mlp(4, 64, 64, 64)
@@ -93,12 +93,23 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
     def ratio(a: str, b: Sequence[float]) -> float:
         return statistics.median(x / y for x, y in zip(extra[a], b))
 
-    return {"step_ms": {k: statistics.median(v) * 1e3 for k, v in times.items() if k != "queue round trip"},
-            "extra_per_action_us": {name: statistics.median(v) * 1e6 for name, v in extra.items()},
-            "queue_round_trip_us": statistics.median(times["queue round trip"]) * 1e6,
-            "one_stage_vs_torch": ratio("pipeddp-1", extra["torch-1"]),
-            "two_stages_vs_round_trip": ratio("pipeddp-2", times["queue round trip"]),
-            "check": check, "times_s": times, "actions_per_step": actions}
+    res = {"step_ms": {k: statistics.median(v) * 1e3 for k, v in times.items() if k != "queue round trip"},
+           "extra_per_action_us": {name: statistics.median(v) * 1e6 for name, v in extra.items()},
+           "queue_round_trip_us": statistics.median(times["queue round trip"]) * 1e6,
+           "one_stage_vs_torch": ratio("pipeddp-1", extra["torch-1"]),
+           "two_stages_vs_round_trip": ratio("pipeddp-2", times["queue round trip"]),
+           "check": check, "times_s": times, "actions_per_step": actions}
+    run.table(f"Extra time per action over accumulation (tiny MLP 4 x Linear(64,64)+ReLU, batch {args.batch}, "
+              f"{m} micro-batches, medians of {args.rounds} rounds)", ["configuration", "step ms", "extra us / action"],
+              [["accum", res["step_ms"]["accum"], None]]
+              + [[k, res["step_ms"][k], v] for k, v in res["extra_per_action_us"].items()]
+              + [["queue round trip (us)", None, res["queue_round_trip_us"]]])
+    res["targets"] = run.targets([
+        ["pipeddp 1 stage / torch 1 stage, per action", res["one_stage_vs_torch"], "<= 0.60",
+         res["one_stage_vs_torch"] <= 0.60],
+        ["pipeddp 2 stages per action / a queue round trip", res["two_stages_vs_round_trip"], "<= 0.75",
+         res["two_stages_vs_round_trip"] <= 0.75]])
+    return res
 
 
 class SlowDataset(torch.utils.data.Dataset):
@@ -142,7 +153,7 @@ def epoch(engine: Any, data: SlowDataset, batch: int, prefetch: int, steps: int)
     return elapsed / steps
 
 
-def prefetch(args: argparse.Namespace) -> Dict[str, Any]:
+def prefetch(args: argparse.Namespace, run: Run) -> Dict[str, Any]:
     torch.set_num_threads(1)
     width, batch = (256, 64) if args.quick else (1024, 128)
     torch.manual_seed(0)
@@ -180,11 +191,22 @@ def prefetch(args: argparse.Namespace) -> Dict[str, Any]:
             times["prefetch=2" if k else "no prefetch"].append(epoch(engine, data, batch, k, args.steps))
     engine.close()
     slow, fast, comp = times["no prefetch"], times["prefetch=2"], times["compute"]
-    return {"compute_s": statistics.median(comp), "load_s": load_measured, "times_s": times,
-            "step_ms": {k: statistics.median(v) * 1e3 for k, v in times.items()},
-            "speedup": median_ratio(slow, fast),  # per round: the compute of the same round is the yardstick
-            "prefetch_over_max": median_ratio(fast, [max(load_measured, c) for c in comp]),
-            "no_prefetch_over_sum": median_ratio(slow, [load_measured + c for c in comp])}
+    res = {"compute_s": statistics.median(comp), "load_s": load_measured, "times_s": times,
+           "step_ms": {k: statistics.median(v) * 1e3 for k, v in times.items()},
+           "speedup": median_ratio(slow, fast),  # per round: the compute of the same round is the yardstick
+           "prefetch_over_max": median_ratio(fast, [max(load_measured, c) for c in comp]),
+           "no_prefetch_over_sum": median_ratio(slow, [load_measured + c for c in comp])}
+    run.table("the input path: loading about half of a step, HybridParallel 2 CPU stages (medians)",
+              ["", "ms per step", "over max(load, compute)", "over load + compute"],
+              [["compute alone", res["compute_s"] * 1e3, None, None], ["load alone", load_measured * 1e3, None, None],
+               ["no prefetch", res["step_ms"]["no prefetch"], None, res["no_prefetch_over_sum"]],
+               ["prefetch=2", res["step_ms"]["prefetch=2"], res["prefetch_over_max"], None]])
+    targets = run.targets([
+        ["step with prefetch / max(load, compute)", res["prefetch_over_max"], "<= 1.10",
+         res["prefetch_over_max"] <= 1.10],
+        ["step without prefetch / (load + compute)", res["no_prefetch_over_sum"], "~ 1.00"],
+        ["speedup of prefetch (median of per-round ratios)", res["speedup"], "~ (L + C) / max(L, C)"]])
+    return {"settings": {"threads_per_stage": 1}, "targets": targets, "result": res}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -206,32 +228,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not 0 < args.load_share < 1:
         p.error(f"--load-share must be between 0 and 1, got {args.load_share}")
     run = Run("prefetch" if args.prefetch else "overhead", args)
-    res = (prefetch if args.prefetch else measure)(args)
-    if args.prefetch:
-        run.table("the input path: loading about half of a step, HybridParallel 2 CPU stages (medians)",
-                  ["", "ms per step", "over max(load, compute)", "over load + compute"],
-                  [["compute alone", res["compute_s"] * 1e3, None, None],
-                   ["load alone", res["load_s"] * 1e3, None, None],
-                   ["no prefetch", res["step_ms"]["no prefetch"], None, res["no_prefetch_over_sum"]],
-                   ["prefetch=2", res["step_ms"]["prefetch=2"], res["prefetch_over_max"], None]])
-        targets = run.targets([
-            ["step with prefetch / max(load, compute)", res["prefetch_over_max"], "<= 1.10",
-             res["prefetch_over_max"] <= 1.10],
-            ["step without prefetch / (load + compute)", res["no_prefetch_over_sum"], "~ 1.00"],
-            ["speedup of prefetch (median of per-round ratios)", res["speedup"], "~ (L + C) / max(L, C)"]])
-        run.finish({"threads_per_stage": 1}, targets=targets, result=res)
-        return 0
-    per = res["extra_per_action_us"]
-    run.table(f"Extra time per action over accumulation (tiny MLP 4 x Linear(64,64)+ReLU, batch {args.batch}, "
-              f"{args.chunks} micro-batches, medians of {args.rounds} rounds)",
-              ["configuration", "step ms", "extra us / action"],
-              [["accum", res["step_ms"]["accum"], None]] + [[k, res["step_ms"][k], v] for k, v in per.items()]
-              + [["queue round trip (us)", None, res["queue_round_trip_us"]]])
-    targets = run.targets([["pipeddp 1 stage / torch 1 stage, per action", res["one_stage_vs_torch"], "<= 0.60",
-                            res["one_stage_vs_torch"] <= 0.60],
-                           ["pipeddp 2 stages per action / a queue round trip", res["two_stages_vs_round_trip"],
-                            "<= 0.75", res["two_stages_vs_round_trip"] <= 0.75]])
-    run.finish(targets=targets, **res)
+    run.finish(**(prefetch if args.prefetch else measure)(args, run))
     return 0
 
 

@@ -101,8 +101,6 @@ def run_model(work: Workload, stage_counts: Sequence[int], rounds: int, seed: in
     by_s = {s: cuts(model, x, s) for s in stage_counts}
     profile_s = time.perf_counter() - t0
     keys = sorted({(0, n)} | {k for s in stage_counts for c in by_s[s][0].values() for k in ranges(c["balance"])})
-    run.console.print(f"  {work.name}: {n} layers; cuts profiled in {profile_s:.0f} s; {len(keys)} distinct stages "
-                      f"x {rounds} rounds")
     t0 = time.perf_counter()
     times = measure(model, x, y, keys, work.loss_fn, rounds)
     measure_s, med = time.perf_counter() - t0, {k: statistics.median(v) for k, v in times.items()}
@@ -138,9 +136,8 @@ def report(results: Dict[str, Any], run: Run) -> None:
     run.table("partition quality: bottleneck stage / ideal (1.00 = perfect split), measured vs predicted",
               ["model", "stages", "cut", "balance", "predicted", "measured", "max / mean",
                "measured stage ms (fwd+bwd)", "ideal ms"], table,
-              caption="measured = largest median stage time / (whole model's median fwd+bwd / stages); predicted = "
-                      "the same from the profile pipeddp cut with; * = best measured; max / mean = bottleneck / mean "
-                      "of the cut's own stages. "
+              caption="measured = largest median stage time / (whole model's / stages); predicted: the same from the "
+                      "profile pipeddp cut with; * = best measured. "
                       + "; ".join(f"{k}: {v['workload']}, {v['rounds']} rounds" for k, v in results.items()))
 
 

@@ -1,10 +1,9 @@
 """How much a 2-stage CPU pipeline speeds up one training step, against accumulation and the whole batch.
 
-Per (model, m): the plain model, accumulation over the same m micro-batches and the pipeline under each
-schedule, interleaved; one traced step per pipeline shows where its time goes. ``--splits``: step time against
-the micro-batch size, each pipeline cut at its micro-batch, beside the plain model and naive model parallelism
-(``chunks=1``), with a plot. ``--precision``: the plain model and the pipeline in float32 and under bfloat16
-autocast, and the pipeline with ``compile=True`` (compiled during the check step). See benchmarks/README.md.
+Per (model, m), interleaved: the plain model, accumulation over the same m micro-batches and the pipeline under
+each schedule; one traced step per pipeline shows where its time goes. ``--splits``: step time against the
+micro-batch size, with a plot; ``--precision``: float32, bfloat16 autocast and compiled stages. See
+benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -117,9 +116,8 @@ def report(work: Workload, n: int, rows: List[Dict[str, Any]], schedules: Sequen
                   [[r["m"], s, t["step_ms"], " / ".join(f"{v['F_ms']:.0f}+{v['B_ms']:.0f}" for v in t["stages"]),
                     " / ".join(f"{v:.0%}" for v in t["idle_frac"]), t["busy_over_accum"], t["imbalance"],
                     t["predicted_ms"], t["makespan_over_predicted"]] for r, s, t in traced],
-                  caption="idle = 1 - busy / makespan; imbalance = max stage busy / mean; busy / accum > 1: the same "
-                          "work ran slower on two cores at once; replayed = the schedule replayed with these action "
-                          "durations and free hand-offs")
+                  caption="busy / accum > 1: the same work ran slower on two cores at once; replayed: the schedule "
+                          "played with these action durations and free hand-offs")
     r, s = max(((r, s) for r in rows for s in schedules), key=lambda rs: rs[0]["speedup_vs_whole"][rs[1]])
     best = {"m": r["m"], "schedule": s, "speedup_vs_whole": r["speedup_vs_whole"][s],
             "speedup_vs_accum": r["speedup_vs_accum"][s]}
@@ -184,8 +182,6 @@ def splits(args: argparse.Namespace, run: Run) -> Dict[str, Any]:
                          profiled_at_microbatch=int(sample.shape[0]),
                          profiled_stage_ms=[c * 1e3 for c in part.stage_costs],
                          profiled_ratio=part.bottleneck / part.ideal if part.ideal else None)
-        run.console.print(f"  {name}: {mb_text(step.info['microbatch_sizes'])} micro-batches, cut at micro-batch "
-                          f"{sample.shape[0]} -> balance {step.info['balance']}")
     bn = any(isinstance(m, (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d)) for m in model.modules())
     times, checked = timed(steps, "plain", "plain", rounds, args.warmup or 0, list(steps) if bn else [])
     rows: List[Dict[str, Any]] = []

@@ -118,11 +118,9 @@ def job(settings: Dict[str, Any]) -> Optional[Dict[str, Any]]:
 
     before: Dict[str, Any] = {}
     if rank == 0:
-        for b in sizes:
-            log0(f"  micro-batch {b:3d}: layers {sum(cal.layer_costs(calib, b)) * 1e3:7.1f} ms fwd+bwd alone, "
-                 f"both cores busy x{calib.contention(b):.2f}; 2-stage cut {balance_of[b]}")
         before = {s.name: predict(s, calib, balance(s)) for s in SPECS}
-        log0("a-priori predictions (ms): " + ", ".join(f"{k} {v['step_s'] * 1e3:.0f}" for k, v in before.items()))
+        log0(f"contention by micro-batch {({b: round(calib.contention(b), 2) for b in sizes})}; a-priori predictions "
+             "(ms): " + ", ".join(f"{k} {v['step_s'] * 1e3:.0f}" for k, v in before.items()))
     calib_s = time.perf_counter() - t0
     steps = [build(s, model, x, y, balance(s)) for s in SPECS]
     plain = baselines.whole(model, x, y, WORK.loss_fn)

@@ -37,7 +37,7 @@ SHAPES = {"1x1": (1, 1, 1), "1x2": (1, 2, 1), "2x1": (2, 1, 2), "1x2-stage": (1,
 @dataclass(frozen=True)
 class Spec:
     """One configuration: ``layout`` (replicas x stages; "-stage": one process per stage), m, schedule, and the
-    stages per device (``virtual``: 2 for the interleaved schedule)."""
+    stages per device (``virtual``: 2 for the interleaved schedule); ``cut``: how many stages the model is cut into."""
 
     layout: str
     m: int
@@ -46,20 +46,13 @@ class Spec:
     replicas = property(lambda self: SHAPES[self.layout][0])
     stages = property(lambda self: SHAPES[self.layout][1])
     procs = property(lambda self: SHAPES[self.layout][2])
+    cut = property(lambda self: self.stages * self.virtual)
+    micro_batch = property(lambda self: BATCH // self.replicas // self.m)
 
     @property
     def name(self) -> str:
         sched = "" if self.layout in ("1x1", "2x1") else f" {self.schedule}"
         return f"{self.layout}{sched}{f' v={self.virtual}' if self.virtual > 1 else ''} m={self.m}"
-
-    @property
-    def cut(self) -> int:
-        """How many stages the model is cut into."""
-        return self.stages * self.virtual
-
-    @property
-    def micro_batch(self) -> int:
-        return BATCH // self.replicas // self.m
 
 
 SPECS: List[Spec] = [Spec("1x1", 1), Spec("1x1", 4), Spec("1x1", 16), Spec("1x2", 2, "gpipe"), Spec("1x2", 4),
@@ -252,10 +245,6 @@ class Calib:
         return statistics.median(self.pipeline_ratios(b))
 
 
-def _link(fit: Dict[str, Any]) -> Link:
-    return Link(fit["bandwidth_Bps"], fit["latency_s"])
-
-
 def layer_costs(calib: Calib, b: int) -> List[float]:
     """Forward + backward per layer at micro-batch ``b``, the loss counted on the last layer (what the cut balances)."""
     layers = calib.layers(b)
@@ -283,7 +272,8 @@ def predict(spec: Spec, calib: Calib, balance: Sequence[int], *, plain: bool = F
     buckets, the all-reduce beside the compute for free, free thread hand-offs, no engine collectives)."""
     b = spec.micro_batch
     costs, sigma = _costs(calib.layers(b), calib.loss(b), balance), calib.contention(b)
-    links = {"1x2": None if plain else Link(math.inf, calib.thread_latency), "1x2-stage": _link(calib.p2p)}
+    links = {"1x2": None if plain else Link(math.inf, calib.thread_latency),
+             "1x2-stage": Link(calib.p2p["bandwidth_Bps"], calib.p2p["latency_s"])}
     extra: Dict[str, Any] = {} if plain else {"contention": [1.0, sigma]}
     if not plain and spec.replicas > 1:
         extra.update(bucket_bytes=DDP_BUCKET, collectives_share_cores=True)
@@ -291,7 +281,8 @@ def predict(spec: Spec, calib: Calib, balance: Sequence[int], *, plain: bool = F
         extra["step_overhead"] = calib.engine_collectives
     pred = simulate(costs, spec.schedule, stages=spec.stages, chunks=spec.m, replicas=spec.replicas,
                     links=links.get(spec.layout), virtual_stages=spec.virtual,
-                    allreduce_link=_link(calib.allreduce) if spec.layout == "2x1" else None, **extra)
+                    allreduce_link=Link(calib.allreduce["bandwidth_Bps"], calib.allreduce["latency_s"])
+                    if spec.layout == "2x1" else None, **extra)
     return {"step_s": pred.step_time, "bubble": pred.bubble, "exposed_allreduce_s": pred.exposed_allreduce,
             "allreduce_s": max(pred.allreduce_time), "contention": None if plain else sigma,
             "stage_ms": [round((c.forward + c.backward) * 1e3, 3) for c in costs]}
