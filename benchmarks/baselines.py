@@ -284,7 +284,7 @@ def torch_pipelining(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, los
         return sched.step(target=y, losses=losses) if last else sched.step()
 
     def traced(step: Callable[[], Any]) -> Breakdown:
-        acc = {"F": 0.0, "B": 0.0}
+        acc = {"forward": 0.0, "backward": 0.0}
 
         def timed(kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -295,15 +295,14 @@ def torch_pipelining(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, los
                     acc[kind] += time.perf_counter() - t0
             return wrapper
 
-        for stage in stages:
-            stage.forward_one_chunk = timed("F", stage.forward_one_chunk)  # type: ignore[method-assign]
-            stage.backward_one_chunk = timed("B", stage.backward_one_chunk)  # type: ignore[method-assign]
+        for stage, kind in itertools.product(stages, acc):  # an instance attribute over the bound method
+            setattr(stage, f"{kind}_one_chunk", timed(kind, getattr(stage, f"{kind}_one_chunk")))
         try:
             step()
         finally:
-            for stage in stages:
-                del stage.forward_one_chunk, stage.backward_one_chunk
-        return {rank: {"F_ms": acc["F"] * 1e3, "B_ms": acc["B"] * 1e3}}
+            for stage, kind in itertools.product(stages, acc):
+                delattr(stage, f"{kind}_one_chunk")
+        return {rank: {"F_ms": acc["forward"] * 1e3, "B_ms": acc["backward"] * 1e3}}
 
     return Step(name, run, holder, procs=ranks, traced=traced,
                 info={"balance": list(balance), "schedule": TORCH_SCHEDULES[schedule]})

@@ -310,17 +310,10 @@ def write_json(path: Union[str, os.PathLike], payload: Any, commit: Optional[str
     out.parent.mkdir(parents=True, exist_ok=True)
     doc: Dict[str, Any] = {"machine": machine_info(), "pipeddp_commit": commit or pipeddp_commit()}
     doc.update(payload if isinstance(payload, Mapping) else {"data": payload})
-    out.write_text(json.dumps(doc, indent=2, default=_jsonable) + "\n")
+    # tensors become lists, anything else JSON has no type for (a LayerCost, a set) its string
+    out.write_text(json.dumps(doc, indent=2, default=lambda v: v.tolist() if isinstance(v, torch.Tensor) else str(v))
+                   + "\n")
     return out
-
-
-def _jsonable(value: Any) -> Any:
-    """Fallback for json.dump: tensors, torch sizes, tuples and sets become lists, the rest strings."""
-    if isinstance(value, torch.Tensor):
-        return value.tolist()
-    if isinstance(value, (torch.Size, tuple, set)):
-        return list(value)
-    return str(value)
 
 
 class Run:

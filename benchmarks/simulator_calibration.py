@@ -20,11 +20,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks.baselines import WORKLOADS
+from benchmarks.baselines import WORKLOADS, record
 from benchmarks.common import barrier_timed
 from pipeddp.partitioning.profile import LayerCost, profile_layers
 from pipeddp.runtime.channels import Inbox
 from pipeddp.tools.simulate import Link, StageCost, simulate
+from pipeddp.tools.timeline import WORK as KINDS
 
 WORK = WORKLOADS["mlp"]  # mlp(16, 1024): 32 layers
 BATCH = WORK.batch["simulator_accuracy"]
@@ -187,15 +188,7 @@ def pipeline_contention(step: Callable[[], Any], engine: Any, costs: Sequence[St
     the simulator's, played with the solo costs of the same stages under contention ``[1, sigma]`` (compute alone
     in the fill and the drain, slowed where both stages run); ``sigma`` is found by bisection.
     """
-    from pipeddp.runtime.trace import Trace
-    from pipeddp.tools.timeline import WORK as KINDS
-
-    engine.trace = Trace()
-    try:
-        step()
-        busy = sum(sp.duration for sp in engine.trace.spans if sp.kind in KINDS)
-    finally:
-        engine.trace = None
+    busy = sum(sp.duration for sp in record(engine, step) if sp.kind in KINDS)
 
     def simulated(sigma: float) -> float:
         pred = simulate(list(costs), "gpipe", chunks=chunks, contention=[1.0, sigma])

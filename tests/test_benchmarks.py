@@ -100,8 +100,8 @@ def _run_script(name, *args, tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_partition_quality_script_never_ranks_pipeddp_below_another_cut_on_its_own_profile(tmp_path):
-    doc = _run_script("partition_quality", "--models", "mlp", "--stages", "2", "3", "--rounds", "1",
+def test_iteration_table_cuts_never_rank_pipeddp_below_another_cut_on_its_own_profile(tmp_path):
+    doc = _run_script("iteration_table", "--cuts", "--models", "mlp", "--stages", "2", "3", "--rounds", "1",
                       tmp_path=tmp_path)
     rows = doc["models"]["mlp"]["rows"]
     for stages in (2, 3):
