@@ -33,9 +33,8 @@ PEAK_TARGET, BLOCK_TARGET = 0.25, 0.25
 
 @contextlib.contextmanager
 def peak_rss(out: Dict[str, Any], interval: float = 0.002) -> Iterator[None]:
-    """This process's peak resident memory over a ``with`` block, in ``out["peak"]`` (bytes): the kernel's
-    high-water mark, reset at the start through /proc/self/clear_refs where that is allowed (``out["hwm_reset"]``),
-    and RSS sampled every ``interval`` s in a thread (all there is without the reset; a sample can miss a peak)."""
+    """This process's peak RSS over a ``with`` block in ``out["peak"]``: the kernel's high-water mark, reset through
+    /proc/self/clear_refs where allowed, and RSS sampled in a thread (all there is without; it can miss a peak)."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets VmHWM to the current RSS
@@ -124,8 +123,7 @@ def job(settings: Dict[str, Any]) -> Optional[Dict[str, Any]]:
 
 
 def analyse(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """Per configuration: the loop's blocking time and time to durable (the slowest rank, median over rounds), each
-    rank's peak above its resident memory before the save, against its shard; the targets."""
+    """Per save: blocking and durable time (slowest rank), each rank's peak above what it held before; targets."""
     c: Dict[str, Any] = {}
     for name in CONFIGS:
         slowest = {k: [max(rows) for rows in zip(*([row[k] for row in r["rows"][name]] for r in ranks))]

@@ -254,12 +254,9 @@ def barrier_rounds(
             if timed_round:
                 times[name].append(got[name])
                 results[name].append(result)
-        if timed_round and after_round is not None:
-            if after_round(got):
-                break
-        else:
-            log0(f"    round {r + 1}/{total}{'' if timed_round else ' (warm-up)'}: "
-                 f"{time.perf_counter() - start:.0f} s")
+        log0(f"    round {r + 1}/{total}{'' if timed_round else ' (warm-up)'}: {time.perf_counter() - start:.0f} s")
+        if timed_round and after_round is not None and after_round(got):
+            break
     return times, results
 
 
@@ -304,8 +301,7 @@ def grad_rel_diff(ref: Grads, got: Union[nn.Module, Grads]) -> float:
 
 
 def write_json(path: Union[str, os.PathLike], payload: Any, commit: Optional[str] = None) -> Path:
-    """Write ``payload`` with ``machine_info()`` and ``pipeddp_commit`` (``commit``: the stamp taken when the run
-    started; default now) as indented JSON, parent directories created; returns the path."""
+    """Write ``payload`` with ``machine_info()`` and the commit (taken when the run started; default now)."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     doc: Dict[str, Any] = {"machine": machine_info(), "pipeddp_commit": commit or pipeddp_commit()}
@@ -329,10 +325,6 @@ class Run:
         self.started = time.perf_counter()
         self.console = Console(width=160)
 
-    @property
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.started
-
     def table(self, title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]],
               caption: Optional[str] = None) -> None:
         """Print a table (first column left, the rest right-aligned); cells: None as "-", floats with 2 decimals."""
@@ -351,7 +343,7 @@ class Run:
 
     def finish(self, settings: Optional[Mapping[str, Any]] = None, **payload: Any) -> Path:
         """Write the JSON (benchmark, the flags and ``settings``, elapsed_s, payload, machine, commit); say where."""
-        elapsed = self.elapsed
+        elapsed = time.perf_counter() - self.started
         doc = {"benchmark": self.benchmark, "settings": {**self.settings, **(settings or {})}, "elapsed_s": elapsed,
                **({"peak_cuda_memory_bytes": PEAK_MEMORY} if PEAK_MEMORY else {}), **payload}
         path = write_json(self.out, doc, commit=self.commit)

@@ -47,9 +47,8 @@ def local_steps(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tenso
 
 def torch_steps(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, m: int, cuts: Dict[str, int],
                 loss_fn: LossFn, group_timeout: float) -> Tuple[List[baselines.Step], Dict[str, Any]]:
-    """torch pipelining at each named cut, each on a process group of its own (``baselines.guarded_torch``: a
-    failing configuration, e.g. an in-place first op on the received activation, is recorded and left out). A cut
-    equal to an earlier label's is timed once (``alias_of``)."""
+    """torch pipelining at each named cut on a group of its own (``baselines.guarded_torch``: a failing one is
+    recorded and left out); a cut equal to an earlier label's is timed once (``alias_of``)."""
     steps: List[baselines.Step] = []
     report: Dict[str, Any] = {}
     done: Dict[Tuple[int, str], str] = {}
@@ -71,9 +70,9 @@ def torch_steps(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, m: int, 
 
 
 class Judge:
-    """After every timed round: which steps were disturbed (other processes used more than ``max_foreign`` cores:
-    machine busy time minus both benchmark processes' CPU time), and whether every pipeddp-vs-baseline pair
-    (accum, whole-1t, each torch configuration) has ``rounds`` rounds in which both steps ran undisturbed."""
+    """After every timed round: which steps were disturbed (other processes, machine busy time minus both benchmark
+    processes' CPU time, used more than ``max_foreign`` cores), and whether every pipeddp-vs-baseline pair has
+    ``rounds`` rounds in which both ran undisturbed."""
 
     def __init__(self, steps: Sequence[baselines.Step], rounds: int, max_foreign: float) -> None:
         self.rounds, self.max_foreign = rounds, max_foreign
@@ -82,7 +81,6 @@ class Judge:
                       for b in self.names if b in ("accum", "whole-1t") or b.startswith("torch-")]
         self.clean: Dict[str, List[bool]] = {n: [] for n in self.names}
         self.foreign: Dict[str, List[float]] = {n: [] for n in self.names}
-        self.started = time.perf_counter()
 
     def undisturbed_pairs(self) -> Dict[str, int]:
         return {f"{a} / {b}": sum(1 for u, v in zip(self.clean[a], self.clean[b]) if u and v) for a, b in self.pairs}
@@ -97,11 +95,8 @@ class Judge:
                 self.clean[n].append(f <= self.max_foreign)
             least = min(self.undisturbed_pairs().values(), default=len(self.clean[self.names[0]]))
             verdict = [least >= self.rounds]
-            bad = [n for n in self.names if not self.clean[n][-1]]
-            tag = (f"{len(bad)} step(s) disturbed (other processes used up to "
-                   f"{max(self.foreign[n][-1] for n in bad):.2f} cores)") if bad else "undisturbed"
-            print(f"    round {len(self.clean[self.names[0]])}: {tag}; fewest undisturbed pairs {least}/{self.rounds} "
-                  f"({time.perf_counter() - self.started:.0f} s)", flush=True)
+            log0(f"      fewest undisturbed pairs {least}/{self.rounds}; disturbed: "
+                 f"{[n for n in self.names if not self.clean[n][-1]] or 'none'}")
         dist.broadcast_object_list(verdict, src=0)
         return bool(verdict[0])
 
@@ -198,7 +193,6 @@ def analyse(row: Dict[str, Any]) -> Dict[str, Any]:
         got = _series(row, name)
         medians[name] = None if got is None else median_ms([v for v, ok in zip(*got) if ok] or got[0])
     return {"median_ms": medians, "bound": bound, "speedup": speed,
-            "torch_speedup_vs_accum": {t: _pair_ratio(row, "accum", t)[0] for t in TORCH},
             "accum_over_whole": _pair_ratio(row, "accum", "whole-1t")[0]}
 
 
@@ -265,14 +259,11 @@ def tables(name: str, res: Dict[str, Any], run: Run) -> None:
                           f"torch failed: {failed or 'none'}")
 
 
-def _values(v: Any) -> str:
-    if isinstance(v, dict):
-        return ", ".join(f"{k}: {_values(x)}" for k, x in v.items())
-    return fmt(v, ".2f")
-
-
 def report(models: Dict[str, Any], run: Run) -> List[Dict[str, Any]]:
     """Analyse every row (adds ``analysis``), print the tables, judge the targets; returns them all."""
+    def values(v: Any) -> str:
+        return ", ".join(f"{k}: {values(x)}" for k, x in v.items()) if isinstance(v, dict) else fmt(v, ".2f")
+
     found: List[Dict[str, Any]] = []
     for name, res in models.items():
         for row in res["by_m"]:
@@ -281,7 +272,7 @@ def report(models: Dict[str, Any], run: Run) -> List[Dict[str, Any]]:
         res["targets"] = targets(name, res["by_m"])
         found += res["targets"]
     if found:
-        run.targets([(f"{t['model']} {t['mode']}: {t['target']}", _values(t["values"]), f">= {t['goal']}", t["met"])
+        run.targets([(f"{t['model']} {t['mode']}: {t['target']}", values(t["values"]), f">= {t['goal']}", t["met"])
                      for t in found], "the targets (pipeddp's default 1F1B)")
     return found
 

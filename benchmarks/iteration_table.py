@@ -1,10 +1,6 @@
 """Where a training step's time goes: per kind of parallelism, split into forward and backward (the classic
-table), and (``--cuts``) per stage of pipeddp's cut and of uniform, params and block-move cuts.
-
-The table: one device, DDP, naive MP, the pipeline and a 2x2 hybrid, under GPipe (forward and backward
-separable) and 1F1B, in one spawned 2-process gloo job timed between barriers. --cuts: every stage of every cut
-is timed forward+backward on its real activation, interleaved round by round with the others and the whole
-model, in one process. See benchmarks/README.md.
+table, one spawned 2-process gloo job), and (``--cuts``, one process) per stage of pipeddp's cut and of uniform,
+params and block-move cuts, every stage timed on its real activation. See benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -46,8 +42,7 @@ def recorded(step: baselines.Step, chunks: int, layout: str, batch: int) -> base
     inner = step.run
 
     def run() -> Dict[str, float]:
-        """The step's lead (before the first forward) and forward span (first forward start to last forward end),
-        from pipeddp's trace, or timed directly for the plain model and DDP."""
+        """The lead (before the first forward) and the forward span, traced (pipeddp) or timed directly."""
         trace = getattr(step.module, "trace", None)
         if trace is not None:
             trace.clear()
@@ -232,13 +227,10 @@ def run_model(work: Workload, stage_counts: Sequence[int], rounds: int, seed: in
     model, x, y = model.to(here()), x.to(here()), y.to(here())  # profiled and timed on the benchmark's device
     n = len(model)
     stage_counts = [s for s in stage_counts if s <= n]
-    t0 = time.perf_counter()
     by_s = {s: cut_options(model, x, s) for s in stage_counts}
-    profile_s = time.perf_counter() - t0
     keys = sorted({(0, n)} | {k for s in stage_counts for c in by_s[s][0].values() for k in ranges(c["balance"])})
-    t0 = time.perf_counter()
     times = measure(model, x, y, keys, work.loss_fn, rounds)
-    measure_s, med = time.perf_counter() - t0, {k: statistics.median(v) for k, v in times.items()}
+    med = {k: statistics.median(v) for k, v in times.items()}
     whole = med[(0, n)]
     rows: List[Dict[str, Any]] = []
     for s in stage_counts:
@@ -248,10 +240,9 @@ def run_model(work: Workload, stage_counts: Sequence[int], rounds: int, seed: in
             rows.append({"model": work.name, "stages": s, "method": meth, "balance": c["balance"],
                          "measured_stage_ms": stage_ms, "measured_bottleneck_ms": max(stage_ms),
                          "ideal_ms": whole * 1e3 / s, "measured_ratio": max(stage_ms) / (whole * 1e3 / s),
-                         "measured_ratio_vs_own_sum": max(stage_ms) / (sum(stage_ms) / s),
                          "predicted_ratio": c["predicted_ratio"], "predicted_stage_ms": c["predicted_stage_ms"]})
     return {"workload": work.describe(x.shape[0]), "layers": n, "input_shape": list(x.shape), "rounds": rounds,
-            "profile_s": profile_s, "measure_s": measure_s, "whole_ms": whole * 1e3,
+            "whole_ms": whole * 1e3,
             "profile_layer_ms": {s: [c * 1e3 for c in by_s[s][1]] for s in stage_counts},
             "rows": rows, "stage_times_s": {f"{a}-{b}": v for (a, b), v in times.items()}}
 
@@ -266,11 +257,11 @@ def cuts_report(results: Dict[str, Any], run: Run) -> None:
             table += [[name if i == 0 and s == counts[0] else "", s if i == 0 else "", r["method"], str(r["balance"]),
                        f"{r['predicted_ratio']:.2f}",
                        f"{r['measured_ratio']:.2f}" + (" *" if r["measured_ratio"] == best else ""),
-                       f"{r['measured_ratio_vs_own_sum']:.2f}", " / ".join(f"{v:.0f}" for v in r["measured_stage_ms"]),
-                       f"{r['ideal_ms']:.0f}"] for i, r in enumerate(rows)]
+                       " / ".join(f"{v:.0f}" for v in r["measured_stage_ms"]), f"{r['ideal_ms']:.0f}"]
+                      for i, r in enumerate(rows)]
     run.table("partition quality: bottleneck stage / ideal (1.00 = perfect split), measured vs predicted",
-              ["model", "stages", "cut", "balance", "predicted", "measured", "max / mean",
-               "measured stage ms (fwd+bwd)", "ideal ms"], table,
+              ["model", "stages", "cut", "balance", "predicted", "measured", "measured stage ms (fwd+bwd)", "ideal ms"],
+              table,
               caption="measured = largest median stage time / (whole model's / stages); predicted: the same from the "
                       "profile pipeddp cut with; * = best measured. "
                       + "; ".join(f"{k}: {v['workload']}, {v['rounds']} rounds" for k, v in results.items()))

@@ -52,27 +52,20 @@ def _bytes(tensors: Iterable[Optional[torch.Tensor]]) -> int:
     return sum(seen.values())
 
 
-def _fsdp_params(engine: pipeddp.HybridParallel) -> List[Any]:
-    """The FSDP2 parameters of this process's stages (the benchmark reads FSDP's own records to see gathers)."""
-    from torch.distributed.fsdp import fully_shard
-
-    out = []
-    for st in engine.stages:
-        state = fully_shard.state(st.module)  # type: ignore[attr-defined]
-        for s in state._state_ctx.all_states if state is not None else ():
-            for group in s._fsdp_param_groups:
-                out.extend(group.fsdp_params)
-    return out
-
-
 class Probe:
-    """Samples the parameters', gradients' and RSS bytes at the moments memory peaks in a step."""
+    """Samples the parameters', gradients' and RSS bytes at the moments memory peaks in a step; under shard= it
+    reads FSDP2's own records of this process's stages (``fsdp``: their parameters) to see the gathers."""
 
     def __init__(self, engine: pipeddp.HybridParallel) -> None:
-        self.engine = engine
-        self.sharded = engine.shard != "none"
-        self.fsdp = _fsdp_params(engine) if self.sharded else []
+        from torch.distributed.fsdp import fully_shard
+
+        self.engine, self.sharded, self.fsdp = engine, engine.shard != "none", []
         self.peak = {"params": 0, "grads": 0, "rss": 0}
+        for st in engine.stages if self.sharded else ():
+            state = fully_shard.state(st.module)  # type: ignore[attr-defined]
+            for s in state._state_ctx.all_states if state is not None else ():
+                for group in s._fsdp_param_groups:
+                    self.fsdp.extend(group.fsdp_params)
 
     def params_grads(self) -> tuple:
         if not self.sharded:
@@ -202,15 +195,6 @@ def run_config(mode: str, replicas: int, args: Any) -> List[Dict[str, Any]]:
     return rows
 
 
-def sample(step: int, t0: float) -> Dict[str, Any]:
-    """Resident memory (kB), threads and open fds, after a garbage collection: only memory still held counts."""
-    gc.collect()
-    st = proc_status()
-    return {"step": step, "t": time.perf_counter() - t0, "rss_kb": st["VmRSS"], "hwm_kb": st.get("VmHWM"),
-            "os_threads": st["Threads"], "py_threads": threading.active_count(),
-            "fds": len(os.listdir("/proc/self/fd"))}
-
-
 def soak_job(settings: Dict[str, Any]) -> Dict[str, Any]:
     """One replica: a real training loop (zero_grad, train_step, optimizer step), sampled at ``marks``."""
     rank = init_job(settings["timeout"])
@@ -234,11 +218,14 @@ def soak_job(settings: Dict[str, Any]) -> Dict[str, Any]:
         opt.step()
         if step % 50 == 0 or step == steps:
             losses.append(float(loss))
-        if step in marks:
+        if step in marks:  # resident memory (kB), threads and fds after gc: only memory still held counts
             now = time.perf_counter()
-            s = sample(step, t0)
-            s["ms_per_step"] = (now - t_mark) * 1e3 / (step - last_mark)  # since the previous sample
-            samples.append(s)
+            gc.collect()
+            st = proc_status()
+            samples.append({"step": step, "t": now - t0, "rss_kb": st["VmRSS"], "hwm_kb": st.get("VmHWM"),
+                            "os_threads": st["Threads"], "py_threads": threading.active_count(),
+                            "fds": len(os.listdir("/proc/self/fd")),
+                            "ms_per_step": (now - t_mark) * 1e3 / (step - last_mark)})  # since the previous one
             t_mark, last_mark = time.perf_counter(), step
     engine.check_replicas()  # the replicas still agree bit for bit
     out = {"rank": rank, "samples": samples, "losses": losses, "balance": list(engine.balance),

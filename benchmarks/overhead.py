@@ -114,8 +114,8 @@ def measure(args: argparse.Namespace, run: Run) -> Dict[str, Any]:
 
 class SlowDataset(torch.utils.data.Dataset):
     """``n`` random samples, each ready ``delay`` seconds after it is asked for; a batch is read in one request
-    (``__getitems__``, as from a shard on storage), so the reading thread wakes once per batch: a thread woken
-    per sample waits for the GIL each time while the stage threads dispatch (up to the 5 ms switch interval)."""
+    (``__getitems__``, which the loader calls, as from a shard on storage), so the reading thread wakes once per
+    batch: woken per sample it would wait for the GIL each time while the stage threads dispatch."""
 
     def __init__(self, n: int, width: int, delay: float) -> None:
         g = torch.Generator().manual_seed(0)
@@ -125,19 +125,14 @@ class SlowDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.x)
 
-    def __getitem__(self, i: int) -> Any:
-        time.sleep(self.delay)
-        return self.x[i], self.y[i]
-
     def __getitems__(self, indices: List[int]) -> List[Any]:
         time.sleep(self.delay * len(indices))
         return [(self.x[i], self.y[i]) for i in indices]
 
 
 def epoch(engine: Any, data: SlowDataset, batch: int, prefetch: int, steps: int) -> float:
-    """Seconds per step of ``steps`` training steps fed by the loader, in the steady state: the clock starts
-    with the third batch in hand (nothing hides the wait for an epoch's first batch, and the batches the
-    thread banked meanwhile would flatter prefetch), in both configurations alike."""
+    """Seconds per step fed by the loader in the steady state: the clock starts with the third batch in hand (nothing
+    hides the wait for the first, and what prefetch banked meanwhile would flatter it), in both alike."""
     loader = pipeddp.data.loader(data, batch, engine=engine, prefetch=prefetch, seed=1)
     loss_fn = nn.MSELoss()
     start = 0.0

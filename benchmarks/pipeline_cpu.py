@@ -32,8 +32,7 @@ SPLITS = [8, 12, 16, 20, 24, 32, 48, 64, 96, 120]
 
 def timed(steps: Dict[str, Step], reference: Any, label: str, rounds: int, warmup: int,
           exempt: Sequence[str] = ()) -> Tuple[Dict[str, List[float]], Dict[str, Any]]:
-    """Check every step's gradients against ``reference`` (see ``baselines.check_grads``), then time the steps in
-    interleaved rounds, and close them; the times and the check."""
+    """Check the steps' gradients (``baselines.check_grads``), time them interleaved, close them."""
     try:
         checked = baselines.check_grads(list(steps.values()), reference, label, exempt)
         return interleaved({k: s.run for k, s in steps.items()}, rounds, warmup), checked
@@ -108,16 +107,14 @@ def report(work: Workload, n: int, rows: List[Dict[str, Any]], schedules: Sequen
                "vs accum", "bound", "efficiency"], table,
               caption=f"{work.describe(n)}. vs whole/accum: median per-round speedup of the pipeline; bound = "
                       "2m/(m+1); efficiency = (vs accum) / bound")
-    traced = [(r, s, r["trace"][s]) for r in rows for s in schedules if s in r["trace"]]
-    if traced:
-        run.table(f"{work.name}: where the pipeline's time goes (one traced step per row)",
-                  ["m", "schedule", "step ms", "stage0 / stage1 F+B ms", "idle s0 / s1", "busy / accum", "imbalance",
-                   "replayed ms", "makespan / replayed"],
-                  [[r["m"], s, t["step_ms"], " / ".join(f"{v['F_ms']:.0f}+{v['B_ms']:.0f}" for v in t["stages"]),
-                    " / ".join(f"{v:.0%}" for v in t["idle_frac"]), t["busy_over_accum"], t["imbalance"],
-                    t["predicted_ms"], t["makespan_over_predicted"]] for r, s, t in traced],
-                  caption="busy / accum > 1: the same work ran slower on two cores at once; replayed: the schedule "
-                          "played with these action durations and free hand-offs")
+    run.table(f"{work.name}: where the pipeline's time goes (one traced step per row)",
+              ["m", "schedule", "step ms", "stage0 / stage1 F+B ms", "idle s0 / s1", "busy / accum", "imbalance",
+               "replayed ms", "makespan / replayed"],
+              [[r["m"], s, t["step_ms"], " / ".join(f"{v['F_ms']:.0f}+{v['B_ms']:.0f}" for v in t["stages"]),
+                " / ".join(f"{v:.0%}" for v in t["idle_frac"]), t["busy_over_accum"], t["imbalance"],
+                t["predicted_ms"], t["makespan_over_predicted"]] for r in rows for s, t in r["trace"].items()],
+              caption="busy / accum > 1: the same work ran slower on two cores at once; replayed: the schedule "
+                      "played with these action durations and free hand-offs")
     r, s = max(((r, s) for r in rows for s in schedules), key=lambda rs: rs[0]["speedup_vs_whole"][rs[1]])
     best = {"m": r["m"], "schedule": s, "speedup_vs_whole": r["speedup_vs_whole"][s],
             "speedup_vs_accum": r["speedup_vs_accum"][s]}
@@ -165,9 +162,8 @@ def plot(path: str, name: str, rows: List[Dict[str, Any]], plain_ms: float, naiv
 
 
 def splits(args: argparse.Namespace, run: Run) -> Dict[str, Any]:
-    """``--splits``: plain, naive-mp (cut at the whole batch) and one 1F1B pipeline per split size k, cut at that
-    micro-batch: the sample is ``x[:k]`` (given the batch pipeddp would profile at n / ceil(n / k) rows: 60 for
-    k=96 of 120). Checked against the plain model (under BatchNorm micro-batches differ: not warned about)."""
+    """``--splits``: plain, naive-mp (cut at the whole batch) and one 1F1B pipeline per split size k, cut at
+    ``x[:k]`` (given the batch pipeddp would profile at n / ceil(n / k) rows: 60 for k=96 of 120)."""
     work, n = WORKLOADS[args.models[0]], args.batch
     rounds = work.rounds_of("split_sizes", args)[0]
     model, x, y = work.seeded(n, args.seed)

@@ -48,11 +48,9 @@ def build(spec: Spec, model: torch.nn.Sequential, x: torch.Tensor, y: torch.Tens
 
 def prior(rank: int, model: torch.nn.Sequential, x: torch.Tensor, y: torch.Tensor, sizes: List[int], quick: bool,
           reps: int) -> Tuple[Calib, Dict[int, List[int]], Dict[int, Step]]:
-    """Phase 0, before anything of any configuration runs: links, compute samples, the cuts (``solve``'s
-    optimal cut of the profiled costs at each micro-batch size, made on rank 0 and sent to rank 1), and a
-    sample at every micro-batch size with the contention fitted to a real pipeline step on that cut: rank 0's
-    calibration pipelines, 2 stages on the 2-stage cut, GPipe over 2 micro-batches of b (none of them is a
-    measured configuration: those take the whole batch)."""
+    """Before anything of any configuration runs: links, compute samples, the cuts (``solve``'s optimal cut of the
+    profiled costs per micro-batch size) and a sample per size with the contention fitted to a calibration pipeline:
+    GPipe on that cut over 2 micro-batches of b (not a measured configuration: those take the whole batch)."""
     calib = Calib(p2p=cal.calibrate_p2p(rank, reps), allreduce=cal.calibrate_allreduce(max(3, reps // 4)),
                   engine_collectives=cal.calibrate_engine_collectives(reps),
                   thread_latency=cal.calibrate_threads(reps * 10) if rank == 0 else 0.0)

@@ -162,9 +162,8 @@ def time_loss(b: int, width: int, reps: int) -> Tuple[float, float]:
 
 def compute_sample(rank: int, model: nn.Sequential, x: torch.Tensor, b: int, repeat: int, loss_reps: int,
                    pipeline: Any = None) -> Optional[Dict[str, Any]]:
-    """One calibration sample of compute at micro-batch ``b`` (on rank 0, while rank 1 waits): the layer profile,
-    the loss's seconds and, with ``pipeline`` (rank 0's calibration pipeline at this micro-batch size), the
-    contention fitted to one of its real steps (``pipeline``)."""
+    """One calibration sample at micro-batch ``b`` (on rank 0, while rank 1 waits): the layer profile, the loss's
+    seconds and, with ``pipeline`` (a calibration pipeline at this size), the contention fitted to its real step."""
     dist.barrier()
     solo = profile_layers(model, x[:b], repeat=repeat) if rank == 0 else None
     loss = time_loss(b, x.shape[1], loss_reps) if rank == 0 else None
@@ -182,12 +181,9 @@ def _layer_dicts(costs: Sequence[LayerCost]) -> List[Dict[str, float]]:
 
 
 def pipeline_contention(step: Callable[[], Any], engine: Any, costs: Sequence[StageCost], chunks: int) -> float:
-    """How much slower compute runs while both stages compute, from a real pipeline step.
-
-    One traced step of a 2-stage ``Pipeline`` (GPipe): the sum of its actions' measured durations is matched by
-    the simulator's, played with the solo costs of the same stages under contention ``[1, sigma]`` (compute alone
-    in the fill and the drain, slowed where both stages run); ``sigma`` is found by bisection.
-    """
+    """How much slower compute runs while both stages compute: the ``sigma`` (by bisection) under which the simulator,
+    played with the solo costs of the same stages and contention ``[1, sigma]`` (alone in the fill and the drain),
+    matches the sum of the actions' durations in one traced step of a real 2-stage GPipe ``Pipeline``."""
     busy = sum(sp.duration for sp in record(engine, step) if sp.kind in KINDS)
 
     def simulated(sigma: float) -> float:
