@@ -218,10 +218,6 @@ def targets(model: str, rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     return out
 
 
-def _x(v: Optional[float]) -> str:
-    return fmt(v, ".2f", "x")
-
-
 def _short(name: str) -> str:
     """A column name: "pdp replica", "tGPipe @cut", "whole 1t"."""
     for long, short in (("pipeddp-", "pdp "), ("torch-gpipe", "tGPipe "), ("torch-1f1b", "t1F1B "), ("-", " ")):
@@ -245,8 +241,9 @@ def tables(name: str, res: Dict[str, Any], run: Run) -> None:
         a = r["analysis"]
         for i, p in enumerate(sorted(a["speedup"], key=lambda s: (s.replace("replica", "a"), s))):
             s = a["speedup"][p]
-            out.append([r["m"] if i == 0 else "", _short(p), _x(s["accum"]), _x(s["bound"]), f"{s['efficiency']:.0%}",
-                        _x(s["whole-1t"]), _x(s["whole-2t"]), _x(s["ddp"])] + [_x(s[t]) for t in TORCH])
+            x = {k: fmt(v, ".2f", "x") for k, v in s.items() if not isinstance(v, dict)}
+            out.append([r["m"] if i == 0 else "", _short(p), x["accum"], x["bound"], f"{s['efficiency']:.0%}",
+                        x["whole-1t"], x["whole-2t"], x["ddp"]] + [x[t] for t in TORCH])
     run.table(f"{name}: pipeddp speedups (median of per-round ratios; > 1 = pipeddp faster)",
               ["m", "pipeddp", "vs accum", "bound", "efficiency", "vs whole 1t", "vs whole 2t", "vs ddp"]
               + [f"vs {_short(t)}" for t in TORCH], out, caption="bound = 2m/(m+1); efficiency = (vs accum) / bound")
