@@ -35,9 +35,9 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # started as a script
 import pipeddp  # noqa: E402
 from benchmarks import baselines, common  # noqa: E402
+from benchmarks.baselines import WORKLOADS  # noqa: E402
 from benchmarks.common import (BARRIER, LossFn, Run, barrier_rounds, barrier_timed, check_same, gather,  # noqa: E402
                                init_job, log0, median_ratio, parser)
-from benchmarks.baselines import WORKLOADS  # noqa: E402
 from pipeddp.runtime.schedule import get_schedule, play  # noqa: E402
 from pipeddp.tools.simulate import StageCost, simulate  # noqa: E402
 from pipeddp.tools.timeline import WORK, measured_bubble  # noqa: E402
