@@ -111,7 +111,10 @@ def job(settings: Dict[str, Any]) -> Optional[Dict[str, Any]]:
             if rank == 0:
                 files = [os.path.join(path, f) for f in os.listdir(path)] if os.path.isdir(path) else [path]
                 sizes[name] = sum(os.path.getsize(f) for f in files)
-                shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
+                if os.path.isdir(path):
+                    shutil.rmtree(path)
+                else:
+                    os.unlink(path)
             dist.barrier()
         log0(f"    round {r + 1}/{settings['rounds']} done")
     result = {"rank": rank, "shard_bytes": shard, "rows": rows, "step_s": step_s, "sizes": sizes,
