@@ -43,6 +43,7 @@ from benchmarks.common import (BARRIER, LossFn, Run, barrier_rounds, barrier_tim
                                init_job, log0, median_ratio, parser)
 from benchmarks.workloads import WORKLOADS  # noqa: E402
 from pipeddp.runtime.schedule import get_schedule, play  # noqa: E402
+from pipeddp.runtime.schedule.costed import Costs, build  # noqa: E402
 from pipeddp.tools.simulate import StageCost, simulate  # noqa: E402
 from pipeddp.tools.timeline import WORK, measured_bubble  # noqa: E402
 
@@ -98,6 +99,20 @@ def steps_at(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, 
     return steps, failed
 
 
+def best_order(spans: Sequence[Any], m: int, v: int) -> Optional[float]:
+    """The bubble of the best order ``auto``'s builder finds for this step's measured F, I and W times with no cap
+    on activations: what reordering alone could reach on this cut (None where the step ran whole backwards)."""
+    samples: Dict[Tuple[int, str], List[float]] = {}
+    for sp in spans:
+        if sp.kind in WORK:
+            samples.setdefault((sp.stage, sp.kind), []).append(sp.duration)
+    if not any(kind == "W" for _, kind in samples):
+        return None
+    costs = Costs.unit(DEVICES * v).measured(samples)
+    plan = build(DEVICES, m, v, costs, max_activations=m * v)
+    return play(plan, lambda row, a: costs.of(a.kind, a.stage)).bubble
+
+
 def traced_bubbles(steps: Sequence[baselines.Step], rank: int) -> Dict[str, Dict[str, Any]]:
     """One traced step per pipeddp configuration: measured bubble, and the schedule's with equal stages and
     replayed with the measured action times (rank 0's result)."""
@@ -125,7 +140,8 @@ def traced_bubbles(steps: Sequence[baselines.Step], rank: int) -> Dict[str, Dict
         replayed = play(plan, lambda row, a: work.get((a.stage, a.kind.value, a.mb), 0.0))
         equal = simulate([StageCost(1.0, 2.0)] * (DEVICES * v), schedule, stages=DEVICES, chunks=m, virtual_stages=v)
         out[step.name] = {"measured_bubble": bubble, "traced_step_ms": makespan * 1e3,
-                          # the least idle share any order leaves: the devices' work is unequal (the cut)
+                          "best_order_bubble": best_order(every, m, v),
+                          # a lower bound on any order's idle share: the devices' work is unequal (the cut)
                           "floor_bubble": 1.0 - sum(busy.values()) / (len(busy) * max(busy.values())),
                           "equal_stages_bubble": equal.bubble, "replayed_bubble": replayed.bubble,
                           "replayed_step_ms": replayed.makespan * 1e3}
@@ -224,9 +240,9 @@ def report(res: Dict[str, Any], run: Run) -> Dict[str, Any]:
                    for r in rows for k, v in r["breakdown"].items()])
         run.table(f"{name}: bubble (idle share of the devices' time) of one traced step",
                   ["m / schedule", "measured", "replayed (measured actions)", "equal stages (F=1, B=2)",
-                   "floor (unequal work)"],
+                   "best order (measured actions)", "floor (unequal work)"],
                   [[f"{r['m']} / {k}", v["measured_bubble"], v["replayed_bubble"], v["equal_stages_bubble"],
-                    v["floor_bubble"]]
+                    v["best_order_bubble"], v["floor_bubble"]]
                    for r in rows for k, v in r["bubbles"].items()])
         t = {"same_cut_min": min(min(r["vs_torch_same_cut"].values()) for r in rows if r["vs_torch_same_cut"]),
              "counterpart_min": min(min(r["vs_torch_same_cut"].get(a, 9) for a in ("interleaved", "zb-v2"))
@@ -245,7 +261,7 @@ def report(res: Dict[str, Any], run: Run) -> Dict[str, Any]:
             b8, one = at8[0], at8[0]["1f1b"]["measured_bubble"]
             t["m8_auto_bubble_over_1f1b"] = min(b8[a]["measured_bubble"] for a in ("auto", "auto-v2") if a in b8) / one
             t["m8_auto_2x_bubble_over_1f1b"] = b8["auto-2x"]["measured_bubble"] / one
-            t["m8_floor_over_1f1b"] = b8["1f1b"]["floor_bubble"] / one
+            t["m8_best_over_1f1b"] = min(b8[a]["best_order_bubble"] for a in ("auto", "auto-v2")) / one
         for r in rows:
             log0(f"  m={r['m']}: torch failed: {r['torch_failed'] or 'none'}")
         targets[name] = t
@@ -262,8 +278,8 @@ def report(res: Dict[str, Any], run: Run) -> Dict[str, Any]:
              ">= 1.10"]]
             + ([["auto's measured bubble / pipeddp 1F1B's at m=8", t["m8_auto_bubble_over_1f1b"], "<= 0.50"],
                 ["auto-2x's measured bubble / pipeddp 1F1B's at m=8", t["m8_auto_2x_bubble_over_1f1b"], "<= 0.50"],
-                ["the 2-stage cut's floor (unequal work) / 1F1B's bubble at m=8", t["m8_floor_over_1f1b"],
-                 "(least possible)"]]
+                ["best order for auto's measured actions (any memory) / 1F1B's bubble at m=8", t["m8_best_over_1f1b"],
+                 "(what reordering can reach)"]]
                if "m8_auto_bubble_over_1f1b" in t else []))
     return targets
 
