@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import itertools
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -238,35 +238,22 @@ def guarded_torch(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_f
 @contextlib.contextmanager
 def timing(acc: Dict[str, float], spots: Sequence[Tuple[Any, str, str]]) -> Iterator[None]:
     """Within the block, every call of ``owner.attr`` (for each ``(owner, attr, key)``) adds its seconds to
-    ``acc[key]``; the outermost call only, where a timed call runs another. Restored after."""
-    depth = [0]
-
+    ``acc[key]`` (every key present, called or not, so ranks and rounds report the same columns)."""
     def wrap(fn: Callable[..., Any], key: str) -> Callable[..., Any]:
-        @functools.wraps(fn)
         def timed(*args: Any, **kwargs: Any) -> Any:
-            depth[0] += 1
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                depth[0] -= 1
-                if depth[0] == 0:
-                    acc[key] = acc.get(key, 0.0) + time.perf_counter() - t0
+                acc[key] += time.perf_counter() - t0
         return timed
 
-    saved = [(owner, attr, owner.__dict__.get(attr)) for owner, attr, _ in spots if hasattr(owner, attr)]
-    for owner, attr, key in spots:
-        acc.setdefault(key, 0.0)  # every key, called or not: rounds and ranks report the same columns
-        if hasattr(owner, attr):
-            setattr(owner, attr, wrap(getattr(owner, attr), key))
-    try:
+    with contextlib.ExitStack() as patches:
+        for owner, attr, key in spots:
+            acc.setdefault(key, 0.0)
+            if hasattr(owner, attr):
+                patches.enter_context(mock.patch.object(owner, attr, wrap(getattr(owner, attr), key)))
         yield
-    finally:
-        for owner, attr, old in saved:
-            if old is None:
-                delattr(owner, attr)  # an instance's bound method: its class's comes back
-            else:
-                setattr(owner, attr, old)
 
 
 def stage_breakdown(spans: Sequence[Span]) -> Breakdown:
