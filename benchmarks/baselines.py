@@ -284,25 +284,15 @@ def torch_pipelining(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, los
         return sched.step(target=y, losses=losses) if last else sched.step()
 
     def traced(step: Callable[[], Any]) -> Breakdown:
-        acc = {"forward": 0.0, "backward": 0.0}
+        from torch.distributed.pipelining import schedules as torch_schedules
 
-        def timed(kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-            def wrapper(*args: Any, **kwargs: Any) -> Any:
-                t0 = time.perf_counter()
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    acc[kind] += time.perf_counter() - t0
-            return wrapper
-
-        for stage, kind in itertools.product(stages, acc):  # an instance attribute over the bound method
-            setattr(stage, f"{kind}_one_chunk", timed(kind, getattr(stage, f"{kind}_one_chunk")))
-        try:
+        acc: Dict[str, float] = {}
+        spots = [(st, attr, "F" if attr == "forward_one_chunk" else "B") for st in stages
+                 for attr in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")]
+        spots += [(torch_schedules, "_batch_p2p", "post"), (torch_schedules, "_wait_batch_p2p", "wait")]
+        with common.timing(acc, spots):
             step()
-        finally:
-            for stage, kind in itertools.product(stages, acc):
-                delattr(stage, f"{kind}_one_chunk")
-        return {rank: {"F_ms": acc["forward"] * 1e3, "B_ms": acc["backward"] * 1e3}}
+        return {rank: {f"{k}_ms": v * 1e3 for k, v in acc.items()}}
 
     return Step(name, run, holder, procs=ranks, traced=traced,
                 info={"balance": list(balance), "schedule": TORCH_SCHEDULES[schedule]})
@@ -331,14 +321,29 @@ def guarded_torch(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_f
 
 
 def stage_breakdown(spans: Sequence[Span]) -> Breakdown:
-    """Per stage of a pipeddp trace: ms inside forward and backward actions (B, or I + W), and waiting to receive."""
+    """Per stage of a pipeddp trace: ms inside forward and backward actions (B, or I + W)."""
     out: Breakdown = {}
     for s in sorted({sp.stage for sp in spans}):
-        mine = [sp for sp in spans if sp.stage == s]
-        out[s] = {"F_ms": sum(sp.duration for sp in mine if sp.lane == "compute" and sp.kind == "F") * 1e3,
-                  "B_ms": sum(sp.duration for sp in mine if sp.lane == "compute" and sp.kind in ("B", "I", "W"))
-                  * 1e3,
-                  "recv_wait_ms": sum(sp.duration for sp in mine if sp.lane == "comm") * 1e3}
+        mine = [sp for sp in spans if sp.stage == s and sp.lane == "compute"]
+        out[s] = {"F_ms": sum(sp.duration for sp in mine if sp.kind == "F") * 1e3,
+                  "B_ms": sum(sp.duration for sp in mine if sp.kind in ("B", "I", "W")) * 1e3}
+    return out
+
+
+def engine_breakdown(engine: Any, call: Callable[[], Any], rank: int) -> Breakdown:
+    """One traced step of a pipeddp engine: forward and backward per stage (``stage_breakdown``), and this
+    process's ms posting messages to other processes, waiting for them (receives, and the sends still in flight
+    at the step's end) and in the per-step agreement collectives (batch sizes; the loss and non-finite vote)."""
+    from pipeddp.distributed.agreement import Agreement
+    from pipeddp.distributed.p2p import P2PChannel
+
+    acc: Dict[str, float] = {}
+    spots = [(P2PChannel, "send", "post"), (P2PChannel, "recv", "wait"), (P2PChannel, "flush", "wait"),
+             (Agreement, "local_batch", "agree"), (Agreement, "finish_step", "agree")]
+    with common.timing(acc, spots):
+        out = stage_breakdown(record(engine, call, rank))
+    first = min(out) if out else rank
+    out.setdefault(first, {}).update({f"{k}_ms": v * 1e3 for k, v in acc.items()})
     return out
 
 
@@ -384,7 +389,7 @@ def hybrid(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_fn: Loss
         engine.zero_grad(set_to_none=True)
         return engine.train_step(xin, yin, loss_fn)
 
-    traced = None if kwargs.get("trace") else lambda call: stage_breakdown(record(engine, call, rank))
+    traced = None if kwargs.get("trace") else lambda call: engine_breakdown(engine, call, rank)
     return Step(name, run, engine, engine.close, procs=dist.get_world_size(), traced=traced,
                 info={"balance": list(engine.balance), "schedule": kwargs.get("schedule", "1f1b"), "mode": mode,
                       "batch_per_process": sizes[replica]})

@@ -1,22 +1,22 @@
 """pipeddp's schedules against each other, accumulation and torch.distributed.pipelining, on 2 CPU processes.
 
 One spawned 2-process gloo job (one stage device per process, mode="stage"; 1 intra-op thread each) times, for
-every model and number of micro-batches m, interleaved round by round between barriers:
+every model and number of micro-batches m, interleaved round by round between barriers, the order reversed every
+other round (each pair alternates which runs first), after every gradient is checked against accumulation:
 
 * ``accum``: the plain model accumulating over the same m micro-batches (rank 0; rank 1 waits);
-* pipeddp ``gpipe``, ``1f1b``, ``zb``, ``auto`` on pipeddp's 2-stage cut, and ``interleaved``, ``zb`` and ``auto``
-  with 2 virtual stages per process on its 4-stage cut (``zb-v2``: interleaved zero-bubble; ``auto``: the order
-  built from the stages' measured costs, refined after the first steps);
-* torch's ``ScheduleGPipe`` and ``Schedule1F1B`` on the same 2-stage cut, ``ScheduleInterleaved1F1B`` and
-  ``ScheduleInterleavedZeroBubble`` on the same 4-stage cut (2 stages per rank, placed as pipeddp places them), and
-  ``ScheduleZBVZeroBubble`` on that cut in its V placement (rank 0 holds stages 0 and 3, rank 1 stages 1 and 2);
-* ``1f1b`` and ``interleaved`` in replica mode (one process, a thread per device; rank 1 waits), for "stage mode
-  within 5% of replica mode".
+* pipeddp ``gpipe``, ``1f1b``, ``zb``, ``auto`` on pipeddp's 2-stage cut, and ``interleaved``, ``zb-v2`` and
+  ``auto-v2`` with 2 virtual stages per process on its 4-stage cut (``auto``: the order built from the stages'
+  measured costs, refined after the first steps);
+* torch's ``ScheduleGPipe`` and ``Schedule1F1B`` on the 2-stage cut, ``ScheduleInterleaved1F1B`` and
+  ``ScheduleInterleavedZeroBubble`` on the 4-stage cut (stages placed as pipeddp places them), and
+  ``ScheduleZBVZeroBubble`` on it in its V (rank 0 holds stages 0 and 3, rank 1 stages 1 and 2);
+* ``1f1b`` and ``interleaved`` in replica mode (one process, a thread per device; rank 1 waits).
 
-The order of the configurations is reversed every other round, so every pair alternates which runs first.
-Every configuration's gradients are checked against accumulation before timing. After timing, one traced step of
-each pipeddp configuration gives the measured bubble (idle share of the devices' time), set beside the schedule's
-bubble with equal stages (F = 1, B = 2) and beside the schedule replayed with the step's measured action times.
+Then one traced step of each pipeddp configuration: its bubble (idle share of the devices' time), beside the
+schedule's with equal stages, replayed with the step's measured action times, the best order ``auto``'s builder
+finds for those times with any memory, and the floor unequal work forces. And one step of each same-cut pair with
+torch split by category (compute, waiting on messages, posting them, pipeddp's agreement collectives, the rest).
 """
 
 from __future__ import annotations
@@ -33,14 +33,14 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # started as a script
-import pipeddp  # noqa: E402
-from benchmarks import baselines, common  # noqa: E402
-from benchmarks.baselines import WORKLOADS  # noqa: E402
-from benchmarks.common import (BARRIER, LossFn, Run, barrier_rounds, barrier_timed, check_same, gather,  # noqa: E402
-                               init_job, log0, median_ratio, parser)
-from pipeddp.runtime.schedule import get_schedule, play  # noqa: E402
-from pipeddp.tools.simulate import StageCost, simulate  # noqa: E402
-from pipeddp.tools.timeline import WORK, measured_bubble  # noqa: E402
+import pipeddp
+from benchmarks import baselines, common
+from benchmarks.baselines import WORKLOADS
+from benchmarks.common import BARRIER, LossFn, Run, barrier_rounds, barrier_timed, gather, log0, median_ratio
+from pipeddp.runtime.schedule import get_schedule, play
+from pipeddp.runtime.schedule.costed import Costs, build
+from pipeddp.tools.simulate import StageCost, simulate
+from pipeddp.tools.timeline import WORK, measured_bubble
 
 SCRIPT = "schedules"
 DEVICES = 2
@@ -87,6 +87,21 @@ def steps_at(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, 
     return steps, failed
 
 
+def bounds(spans: Sequence[Any], m: int, v: int) -> Dict[str, Optional[float]]:
+    """What no order can beat on this cut: the idle share the devices' unequal work forces (``floor``), and the bubble
+    of the best order ``auto``'s builder finds for this step's measured F, I and W times with no cap on activations
+    (``best_order``; None where the step ran whole backwards)."""
+    samples: Dict[Tuple[int, str], List[float]] = {}
+    busy: Dict[Tuple[int, int], float] = {}
+    for sp in (sp for sp in spans if sp.kind in WORK):
+        samples.setdefault((sp.stage, sp.kind), []).append(sp.duration)
+        busy[(sp.rank, sp.device)] = busy.get((sp.rank, sp.device), 0.0) + sp.duration
+    costs = Costs.unit(DEVICES * v).measured(samples)
+    best = play(build(DEVICES, m, v, costs, max_activations=m * v), lambda row, a: costs.of(a.kind, a.stage))
+    return {"floor_bubble": 1.0 - sum(busy.values()) / (len(busy) * max(busy.values())),
+            "best_order_bubble": best.bubble if any(k == "W" for _, k in samples) else None}
+
+
 def traced_bubbles(steps: Sequence[baselines.Step], rank: int) -> Dict[str, Dict[str, Any]]:
     """One traced step per pipeddp configuration: measured bubble, and the schedule's with equal stages and
     replayed with the measured action times (rank 0's result)."""
@@ -97,7 +112,7 @@ def traced_bubbles(steps: Sequence[baselines.Step], rank: int) -> Dict[str, Dict
             continue
         run = step.run
         # every rank meets in the barriers, also the one that sits a single-process configuration out
-        _, spans = barrier_timed(None if run is None else (lambda: baselines.record(step.module, run, rank)))
+        _, spans = barrier_timed(None if run is None else (lambda s=step, r=run: baselines.record(s.module, r, rank)))
         parts = gather(spans or [])
         if parts is None:
             continue
@@ -107,22 +122,28 @@ def traced_bubbles(steps: Sequence[baselines.Step], rank: int) -> Dict[str, Dict
         m = max(s.mb for s in every if s.kind in WORK) + 1
         plan = get_schedule(step.module._step.schedule, DEVICES, m, v)  # "auto": the engine's own order
         work = {(s.stage, s.kind, s.mb): s.duration for s in every if s.kind in WORK}
-        replayed = play(plan, lambda row, a: work.get((a.stage, a.kind.value, a.mb), 0.0))
+        replayed = play(plan, lambda row, a, w=work: w.get((a.stage, a.kind.value, a.mb), 0.0))
         equal = simulate([StageCost(1.0, 2.0)] * (DEVICES * v), schedule, stages=DEVICES, chunks=m, virtual_stages=v)
-        out[step.name] = {"measured_bubble": bubble, "traced_step_ms": makespan * 1e3,
+        out[step.name] = {"measured_bubble": bubble, "traced_step_ms": makespan * 1e3, **bounds(every, m, v),
                           "equal_stages_bubble": equal.bubble, "replayed_bubble": replayed.bubble,
                           "replayed_step_ms": replayed.makespan * 1e3}
     return out
 
 
+COLUMNS = ("F_ms", "B_ms", "wait_ms", "post_ms", "agree_ms")
+
+
 def breakdown(steps: Sequence[baselines.Step]) -> Dict[str, Dict[str, float]]:
-    """One step of each same-cut pair, every action timed: where the processes' time goes (ms, both summed)."""
+    """One step of each same-cut pair, timed by category (ms, both processes summed): forward and backward
+    (with torch's W), waiting on messages (receives, sends in flight), posting them (pipeddp: headers, tensors
+    and the receives of their gradients; torch: its batched sends and receives), pipeddp's two agreement
+    collectives per step, and the rest (Python between actions, idle outside a wait)."""
     out: Dict[str, Dict[str, float]] = {}
     for step in (s for s in steps if s.name in {n for pair in SAME for n in pair} and s.traced is not None):
         wall, parts = barrier_timed(lambda step=step: step.traced(step.run))
         every = [v for part in (gather(parts) or []) for v in part.values()]
         if every:
-            got = {k: sum(v.get(k, 0.0) for v in every) for k in ("F_ms", "B_ms", "recv_wait_ms")}
+            got = {k: sum(v.get(k, 0.0) for v in every) for k in COLUMNS}
             out[step.name] = dict(got, wall_ms=wall.wall * 1e3, other_ms=DEVICES * wall.wall * 1e3 - sum(got.values()))
     return out
 
@@ -164,12 +185,12 @@ def run_m(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, m: 
 
 
 def job(settings: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-    rank = init_job(settings["timeout"], settings["device"])
+    rank = common.init_job(settings["timeout"], settings["device"])
     out: Dict[str, Any] = {}
     for name in settings["models"]:
         work = WORKLOADS[name]
         model, x, y = work.seeded(settings["batch"][name], settings["seed"])
-        check_same(model, x, y)
+        common.check_same(model, x, y)
         rounds = settings["rounds"] or (1 if settings["quick"] else ROUNDS[name])
         log0(f"{name}: {work.describe(x.shape[0])}; {rounds} rounds")
         t0 = time.perf_counter()
@@ -181,6 +202,11 @@ def job(settings: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     return out if rank == 0 else None
 
 
+def worst(rows: Sequence[Dict[str, Any]], key: str, names: Sequence[str]) -> float:
+    """The smallest of the ratios ``names`` under ``key`` over every m."""
+    return min(r[key][a] for r in rows for a in names if a in r[key])
+
+
 def report(res: Dict[str, Any], run: Run) -> Dict[str, Any]:
     targets: Dict[str, Any] = {}
     for name, doc in res.items():
@@ -190,49 +216,50 @@ def report(res: Dict[str, Any], run: Run) -> Dict[str, Any]:
         run.table(f"{doc['workload']}: speedup over accumulation (medians of per-round ratios)",
                   ["m"] + names + [t for t in TORCH], [[r["m"]] + [r["vs_accum"].get(n) for n in names]
                                                       + [r["vs_accum"].get(t) for t in TORCH] for r in rows])
+        own = list(rows[0]["vs_own_1f1b"])
         run.table(f"{name}: pipeddp against torch.distributed.pipelining on the same cut and schedule, and against "
-                  "its own 1F1B", ["m"] + [f"{a} / {b}" for a, b in SAME] + [f"{a} / 1f1b" for a in rows[0]["vs_own_1f1b"]]
+                  "its own 1F1B", ["m"] + [f"{a} / {b}" for a, b in SAME] + [f"{a} / 1f1b" for a in own]
                   + ["stage / replica 1f1b", "stage / replica interleaved"],
                   [[r["m"]] + [r["vs_torch_same_cut"].get(a) for a, _ in SAME] + list(r["vs_own_1f1b"].values())
                    + [r["stage_vs_replica"]["1f1b"], r["stage_vs_replica"]["interleaved"]] for r in rows])
-        run.table(f"{name}: one step's time, both processes summed (ms; other: Python between actions, headers, "
-                  "collectives, idle; torch's receive waits and zero-bubble W fall under other)",
-                  ["m / config", "wall", "F", "B (or I + W)", "receive wait", "other"],
-                  [[f"{r['m']} / {k}"] + [v[c] for c in ("wall_ms", "F_ms", "B_ms", "recv_wait_ms", "other_ms")]
+        run.table(f"{name}: one step's time by category, both processes summed (ms; other: Python between actions, "
+                  "idle outside a wait)", ["m / config", "wall", "F", "B (or I + W)", "wait", "post", "agree", "other"],
+                  [[f"{r['m']} / {k}"] + [v[c] for c in ("wall_ms",) + COLUMNS + ("other_ms",)]
                    for r in rows for k, v in r["breakdown"].items()])
         run.table(f"{name}: bubble (idle share of the devices' time) of one traced step",
-                  ["m / schedule", "measured", "replayed (measured actions)", "equal stages (F=1, B=2)"],
-                  [[f"{r['m']} / {k}", v["measured_bubble"], v["replayed_bubble"], v["equal_stages_bubble"]]
+                  ["m / schedule", "measured", "replayed (measured actions)", "equal stages (F=1, B=2)",
+                   "best order (measured actions)", "floor (unequal work)"],
+                  [[f"{r['m']} / {k}", v["measured_bubble"], v["replayed_bubble"], v["equal_stages_bubble"],
+                    v["best_order_bubble"], v["floor_bubble"]]
                    for r in rows for k, v in r["bubbles"].items()])
-        t = {"same_cut_min": min(min(r["vs_torch_same_cut"].values()) for r in rows if r["vs_torch_same_cut"]),
-             "counterpart_min": min(min(r["vs_torch_same_cut"].get(a, 9) for a in ("interleaved", "zb-v2"))
-                                    for r in rows),
-             "stage_vs_replica_min": min(min(r["stage_vs_replica"].values()) for r in rows)}
-        at4 = [r for r in rows if r["m"] == 4]
-        if at4:
-            t["m4_best_new_vs_1f1b"] = max(at4[0]["vs_own_1f1b"][a] for a in ("zb", "interleaved", "zb-v2"))
-        t["auto_vs_fastest_torch_min"] = min(max(r["auto_vs_fastest_torch"].values()) for r in rows)
-        at8 = [r["bubbles"] for r in rows if r["m"] == 8]
-        if at8 and "auto" in at8[0] and "1f1b" in at8[0]:
-            t["m8_auto_bubble_over_1f1b"] = min(at8[0][a]["measured_bubble"] for a in ("auto", "auto-v2")
-                                                if a in at8[0]) / at8[0]["1f1b"]["measured_bubble"]
+        best_auto = min(max(r["auto_vs_fastest_torch"][a] for a in ("auto", "auto-v2")) for r in rows)
+        goals = [["interleaved / zb-v2 vs torch's counterpart, worst m",
+                  worst(rows, "vs_torch_same_cut", ("interleaved", "zb-v2")), 1.00],
+                 ["stage mode vs replica mode, worst", worst(rows, "stage_vs_replica", ("1f1b", "interleaved")), 0.95],
+                 ["1f1b and interleaved vs torch's, same cut and schedule, worst m",
+                  worst(rows, "vs_torch_same_cut", ("1f1b", "interleaved")), 1.02],
+                 ["auto (better of v=1, v=2) vs torch's fastest schedule, worst m", best_auto, 1.10]]
+        rows4 = [r for r in rows if r["m"] == 4]
+        if rows4:
+            goals.append(["interleaved or zero-bubble vs pipeddp's 1F1B at m=4",
+                          max(rows4[0]["vs_own_1f1b"][a] for a in ("zb", "interleaved", "zb-v2")), 1.08])
+        checks = [[text, got, f">= {goal:.2f}", got >= goal] for text, got, goal in goals]
+        b8 = next((r["bubbles"] for r in rows if r["m"] == 8), {})
+        if "auto" in b8 and "1f1b" in b8:
+            one, autos = b8["1f1b"]["measured_bubble"], [b8[a] for a in ("auto", "auto-v2")]
+            got = min(b["measured_bubble"] for b in autos)
+            checks.append(["auto's (better of v=1, v=2) measured bubble / pipeddp 1F1B's at m=8", got / one, "<= 0.50",
+                           got <= one / 2])
+            checks.append(["best order for auto's measured actions (any memory) / 1F1B's bubble at m=8",
+                           min(b["best_order_bubble"] for b in autos) / one, "(what reordering can reach)"])
         for r in rows:
             log0(f"  m={r['m']}: torch failed: {r['torch_failed'] or 'none'}")
-        targets[name] = t
-        run.table(f"{name}: against the targets", ["target", "measured", "goal"], [
-            ["pipeddp vs torch, same cut and schedule, worst m", t["same_cut_min"], ">= 1.05"],
-            ["interleaved / zb-v2 vs torch's counterpart, worst m", t["counterpart_min"], ">= 1.00"],
-            ["stage mode vs replica mode, worst", t["stage_vs_replica_min"], ">= 0.95"],
-        ] + ([["interleaved or zero-bubble vs pipeddp's 1F1B at m=4", t["m4_best_new_vs_1f1b"], ">= 1.08"]]
-             if at4 else []) + [["auto (better of v=1, v=2) vs torch's fastest schedule, worst m",
-                                t["auto_vs_fastest_torch_min"], ">= 1.10"]]
-            + ([["auto's measured bubble / pipeddp 1F1B's at m=8", t["m8_auto_bubble_over_1f1b"], "<= 0.50"]]
-               if "m8_auto_bubble_over_1f1b" in t else []))
+        targets[name] = run.targets(checks, f"{name}: against the targets")
     return targets
 
 
 def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    p = parser(__doc__, "mlp, m = 4, 1 round", "results/schedules.json", spawns=True)
+    p = common.parser(__doc__, "mlp, m = 4, 1 round", "results/schedules.json", spawns=True)
     p.add_argument("--models", nargs="+", default=None, choices=list(BATCH), help="default: mlp resnet50")
     p.add_argument("--ms", nargs="+", type=int, default=None, help="micro-batch counts (default 2 4 8)")
     p.add_argument("--rounds", type=int, default=None, help="timed rounds (default: mlp 8, resnet50 4)")
