@@ -17,6 +17,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -86,16 +87,17 @@ WORKLOADS: Dict[str, Workload] = {
     # ~0.3-0.9 s per step at 1 thread: cheap, so many rounds for a tight median.
     "mlp": mlp_workload(
         batch={"pipeline_cpu": 256, "hybrid_cpu": 256, "split_sizes": 240, "partition_quality": 64,
-               "iteration_table": 128, "simulator_accuracy": 256},
+               "iteration_table": 128, "simulator_accuracy": 256, "schedules": 256},
         rounds={"pipeline_cpu": 10, "hybrid_cpu": 8, "split_sizes": 12, "partition_quality": 25,
-                "iteration_table": 8, "simulator_accuracy": 12},
+                "iteration_table": 8, "simulator_accuracy": 12, "schedules": 8},
         warmup=1),
     # ~2-6 s per step at batch 64, ~11 s at 120: few rounds; the check step before timing warms it up.
     "resnet50": resnet_workload(
         "resnet50", 23,
         batch={"pipeline_cpu": 64, "hybrid_cpu": 64, "split_sizes": 120, "partition_quality": 32,
-               "iteration_table": 128},
-        rounds={"pipeline_cpu": 4, "hybrid_cpu": 4, "split_sizes": 5, "partition_quality": 8, "iteration_table": 8}),
+               "iteration_table": 128, "schedules": 64},
+        rounds={"pipeline_cpu": 4, "hybrid_cpu": 4, "split_sizes": 5, "partition_quality": 8, "iteration_table": 8,
+                "schedules": 4}),
     "resnet18": resnet_workload(
         "resnet18", 15, batch={"partition_quality": 32, "iteration_table": 128},
         rounds={"partition_quality": 11, "iteration_table": 8}),
@@ -283,14 +285,26 @@ def torch_pipelining(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, los
             return sched.step(x)
         return sched.step(target=y, losses=losses) if last else sched.step()
 
-    def traced(step: Callable[[], Any]) -> Breakdown:
+    def traced(step: Callable[[], Any]) -> Breakdown:  # the categories of ``stage_breakdown``, by wrapping calls
         from torch.distributed.pipelining import schedules as torch_schedules
 
-        acc: Dict[str, float] = {}
+        acc = dict.fromkeys(("F", "B", "post", "wait"), 0.0)
+
+        def timed(key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    acc[key] += time.perf_counter() - t0
+            return wrapper
+
         spots = [(st, attr, "F" if attr == "forward_one_chunk" else "B") for st in stages
                  for attr in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")]
         spots += [(torch_schedules, "_batch_p2p", "post"), (torch_schedules, "_wait_batch_p2p", "wait")]
-        with common.timing(acc, spots):
+        with contextlib.ExitStack() as patches:
+            for owner, attr, key in (spot for spot in spots if hasattr(spot[0], spot[1])):
+                patches.enter_context(mock.patch.object(owner, attr, timed(key, getattr(owner, attr))))
             step()
         return {rank: {f"{k}_ms": v * 1e3 for k, v in acc.items()}}
 
@@ -320,31 +334,16 @@ def guarded_torch(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_f
     return (None, " | ".join(failed)) if failed else (step, "")
 
 
+#: the trace's span kinds summed under each breakdown column (``agree``: the replica's two collectives per step)
+COLUMNS = {"F_ms": ("F",), "B_ms": ("B", "I", "W"), "wait_ms": ("recv", "flush"), "post_ms": ("send",),
+           "agree_ms": ("agree",)}
+
+
 def stage_breakdown(spans: Sequence[Span]) -> Breakdown:
-    """Per stage of a pipeddp trace: ms inside forward and backward actions (B, or I + W)."""
-    out: Breakdown = {}
-    for s in sorted({sp.stage for sp in spans}):
-        mine = [sp for sp in spans if sp.stage == s and sp.lane == "compute"]
-        out[s] = {"F_ms": sum(sp.duration for sp in mine if sp.kind == "F") * 1e3,
-                  "B_ms": sum(sp.duration for sp in mine if sp.kind in ("B", "I", "W")) * 1e3}
-    return out
-
-
-def engine_breakdown(engine: Any, call: Callable[[], Any], rank: int) -> Breakdown:
-    """One traced step of a pipeddp engine: forward and backward per stage (``stage_breakdown``), and this
-    process's ms posting messages to other processes, waiting for them (receives, and the sends still in flight
-    at the step's end) and in the per-step agreement collectives (batch sizes; the loss and non-finite vote)."""
-    from pipeddp.distributed.agreement import Agreement
-    from pipeddp.distributed.p2p import P2PChannel
-
-    acc: Dict[str, float] = {}
-    spots = [(P2PChannel, "send", "post"), (P2PChannel, "recv", "wait"), (P2PChannel, "flush", "wait"),
-             (Agreement, "local_batch", "agree"), (Agreement, "finish_step", "agree")]
-    with common.timing(acc, spots):
-        out = stage_breakdown(record(engine, call, rank))
-    first = min(out) if out else rank
-    out.setdefault(first, {}).update({f"{k}_ms": v * 1e3 for k, v in acc.items()})
-    return out
+    """Per stage of a pipeddp trace, ms in each ``COLUMNS`` category: forward and backward actions (B, or I + W),
+    waiting for messages (receives, and sends still in flight at the step's end), sending them, agreeing."""
+    return {s: {col: sum(sp.duration for sp in spans if sp.stage == s and sp.kind in kinds) * 1e3
+                for col, kinds in COLUMNS.items()} for s in sorted({sp.stage for sp in spans})}
 
 
 def record(engine: Any, run: Callable[[], Any], rank: int = 0) -> List[Span]:
@@ -389,7 +388,7 @@ def hybrid(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_fn: Loss
         engine.zero_grad(set_to_none=True)
         return engine.train_step(xin, yin, loss_fn)
 
-    traced = None if kwargs.get("trace") else lambda call: engine_breakdown(engine, call, rank)
+    traced = None if kwargs.get("trace") else lambda call: stage_breakdown(record(engine, call, rank))
     return Step(name, run, engine, engine.close, procs=dist.get_world_size(), traced=traced,
                 info={"balance": list(engine.balance), "schedule": kwargs.get("schedule", "1f1b"), "mode": mode,
                       "batch_per_process": sizes[replica]})

@@ -7,7 +7,6 @@ ratios (benchmarks/README.md, "How a figure is timed"): ``interleaved`` in one p
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -18,8 +17,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
-from unittest import mock
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -260,27 +258,6 @@ def barrier_rounds(
         if timed_round and after_round is not None and after_round(got):
             break
     return times, results
-
-
-@contextlib.contextmanager
-def timing(acc: Dict[str, float], spots: Sequence[Tuple[Any, str, str]]) -> Iterator[None]:
-    """Within the block, every call of ``owner.attr`` (for each ``(owner, attr, key)``) adds its seconds to
-    ``acc[key]`` (every key present, called or not, so ranks and rounds report the same columns)."""
-    def wrap(fn: Callable[..., Any], key: str) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                acc[key] += time.perf_counter() - t0
-        return timed
-
-    with contextlib.ExitStack() as patches:
-        for owner, attr, key in spots:
-            acc.setdefault(key, 0.0)
-            if hasattr(owner, attr):
-                patches.enter_context(mock.patch.object(owner, attr, wrap(getattr(owner, attr), key)))
-        yield
 
 
 def machine_info() -> Dict[str, Any]:

@@ -1,22 +1,14 @@
 """pipeddp's schedules against each other, accumulation and torch.distributed.pipelining, on 2 CPU processes.
 
-One spawned 2-process gloo job (one stage device per process, mode="stage"; 1 intra-op thread each) times, for
-every model and number of micro-batches m, interleaved round by round between barriers, the order reversed every
-other round (each pair alternates which runs first), after every gradient is checked against accumulation:
-
-* ``accum``: the plain model accumulating over the same m micro-batches (rank 0; rank 1 waits);
-* pipeddp ``gpipe``, ``1f1b``, ``zb``, ``auto`` on pipeddp's 2-stage cut, and ``interleaved``, ``zb-v2`` and
-  ``auto-v2`` with 2 virtual stages per process on its 4-stage cut (``auto``: the order built from the stages'
-  measured costs, refined after the first steps);
-* torch's ``ScheduleGPipe`` and ``Schedule1F1B`` on the 2-stage cut, ``ScheduleInterleaved1F1B`` and
-  ``ScheduleInterleavedZeroBubble`` on the 4-stage cut (stages placed as pipeddp places them), and
-  ``ScheduleZBVZeroBubble`` on it in its V (rank 0 holds stages 0 and 3, rank 1 stages 1 and 2);
-* ``1f1b`` and ``interleaved`` in replica mode (one process, a thread per device; rank 1 waits).
-
-Then one traced step of each pipeddp configuration: its bubble (idle share of the devices' time), beside the
-schedule's with equal stages, replayed with the step's measured action times, the best order ``auto``'s builder
-finds for those times with any memory, and the floor unequal work forces. And one step of each same-cut pair with
-torch split by category (compute, waiting on messages, posting them, pipeddp's agreement collectives, the rest).
+One spawned 2-process gloo job (mode="stage", 1 intra-op thread each) times per model and m, round by round between
+barriers, the order reversed every other round, every gradient first checked against accumulation: ``accum`` (the
+plain model over the same m micro-batches); pipeddp's ``gpipe``, ``1f1b``, ``zb``, ``auto`` on its 2-stage cut and
+``interleaved``, ``zb-v2``, ``auto-v2`` with 2 virtual stages on its 4-stage cut; torch's ScheduleGPipe and
+Schedule1F1B on the 2-stage cut, ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble on the 4-stage cut
+(placed as pipeddp places them) and ScheduleZBVZeroBubble on it in its V; ``1f1b`` and ``interleaved`` in replica
+mode. Then one traced step of each pipeddp configuration: its bubble beside the schedule's with equal stages,
+replayed with the step's measured action times, and the best order ``auto``'s builder finds for those times with
+any memory; and one step of each same-cut pair split by category (``baselines.COLUMNS``).
 """
 
 from __future__ import annotations
@@ -35,8 +27,8 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # started as a script
 import pipeddp
 from benchmarks import baselines, common
-from benchmarks.baselines import WORKLOADS
-from benchmarks.common import BARRIER, LossFn, Run, barrier_rounds, barrier_timed, gather, log0, median_ratio
+from benchmarks.baselines import WORKLOADS, add_round_flags, names
+from benchmarks.common import BARRIER, LossFn, Run, at_least, barrier_rounds, barrier_timed, gather, log0, median_ratio
 from pipeddp.runtime.schedule import get_schedule, play
 from pipeddp.runtime.schedule.costed import Costs, build
 from pipeddp.tools.simulate import StageCost, simulate
@@ -55,8 +47,6 @@ REPLICA = {"1f1b-replica": ("1f1b", 1), "interleaved-replica": ("interleaved", 2
 #: (pipeddp, torch) pairs on the same cut and schedule
 SAME = [("gpipe", "torch-gpipe"), ("1f1b", "torch-1f1b"), ("interleaved", "torch-interleaved"),
         ("zb-v2", "torch-zb-v2")]
-BATCH = {"mlp": 256, "resnet50": 64}
-ROUNDS = {"mlp": 8, "resnet50": 4}
 
 
 def cuts(rank: int, model: nn.Sequential, x: torch.Tensor, m: int) -> Dict[int, List[int]]:
@@ -87,24 +77,20 @@ def steps_at(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, 
     return steps, failed
 
 
-def bounds(spans: Sequence[Any], m: int, v: int) -> Dict[str, Optional[float]]:
-    """What no order can beat on this cut: the idle share the devices' unequal work forces (``floor``), and the bubble
-    of the best order ``auto``'s builder finds for this step's measured F, I and W times with no cap on activations
-    (``best_order``; None where the step ran whole backwards)."""
+def best_order(spans: Sequence[Any], m: int, v: int) -> Optional[float]:
+    """The bubble of the best order ``auto``'s builder finds for this step's measured F, I and W times with no cap on
+    activations: what reordering alone could reach on this cut (None where the step ran whole backwards)."""
     samples: Dict[Tuple[int, str], List[float]] = {}
-    busy: Dict[Tuple[int, int], float] = {}
     for sp in (sp for sp in spans if sp.kind in WORK):
         samples.setdefault((sp.stage, sp.kind), []).append(sp.duration)
-        busy[(sp.rank, sp.device)] = busy.get((sp.rank, sp.device), 0.0) + sp.duration
+    if not any(k == "W" for _, k in samples):
+        return None
     costs = Costs.unit(DEVICES * v).measured(samples)
-    best = play(build(DEVICES, m, v, costs, max_activations=m * v), lambda row, a: costs.of(a.kind, a.stage))
-    return {"floor_bubble": 1.0 - sum(busy.values()) / (len(busy) * max(busy.values())),
-            "best_order_bubble": best.bubble if any(k == "W" for _, k in samples) else None}
+    return play(build(DEVICES, m, v, costs, max_activations=m * v), lambda row, a: costs.of(a.kind, a.stage)).bubble
 
 
 def traced_bubbles(steps: Sequence[baselines.Step], rank: int) -> Dict[str, Dict[str, Any]]:
-    """One traced step per pipeddp configuration: measured bubble, and the schedule's with equal stages and
-    replayed with the measured action times (rank 0's result)."""
+    """One traced step per pipeddp configuration: its bubbles (see the module docstring; rank 0's result)."""
     out: Dict[str, Dict[str, Any]] = {}
     for step in steps:
         base = step.name.replace("-replica", "")
@@ -124,26 +110,20 @@ def traced_bubbles(steps: Sequence[baselines.Step], rank: int) -> Dict[str, Dict
         work = {(s.stage, s.kind, s.mb): s.duration for s in every if s.kind in WORK}
         replayed = play(plan, lambda row, a, w=work: w.get((a.stage, a.kind.value, a.mb), 0.0))
         equal = simulate([StageCost(1.0, 2.0)] * (DEVICES * v), schedule, stages=DEVICES, chunks=m, virtual_stages=v)
-        out[step.name] = {"measured_bubble": bubble, "traced_step_ms": makespan * 1e3, **bounds(every, m, v),
-                          "equal_stages_bubble": equal.bubble, "replayed_bubble": replayed.bubble,
-                          "replayed_step_ms": replayed.makespan * 1e3}
+        out[step.name] = {"measured_bubble": bubble, "traced_ms": makespan * 1e3, "equal_stages_bubble": equal.bubble,
+                          "replayed_bubble": replayed.bubble, "best_order_bubble": best_order(every, m, v)}
     return out
 
 
-COLUMNS = ("F_ms", "B_ms", "wait_ms", "post_ms", "agree_ms")
-
-
 def breakdown(steps: Sequence[baselines.Step]) -> Dict[str, Dict[str, float]]:
-    """One step of each same-cut pair, timed by category (ms, both processes summed): forward and backward
-    (with torch's W), waiting on messages (receives, sends in flight), posting them (pipeddp: headers, tensors
-    and the receives of their gradients; torch: its batched sends and receives), pipeddp's two agreement
-    collectives per step, and the rest (Python between actions, idle outside a wait)."""
+    """One step of each same-cut pair by ``baselines.COLUMNS`` category (ms, both processes summed; torch's W under
+    B, its batched sends and receives under post), and the rest: Python between actions, idle outside a wait."""
     out: Dict[str, Dict[str, float]] = {}
     for step in (s for s in steps if s.name in {n for pair in SAME for n in pair} and s.traced is not None):
         wall, parts = barrier_timed(lambda step=step: step.traced(step.run))
         every = [v for part in (gather(parts) or []) for v in part.values()]
         if every:
-            got = {k: sum(v.get(k, 0.0) for v in every) for k in COLUMNS}
+            got = {k: sum(v.get(k, 0.0) for v in every) for k in baselines.COLUMNS}
             out[step.name] = dict(got, wall_ms=wall.wall * 1e3, other_ms=DEVICES * wall.wall * 1e3 - sum(got.values()))
     return out
 
@@ -154,14 +134,10 @@ def run_m(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, m: 
     log0(f"  m={m}: cuts {balance[DEVICES]} (2 stages), {balance[2 * DEVICES]} (4 stages)")
     steps, failed = steps_at(rank, model, x, y, m, loss_fn, balance, opts["group_timeout"])
     checked = baselines.check_grads(steps, "accum", "accum")
-    times: Dict[str, List[Any]] = {s.name: [] for s in steps}
     runs = {s.name: s.run for s in steps}
-    if opts["warmup"]:
-        barrier_rounds(runs, opts["warmup"])
-    for r in range(opts["rounds"]):  # every other round reversed: each pair alternates which runs first
-        got, _ = barrier_rounds(dict(reversed(list(runs.items()))) if r % 2 else runs, 1)
-        for k, v in got.items():
-            times[k] += v
+    barrier_rounds(runs, 0, opts["warmup"])
+    # every other round reversed: each pair alternates which runs first
+    rounds = [barrier_rounds(dict(reversed(runs.items())) if r % 2 else runs, 1)[0] for r in range(opts["rounds"])]
     bubbles = traced_bubbles(steps, rank)
     spent = breakdown(steps)
     for s in steps:
@@ -169,14 +145,11 @@ def run_m(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, m: 
     dist.barrier()
     if rank != 0:
         return None
-    walls = {k: [t.wall for t in v] for k, v in times.items()}
-    speed = {name: median_ratio(walls["accum"], walls[name]) for name in walls if name != "accum"}
+    walls = {k: [t.wall for got in rounds for t in got[k]] for k in runs}
     return {"m": m, "balance": balance, "check": checked, "torch_failed": failed, "times_s": walls,
-            "step_ms": {k: statistics.median(v) * 1e3 for k, v in walls.items()},
-            "vs_accum": speed,
+            "vs_accum": {name: median_ratio(walls["accum"], walls[name]) for name in walls if name != "accum"},
             "vs_torch_same_cut": {a: median_ratio(walls[b], walls[a]) for a, b in SAME if b in walls},
-            "vs_own_1f1b": {a: median_ratio(walls["1f1b"], walls[a]) for a in ("gpipe", "zb", "interleaved", "zb-v2",
-                                                                                 "auto", "auto-v2")},
+            "vs_own_1f1b": {a: median_ratio(walls["1f1b"], walls[a]) for a in PIPEDDP if a != "1f1b"},
             "auto_vs_fastest_torch": {a: median_ratio(walls[fastest], walls[a]) for a in ("auto", "auto-v2")
                                       for fastest in [min((t for t in TORCH if t in walls),
                                                           key=lambda t: statistics.median(walls[t]))]},
@@ -191,7 +164,7 @@ def job(settings: Dict[str, Any]) -> Optional[Dict[str, Any]]:
         work = WORKLOADS[name]
         model, x, y = work.seeded(settings["batch"][name], settings["seed"])
         common.check_same(model, x, y)
-        rounds = settings["rounds"] or (1 if settings["quick"] else ROUNDS[name])
+        rounds = settings["rounds"] or (1 if settings["quick"] else work.rounds[SCRIPT])
         log0(f"{name}: {work.describe(x.shape[0])}; {rounds} rounds")
         t0 = time.perf_counter()
         rows = [run_m(rank, model, x, y, m, work.loss_fn, {**settings, "rounds": rounds}) for m in settings["ms"]]
@@ -211,26 +184,24 @@ def report(res: Dict[str, Any], run: Run) -> Dict[str, Any]:
     targets: Dict[str, Any] = {}
     for name, doc in res.items():
         rows = doc["by_m"]
-        names = ["gpipe", "1f1b", "zb", "interleaved", "zb-v2", "auto", "auto-v2", "1f1b-replica",
-                 "interleaved-replica"]
+        names = [*PIPEDDP, *REPLICA]
         run.table(f"{doc['workload']}: speedup over accumulation (medians of per-round ratios)",
                   ["m"] + names + [t for t in TORCH], [[r["m"]] + [r["vs_accum"].get(n) for n in names]
                                                       + [r["vs_accum"].get(t) for t in TORCH] for r in rows])
-        own = list(rows[0]["vs_own_1f1b"])
-        run.table(f"{name}: pipeddp against torch.distributed.pipelining on the same cut and schedule, and against "
-                  "its own 1F1B", ["m"] + [f"{a} / {b}" for a, b in SAME] + [f"{a} / 1f1b" for a in own]
+        run.table(f"{name}: pipeddp over torch at the same cut and schedule, and over its own 1F1B", ["m"]
+                  + [f"{a} / {b}" for a, b in SAME] + [f"{a} / 1f1b" for a in rows[0]["vs_own_1f1b"]]
                   + ["stage / replica 1f1b", "stage / replica interleaved"],
                   [[r["m"]] + [r["vs_torch_same_cut"].get(a) for a, _ in SAME] + list(r["vs_own_1f1b"].values())
                    + [r["stage_vs_replica"]["1f1b"], r["stage_vs_replica"]["interleaved"]] for r in rows])
         run.table(f"{name}: one step's time by category, both processes summed (ms; other: Python between actions, "
                   "idle outside a wait)", ["m / config", "wall", "F", "B (or I + W)", "wait", "post", "agree", "other"],
-                  [[f"{r['m']} / {k}"] + [v[c] for c in ("wall_ms",) + COLUMNS + ("other_ms",)]
+                  [[f"{r['m']} / {k}"] + [v[c] for c in ["wall_ms", *baselines.COLUMNS, "other_ms"]]
                    for r in rows for k, v in r["breakdown"].items()])
         run.table(f"{name}: bubble (idle share of the devices' time) of one traced step",
                   ["m / schedule", "measured", "replayed (measured actions)", "equal stages (F=1, B=2)",
-                   "best order (measured actions)", "floor (unequal work)"],
+                   "best order (measured actions)"],
                   [[f"{r['m']} / {k}", v["measured_bubble"], v["replayed_bubble"], v["equal_stages_bubble"],
-                    v["best_order_bubble"], v["floor_bubble"]]
+                    v["best_order_bubble"]]
                    for r in rows for k, v in r["bubbles"].items()])
         best_auto = min(max(r["auto_vs_fastest_torch"][a] for a in ("auto", "auto-v2")) for r in rows)
         goals = [["interleaved / zb-v2 vs torch's counterpart, worst m",
@@ -260,15 +231,15 @@ def report(res: Dict[str, Any], run: Run) -> Dict[str, Any]:
 
 def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p = common.parser(__doc__, "mlp, m = 4, 1 round", "results/schedules.json", spawns=True)
-    p.add_argument("--models", nargs="+", default=None, choices=list(BATCH), help="default: mlp resnet50")
+    p.add_argument("--models", nargs="+", default=None, choices=names(SCRIPT), help="default: all")
     p.add_argument("--ms", nargs="+", type=int, default=None, help="micro-batch counts (default 2 4 8)")
-    p.add_argument("--rounds", type=int, default=None, help="timed rounds (default: mlp 8, resnet50 4)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed rounds before them")
+    add_round_flags(p, SCRIPT, warmup=False)
+    p.add_argument("--warmup", type=at_least(0), default=1, help="untimed rounds before them (0 with --quick)")
     p.add_argument("--group-timeout", type=float, default=120.0, help="seconds a torch pipelining rank awaits its peer")
     args = p.parse_args(argv)
-    args.models = args.models or (["mlp"] if args.quick else list(BATCH))
+    args.models = args.models or (["mlp"] if args.quick else names(SCRIPT))
     args.ms = args.ms or ([4] if args.quick else [2, 4, 8])
-    args.batch = {k: (32 if args.quick and k == "mlp" else v) for k, v in BATCH.items()}
+    args.batch = {k: 32 if args.quick and k == "mlp" else WORKLOADS[k].batch[SCRIPT] for k in names(SCRIPT)}
     if any(m < DEVICES or args.batch[k] % m for m in args.ms for k in args.models):
         p.error(f"every m must be >= {DEVICES} and divide the batch {args.batch} (torch's schedules need equal "
                 "micro-batches)")

@@ -157,7 +157,7 @@ def test_distributed_evaluation_counts_every_sample_once(mode, nprocs, stages):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode,nprocs", [("replica", 2), ("stage", 4)])
-def test_trace_records_the_gradient_all_reduce(mode, nprocs):
+def test_trace_records_the_gradient_all_reduce_sends_and_agreement(mode, nprocs):
     from hybrid_jobs import traced_job
 
     per_rank = pipeddp.spawn(traced_job, nprocs, args=(mode, 2), timeout=100)
@@ -172,6 +172,15 @@ def test_trace_records_the_gradient_all_reduce(mode, nprocs):
             for step, red in enumerate(sorted(reduces, key=lambda s: s["start"])):
                 last_b = backs[4 * step + 3]
                 assert last_b["start"] <= red["start"] <= last_b["end"]
+            # every activation (stage 0) or gradient (stage 1) sent, after the action that made it
+            sends = sorted((s for s in spans if s["kind"] == "send" and s["stage"] == st), key=lambda s: s["start"])
+            made = sorted((s for s in spans if s["kind"] == ("F" if st == 0 else "B") and s["stage"] == st),
+                          key=lambda s: s["start"])
+            assert len(sends) == len(made) == 8
+            assert all(a["mb"] == s["mb"] and a["end"] <= s["start"] for a, s in zip(made, sends))
+        # the two agreement collectives of each step, and in stage mode the wait for sends in flight at its end
+        assert len([s for s in spans if s["kind"] == "agree"]) == 4
+        assert len([s for s in spans if s["kind"] == "flush"]) == (2 if mode == "stage" else 0)
 
 
 @pytest.mark.timeout(120)

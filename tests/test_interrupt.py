@@ -55,7 +55,16 @@ def _interrupt(cmd, sig, delay, ranks, wait_for="step 1"):
         while (proc.poll() is None or any(_alive(w) for w in workers)) and time.monotonic() - sent < 40:
             time.sleep(0.05)
         took = time.monotonic() - sent
-        assert proc.poll() is not None and not any(_alive(w) for w in workers), "".join(out)
+        if proc.poll() is None or any(_alive(w) for w in workers):  # still alive: every thread's stack, then fail
+            for pid in [proc.pid] + workers:
+                if _alive(pid):
+                    os.kill(pid, signal.SIGUSR1)  # the job registered faulthandler on it
+            time.sleep(2)
+            for pid in [proc.pid] + workers:
+                if _alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+            pytest.fail(f"still alive {took:.0f} s after {sig.name}; output and stacks:\n" + "".join(out)
+                        + proc.stdout.read())
         return took, "".join(out) + proc.stdout.read()
     finally:  # nothing left behind, whatever failed
         for worker in set(workers + (_children(proc.pid) if proc.poll() is None else [])):

@@ -5,6 +5,7 @@ Around it, a replica adds what the ranks must agree on::
 
     train:    batch sizes (one collective) -> Step.train_passes (accumulation, DDP on the last pass)
               -> the global mean loss, a non-finite step skipped on every rank alike
+              (each collective an "agree" span when tracing)
     forward:  in stage mode the pipeline's processes agree on the batch size first
     evaluate: every sample counted once, metrics summed over the ranks that see outputs
 
@@ -15,8 +16,9 @@ position.
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -68,18 +70,28 @@ class Replica:
               plan: Optional[GlobalBatch], scaler: Optional[torch.amp.GradScaler],
               skip_nonfinite: bool) -> torch.Tensor:
         """One optimizer step's gradients on this rank's batch; the global mean loss, the same on every rank."""
-        n = self.agreement.local_batch(x, y, need_y=True)  # a collective: every rank sees the same n
+        with self._agreeing():
+            n = self.agreement.local_batch(x, y, need_y=True)  # a collective: every rank sees the same n
         if scaler is not None:
             scaler.scale(torch.ones((), device=self.devices[0]))  # every rank's scaler is set up, not only the last's
         if plan is not None:
             plan.check(n, self.topology.rank)
         loss = self.step.train_passes(x, y, loss_fn, n, plan.accumulation if plan is not None else 1,
                                       loss_scale=scaler.scale if scaler is not None else None)
-        mean, skipped = self.agreement.finish_step(0.0 if loss is None else loss.item(), params,
-                                                   skip_nonfinite=skip_nonfinite, skipped=self.skipped_steps,
-                                                   overflow_to_scaler=scaler is not None)
+        with self._agreeing():
+            mean, skipped = self.agreement.finish_step(0.0 if loss is None else loss.item(), params,
+                                                       skip_nonfinite=skip_nonfinite, skipped=self.skipped_steps,
+                                                       overflow_to_scaler=scaler is not None)
         self.skipped_steps += skipped
         return mean
+
+    def _agreeing(self) -> ContextManager[Any]:
+        """An ``"agree"`` span on the trace's communication lane around one of a step's two agreement collectives
+        (they include waiting for the slowest rank, where that process would otherwise idle between steps)."""
+        trace, first = self.step.trace, self.step.stages[0]
+        if trace is None:
+            return contextlib.nullcontext()
+        return trace.span(first.index, "agree", 0, lane="comm", row=first.index % self.step.rows)
 
     def forward(self, x: Any, *, need_grad: bool) -> Any:
         """``Step.forward``; in stage mode after the pipeline's processes agree on the batch size."""

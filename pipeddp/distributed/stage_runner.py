@@ -10,13 +10,14 @@ With virtual stages the process holds stages ``row, row + p, ...`` and the
 last device feeds the first device's next stage: the channels form a ring,
 one per other process it exchanges data with (both ways on one channel).
 
-After a step every send still in flight is awaited (``flush``); after a
-failed step the channels forget what they knew of it (``reset``), so the
+After a step every send still in flight is awaited (``flush``, a span of
+the trace's communication lane); after a failed step the channels forget what they knew of it (``reset``), so the
 next step starts clean.
 """
 
 from __future__ import annotations
 
+import contextlib
 from datetime import timedelta
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -87,8 +88,11 @@ class ProcessRunner:
                 ch.reset()
             raise
         finally:
-            for ch in self.channels:
-                ch.flush()
+            first = self.device.first.index
+            with contextlib.nullcontext() if trace is None else trace.span(first, "flush", 0, lane="comm",
+                                                                           row=self.device.row):
+                for ch in self.channels:
+                    ch.flush()
             streams.leave()
 
     def _expect(self, actions: Sequence[Action]) -> None:

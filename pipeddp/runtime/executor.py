@@ -3,7 +3,8 @@
 ``run_actions`` is the whole executor for one device: it walks the device's
 row of the schedule, dispatching each action to the stage it names, pulls
 inputs from the channels of the devices that send them, pushes outputs to
-the devices that take them, and records a span per action when tracing.
+the devices that take them, and records a span per action when tracing (and,
+on the communication lane, each wait for a receive and each send).
 ``ThreadRunner`` runs it for every device of a process on one ``Workers``
 thread per device (``workers``), joined by ``LocalChannel``s::
 
@@ -182,7 +183,8 @@ def _run(
             with _timed(trace, s, "F", mb, stream, device.row):
                 out, loss = st.forward(mb, value, spec)
             if s < last_stage:
-                links[row_of(s + 1, rows)].send("F", s + 1, mb, out)
+                with _timed(trace, s, "send", mb, None, device.row, lane="comm"):
+                    links[row_of(s + 1, rows)].send("F", s + 1, mb, out)
             else:
                 results.outputs[mb] = out
                 if loss is not None:
@@ -196,7 +198,8 @@ def _run(
                 gin = st.backward(mb, grads, spec, sync=k in arm) if kind is Kind.B \
                     else st.backward_input(mb, grads, spec)
             if s > 0:
-                links[row_of(s - 1, rows)].send("B", s - 1, mb, gin)
+                with _timed(trace, s, "send", mb, None, device.row, lane="comm"):
+                    links[row_of(s - 1, rows)].send("B", s - 1, mb, gin)
             else:
                 results.input_grads[mb] = gin
         elif kind is Kind.W:

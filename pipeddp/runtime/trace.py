@@ -1,6 +1,8 @@
 """Record when each stage works on what: the pipeline's timeline.
 
-With ``trace=True`` the executor wraps every action in ``Trace.span``::
+With ``trace=True`` the executor wraps every action in ``Trace.span``, and
+on a communication lane beside it every wait for a message and every send
+(the engines add their gradient reductions and per-step collectives)::
 
     stage 0 | F0 | F1 | F2 | F3 |    | B0 |    | B1 | ...
     stage 1 |    | F0 | F1 | F2 | F3 | B0 | B1 | ...
@@ -30,7 +32,12 @@ __all__ = ["Span", "Trace"]
 
 @dataclass
 class Span:
-    """One recorded interval: ``kind`` is F, B, I, W, recv or allreduce; ``stage`` the model stage."""
+    """One recorded interval; ``stage`` the model stage.
+
+    ``kind``: an action (F, B, I, W) on the ``"compute"`` lane; on the ``"comm"`` lane a wait for a message
+    (``recv``), a send (``send``), the wait for sends still in flight at a step's end (``flush``), a gradient
+    reduction (``allreduce``, ``reduce_scatter``) and a step's agreement collectives (``agree``).
+    """
 
     stage: int
     kind: str
