@@ -49,6 +49,9 @@ class Stall(nn.Module):
 
 def main() -> None:
     faulthandler.register(signal.SIGUSR1)  # a test that finds a process still alive dumps its threads' stacks
+    # Python keeps SIGINT ignored where it was started so (a background job of a non-interactive shell, as a CI
+    # runner may start the suite): the Ctrl-C a user at a terminal sends must reach this loop wherever it runs
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     p = argparse.ArgumentParser()
     p.add_argument("mode", choices=["replica", "stage", "pipeline"])
     p.add_argument("--stall", action="store_true")
