@@ -11,8 +11,8 @@ last device feeds the first device's next stage: the channels form a ring,
 one per other process it exchanges data with (both ways on one channel).
 
 After a step every send still in flight is awaited (``flush``, a span of
-the trace's communication lane); after a failed step the channels forget what they knew of it (``reset``), so the
-next step starts clean.
+the trace's communication lane); after a failed step the channels forget
+what they knew of it (``reset``), so the next step starts clean.
 """
 
 from __future__ import annotations
