@@ -238,11 +238,13 @@ class HybridParallel(Checkpointable, StepModule):
     # -- life cycle --------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Wait for a save in flight, stop stage threads and, if this engine started it, the process group."""
+        """Wait for a save in flight, stop stage threads, give the model back its tied weights (one parameter where
+        stages held copies) and, if this engine started it, end the process group."""
         try:
             self._saver.close()  # a failed background save raises here, after everything below is stopped
         finally:
             self._finalizer()
+            self._replica.step.ties.restore()
             self._replica.close()
 
     def extra_repr(self) -> str:

@@ -235,11 +235,13 @@ class Pipeline(Checkpointable, StepModule):
                         "of .cpu()")
 
     def close(self) -> None:
-        """Wait for a save in flight, stop and join the stage threads. The pipeline cannot run afterwards."""
+        """Wait for a save in flight, stop and join the stage threads, give the model back its tied weights (one
+        parameter where stages held copies). The pipeline cannot run afterwards."""
         try:
             self._saver.close()  # a failed background save raises here, after the threads are stopped
         finally:
             self._finalizer()
+            self._step.ties.restore()
 
     @property
     def worker_threads(self) -> List[Any]:

@@ -30,6 +30,22 @@ def test_tied_weights_on_two_stages_train_like_the_plain_model():
     assert max_diff(expect.values(), got.values()) < 1e-12
 
 
+def test_closing_gives_the_model_back_one_weight_that_a_second_engine_trains_on():
+    model = tied_model()
+    batches = global_batches(4)
+    expect = reference_state(model, batches, momentum=0.0)  # plain SGD: two engines in turn are one run
+    for part in (batches[:2], batches[2:]):
+        with pipeddp.Pipeline(model, ["cpu", "cpu"], chunks=3, balance=[2, 3]) as pipe:  # the model's own layers
+            assert model[4].weight is not model[0].weight  # the head's stage holds a copy while the engine runs
+            opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+            for x, y in part:
+                opt.zero_grad()
+                pipe.train_step(x, y, LOSS)
+                opt.step()
+        assert model[4].weight is model[0].weight  # one weight again
+    assert max_diff(expect.values(), model.state_dict().values()) < 1e-12
+
+
 def test_tied_weights_through_call_and_backward():
     model = tied_model()
     x, y = data(9, width=6, seed=8)
@@ -57,6 +73,7 @@ def test_tied_weights_across_replicas_and_processes(mode, nprocs, clip, tmp_path
     if clip is not None:
         assert min(norms) > clip
     for res in results:
+        assert res["one_weight_after_close"], res["rank"]
         assert res["norms"] == pytest.approx(norms, rel=1e-12), res["rank"]
         assert list(res["state"]) == list(expect)
         assert max_diff(expect.values(), res["state"].values()) < 1e-12, res["rank"]

@@ -85,7 +85,8 @@ def hybrid_tied_job(mode: str, path: str, clip: Optional[float] = None) -> Dict[
     """2 replicas x 2 stages, the tied weights on different stages; returns states and this rank's copies.
 
     With ``clip``, gradients are clipped to that norm each step (``engine.clip_grad_norm_``)."""
-    engine = pipeddp.HybridParallel(tied_model(), stages=2, mode=mode, chunks=3, balance=[2, 3])
+    model = tied_model()
+    engine = pipeddp.HybridParallel(model, stages=2, mode=mode, chunks=3, balance=[2, 3])
     opt = torch.optim.SGD(engine.parameters(), lr=0.1, momentum=0.9)
     replicas, r = engine.topology.replicas, engine.topology.replica
     norms = []
@@ -102,6 +103,7 @@ def hybrid_tied_job(mode: str, path: str, clip: Optional[float] = None) -> Dict[
     out = {"state": engine.state_dict(), "local": engine.local_state_dict(), "rank": engine.topology.rank,
            "norms": norms}
     engine.close()
+    out["one_weight_after_close"] = model[4].weight is model[0].weight
     return out
 
 
@@ -187,7 +189,8 @@ def hybrid_accumulation_job(mode: str, clip: float) -> Dict[str, Any]:
 
     Replica mode mixes ``train_step`` with ``engine(x)`` + ``loss.backward()``; stage mode (where a
     backward through the output needs every stage) calls ``train_step`` twice."""
-    engine = pipeddp.HybridParallel(tied_model(), stages=2, mode=mode, chunks=3, balance=[2, 3])
+    model = tied_model()
+    engine = pipeddp.HybridParallel(model, stages=2, mode=mode, chunks=3, balance=[2, 3])
     opt = torch.optim.SGD(engine.parameters(), lr=0.1, momentum=0.9)
     replicas, r = engine.topology.replicas, engine.topology.replica
     grads, norms = [], []

@@ -140,6 +140,8 @@ class LocalTies:
         by_index = {st.index: st for st in stages}
         #: per tie with a use here: the tie and this process's parameters for it, first stage first
         self.entries: List[Tuple[Tie, List[nn.Parameter]]] = []
+        #: (module, attribute, what the model held there, the copy put in its place): undone by ``restore``
+        self._placed: List[Tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = []
         for tie in ties:
             group: Dict[int, nn.Parameter] = {}
             for name, stage in zip(tie.names, tie.stages):
@@ -154,6 +156,9 @@ class LocalTies:
                         current = nn.Parameter(original.detach().to(st.device, copy=True),
                                                requires_grad=original.requires_grad)
                     group[stage] = current
+                before = getattr(module, attr)
+                if before is not group[stage]:
+                    self._placed.append((module, attr, before, group[stage]))
                 setattr(module, attr, group[stage])
             if group:
                 self.entries.append((tie, [group[s] for s in sorted(group)]))
@@ -175,6 +180,20 @@ class LocalTies:
                     module, attr = _resolve(by_index[stage].module, name)
                     seen[stage] = getattr(module, attr)
             group[:] = [seen[s] for s in sorted(seen)]
+
+    def restore(self) -> None:
+        """Give the model back its shared parameters in place of the copies (when the engine closes).
+
+        The copies live in the user's modules while the engine runs; left
+        there, a model trained on afterwards (or by another engine) would have
+        two weights where it had one. The first use's parameter holds the
+        trained values (each copy is refreshed from it). A place whose
+        parameter was replaced since (a sharding engine's) is left as it is.
+        """
+        for module, attr, before, placed in reversed(self._placed):
+            if getattr(module, attr) is placed:
+                setattr(module, attr, before)
+        self._placed = []
 
     @property
     def groups(self) -> List[List[nn.Parameter]]:
