@@ -38,6 +38,13 @@ def train(module, optimizer, steps, pipelined=True):
         optimizer.step()
 
 
+def trained_plain(steps):
+    """The plain model trained with Adam on one device: the reference every engine's run is compared with."""
+    plain = model()
+    train(plain, torch.optim.Adam(plain.parameters(), lr=0.01), steps, pipelined=False)
+    return plain
+
+
 def snapshot(module, optimizer):
     weights = {k: v.clone() for k, v in module.state_dict().items()}
     state = copy.deepcopy(optimizer.state_dict())
@@ -58,9 +65,7 @@ def same(a, b):
 @pytest.mark.parametrize("sharded", [False, True])
 def test_a_pipeline_checkpoint_loads_strictly_into_the_plain_model_and_resumes_exactly(tmp_path, sharded):
     steps = batches(6)
-    plain = model()
-    plain_opt = torch.optim.Adam(plain.parameters(), lr=0.01)
-    train(plain, plain_opt, steps, pipelined=False)
+    plain = trained_plain(steps)
 
     run = str(tmp_path / "run")
     with pipeddp.Pipeline(model(), ["cpu", "cpu"], chunks=2) as pipe:
@@ -83,9 +88,7 @@ def test_a_pipeline_checkpoint_loads_strictly_into_the_plain_model_and_resumes_e
 @pytest.mark.parametrize("sharded", [False, True])
 def test_pipeline_and_hybrid_parallel_load_each_others_checkpoints(tmp_path, sharded):
     steps = batches(4)
-    plain = model()
-    plain_opt = torch.optim.Adam(plain.parameters(), lr=0.01)
-    train(plain, plain_opt, steps, pipelined=False)
+    plain = trained_plain(steps)
     with pipeddp.Pipeline(model(), ["cpu", "cpu"], chunks=2) as pipe:
         opt = torch.optim.Adam(pipe.parameters(), lr=0.01)
         train(pipe, opt, steps[:2])
