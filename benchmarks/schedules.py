@@ -29,6 +29,7 @@ import pipeddp
 from benchmarks import baselines, common
 from benchmarks.baselines import WORKLOADS, add_round_flags, names
 from benchmarks.common import BARRIER, LossFn, Run, at_least, barrier_rounds, barrier_timed, gather, log0, median_ratio
+from pipeddp.runtime.refine import action_samples
 from pipeddp.runtime.schedule import get_schedule, play
 from pipeddp.runtime.schedule.costed import Costs, build
 from pipeddp.tools.simulate import StageCost, simulate
@@ -80,9 +81,7 @@ def steps_at(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, 
 def best_order(spans: Sequence[Any], m: int, v: int) -> Optional[float]:
     """The bubble of the best order ``auto``'s builder finds for this step's measured F, I and W times with no cap on
     activations: what reordering alone could reach on this cut (None where the step ran whole backwards)."""
-    samples: Dict[Tuple[int, str], List[float]] = {}
-    for sp in (sp for sp in spans if sp.kind in WORK):
-        samples.setdefault((sp.stage, sp.kind), []).append(sp.duration)
+    samples = action_samples(spans)
     if not any(k == "W" for _, k in samples):
         return None
     costs = Costs.unit(DEVICES * v).measured(samples)

@@ -16,7 +16,6 @@ position.
 
 from __future__ import annotations
 
-import contextlib
 from functools import partial
 from typing import Any, Callable, ContextManager, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -30,6 +29,7 @@ from ..runtime.clip import Combine
 from ..runtime.microbatch import batch_size as samples_of
 from ..runtime.microbatch import tree_map
 from ..runtime.step import Runner, Step
+from ..runtime.trace import timed
 from .agreement import Agreement
 from .elastic import GlobalBatch
 from .groups import Groups
@@ -88,10 +88,8 @@ class Replica:
     def _agreeing(self) -> ContextManager[Any]:
         """An ``"agree"`` span on the trace's communication lane around one of a step's two agreement collectives
         (they include waiting for the slowest rank, where that process would otherwise idle between steps)."""
-        trace, first = self.step.trace, self.step.stages[0]
-        if trace is None:
-            return contextlib.nullcontext()
-        return trace.span(first.index, "agree", 0, lane="comm", row=first.index % self.step.rows)
+        first = self.step.stages[0].index
+        return timed(self.step.trace, first, "agree", 0, row=first % self.step.rows, lane="comm")
 
     def forward(self, x: Any, *, need_grad: bool) -> Any:
         """``Step.forward``; in stage mode after the pipeline's processes agree on the batch size."""

@@ -17,7 +17,6 @@ what they knew of it (``reset``), so the next step starts clean.
 
 from __future__ import annotations
 
-import contextlib
 from datetime import timedelta
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -28,7 +27,7 @@ from ..runtime.executor import Device, StageResults, group_rows, run_actions
 from ..runtime.schedule.actions import Action, Kind, row_of
 from ..runtime.spec import Grads, StepSpec
 from ..runtime.stage import Stage
-from ..runtime.trace import Trace
+from ..runtime.trace import Trace, timed
 from .p2p import P2PChannel
 from .topology import Topology
 
@@ -88,9 +87,7 @@ class ProcessRunner:
                 ch.reset()
             raise
         finally:
-            first = self.device.first.index
-            with contextlib.nullcontext() if trace is None else trace.span(first, "flush", 0, lane="comm",
-                                                                           row=self.device.row):
+            with timed(trace, self.device.first.index, "flush", 0, row=self.device.row, lane="comm"):
                 for ch in self.channels:
                     ch.flush()
             streams.leave()

@@ -26,11 +26,10 @@ call from ``close()``, ``__exit__`` and a ``weakref.finalize`` hook.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
 from dataclasses import dataclass, field
-from typing import Any, ContextManager, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
@@ -38,7 +37,7 @@ from .channels import Channel, Inbox, LocalChannel, PipelineAborted
 from .schedule.actions import Action, Kind, row_of
 from .spec import Grads, StepSpec
 from .stage import Stage
-from .trace import Trace
+from .trace import Trace, timed
 from .workers import Workers
 
 __all__ = ["Workers", "StageResults", "Device", "run_actions", "ThreadRunner", "group_rows"]
@@ -180,10 +179,10 @@ def _run(
                 value = inputs[mb]
             else:
                 value = _recv(links[row_of(s - 1, rows)], "F", s, mb, device.row, trace)
-            with _timed(trace, s, "F", mb, stream, device.row):
+            with timed(trace, s, "F", mb, stream, device.row):
                 out, loss = st.forward(mb, value, spec)
             if s < last_stage:
-                with _timed(trace, s, "send", mb, None, device.row, lane="comm"):
+                with timed(trace, s, "send", mb, None, device.row, lane="comm"):
                     links[row_of(s + 1, rows)].send("F", s + 1, mb, out)
             else:
                 results.outputs[mb] = out
@@ -194,16 +193,16 @@ def _run(
                 grads = output_grads[mb] if output_grads is not None else None
             else:
                 grads = _recv(links[row_of(s + 1, rows)], "B", s, mb, device.row, trace)
-            with _timed(trace, s, kind.value, mb, stream, device.row):
+            with timed(trace, s, kind.value, mb, stream, device.row):
                 gin = st.backward(mb, grads, spec, sync=k in arm) if kind is Kind.B \
                     else st.backward_input(mb, grads, spec)
             if s > 0:
-                with _timed(trace, s, "send", mb, None, device.row, lane="comm"):
+                with timed(trace, s, "send", mb, None, device.row, lane="comm"):
                     links[row_of(s - 1, rows)].send("B", s - 1, mb, gin)
             else:
                 results.input_grads[mb] = gin
         elif kind is Kind.W:
-            with _timed(trace, s, "W", mb, stream, device.row):
+            with timed(trace, s, "W", mb, stream, device.row):
                 st.backward_weight(mb, spec, sync=k in arm)
         else:
             raise ValueError(f"device {device.row}: unknown action kind {kind!r} in {a!r}")
@@ -213,17 +212,8 @@ def _run(
 
 
 def _recv(channel: Channel, kind: str, stage: int, mb: int, row: int, trace: Optional[Trace]) -> Any:
-    with _timed(trace, stage, "recv", mb, None, row, lane="comm"):
+    with timed(trace, stage, "recv", mb, None, row, lane="comm"):
         return channel.recv(kind, stage, mb)
-
-
-_UNTIMED = contextlib.nullcontext()  # reusable: what an action runs in when the step is not traced
-
-
-def _timed(trace: Optional[Trace], stage: int, kind: str, mb: int, stream: Any, row: int,
-           lane: str = "compute") -> ContextManager[Any]:
-    """A span of the trace around the body, or nothing when the step is not traced."""
-    return _UNTIMED if trace is None else trace.span(stage, kind, mb, stream, lane=lane, row=row)
 
 
 class ThreadRunner:

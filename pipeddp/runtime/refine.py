@@ -19,13 +19,23 @@ import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 from .schedule.costed import AutoSchedule, Costs, is_auto
-from .trace import Trace
+from .trace import Span, Trace
 
-__all__ = ["Refiner", "attach_auto"]
+__all__ = ["Refiner", "attach_auto", "action_samples"]
 
 T = TypeVar("T")
 #: Per (stage, action kind): the measured seconds of each such action of a step.
 Samples = Dict[Tuple[int, str], List[float]]
+
+
+def action_samples(spans: Sequence[Span]) -> Samples:
+    """Per (stage, action kind), the seconds of each F, I, W or B action in ``spans`` (what ``Costs.measured``
+    takes)."""
+    samples: Samples = {}
+    for s in spans:
+        if s.lane == "compute" and s.kind in ("F", "B", "I", "W"):
+            samples.setdefault((s.stage, s.kind), []).append(s.duration)
+    return samples
 
 
 def _alone(local: Any) -> List[Any]:
@@ -75,14 +85,8 @@ class Refiner:
             if self.own is not None and step.trace is self.own:
                 step.trace = None
             self.own = None
-            samples: Samples = {}
-            receives: List[float] = []
-            for s in spans:
-                if s.lane == "compute" and s.kind in ("F", "B", "I", "W"):
-                    samples.setdefault((s.stage, s.kind), []).append(s.duration)
-                elif s.kind == "recv":
-                    receives.append(s.duration)
-            parts = self.gather((samples, min(receives) if receives else None))
+            receives = [s.duration for s in spans if s.kind == "recv"]
+            parts = self.gather((action_samples(spans), min(receives) if receives else None))
             self.refined = self.on_rank0(lambda: self._decide(parts, step.n_stages))
             self.auto.update(self.refined)
             step.reschedule()
