@@ -30,6 +30,13 @@ import pytest
 import torch
 from torch import nn
 
+import nccl_rules
+
+#: Point-to-point messages follow NCCL's rules (in order, no tags) in this process and every one it starts,
+#: unless a job is started with PIPEDDP_P2P_RULES=tags (``nccl_rules``).
+os.environ.setdefault("PIPEDDP_P2P_RULES", "nccl")
+nccl_rules.install()
+
 
 @pytest.fixture(autouse=True)
 def _no_thread_left_behind():

@@ -24,6 +24,10 @@ from torch import nn
 
 import pipeddp
 
+import nccl_rules
+
+nccl_rules.install()  # point-to-point messages follow NCCL's rules here too (see conftest)
+
 GLOBAL_BATCH, BATCH_SIZE, SAMPLES, SEED = 8, 2, 40, 11
 
 

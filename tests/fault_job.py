@@ -19,6 +19,10 @@ from torch import nn
 
 import pipeddp
 
+import nccl_rules
+
+nccl_rules.install()  # point-to-point messages follow NCCL's rules here too (see conftest)
+
 
 class Tripwire(nn.Module):
     def __init__(self, victim: bool, how: str) -> None:

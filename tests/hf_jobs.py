@@ -13,6 +13,10 @@ from torch import nn
 import pipeddp
 from pipeddp.tools.models import flatten_sequential
 
+import nccl_rules
+
+nccl_rules.install()  # point-to-point messages follow NCCL's rules here too (see conftest)
+
 VOCAB, T = 40, 6
 
 

@@ -25,6 +25,10 @@ from torch import nn
 
 import pipeddp
 
+import nccl_rules
+
+nccl_rules.install()  # point-to-point messages follow NCCL's rules here too (see conftest)
+
 
 def say(line: str) -> None:
     """One write per line: the ranks share torchrun's output, and print's two writes would interleave."""

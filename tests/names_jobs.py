@@ -12,6 +12,10 @@ from torch import nn
 import pipeddp
 from pipeddp.tools.models import flatten_sequential
 
+import nccl_rules
+
+nccl_rules.install()  # point-to-point messages follow NCCL's rules here too (see conftest)
+
 
 def resnet(seed: int) -> nn.Module:
     torch.manual_seed(seed)

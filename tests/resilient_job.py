@@ -17,6 +17,10 @@ from torch import nn
 
 import pipeddp
 
+import nccl_rules
+
+nccl_rules.install()  # point-to-point messages follow NCCL's rules here too (see conftest)
+
 
 class KillSwitch(nn.Module):
     def __init__(self) -> None:

@@ -104,7 +104,7 @@ def test_pipeline_with_auto_trains_the_plain_model_and_refines_its_order(devices
             assert (refiner.refined is not None) == (step >= 1)
             assert (pipe.trace is None) == (step != 0)  # the second step is traced on a trace of its own
         assert pipe._step.schedule.costs is refiner.refined
-        plan = pipe._step._local_rows("train", 4)
+        plan, _ = pipe._step._plan("train", 4)
         assert max(peak_held(row) for row in plan) <= (cap or (devices if virtual == 1 else 5))
         state = pipe.state_dict()
     assert max_diff([state[n] for n in names], params) < 1e-12

@@ -1,4 +1,9 @@
-"""``distributed.p2p``: the activation header, message tags, and a real exchange between two gloo processes."""
+"""``distributed.p2p``: the activation header, message tags, and real exchanges between two gloo processes.
+
+The suite runs every job under NCCL's rules (``nccl_rules``: no tags, one stream per pair of ranks); the jobs
+here also run on the ordinary tagged path, and show that the rules catch a transport that relies on tags or
+posts its operations out of order.
+"""
 
 import itertools
 import time
@@ -10,6 +15,11 @@ import torch.distributed as dist
 
 import pipeddp
 from pipeddp.distributed.p2p import _DTYPES, _HEADER, P2PChannel, PeerError, _decode, _encode, _flatten, _tag
+from pipeddp.runtime.schedule import Kind, crossings, interleaved
+
+import nccl_rules
+
+nccl_rules.install()  # point-to-point messages follow NCCL's rules here too (see conftest)
 
 CPU = torch.device("cpu")
 
@@ -61,23 +71,22 @@ def test_unsupported_values_are_refused_with_a_clear_message():
 
 def test_channel_refuses_a_dict_before_sending_anything():
     ch = P2PChannel(1, rank=0, stage=0, peer_stage=1, device=CPU, comm_device=CPU, timeout=timedelta(seconds=1))
+    ch.begin(crossings(interleaved(2, 1))[(0, 1)])  # it starts with a send: nothing is posted, no group is needed
     with pytest.raises(TypeError, match="got dict; restructure the layer at the cut"):
-        ch.send("F", 1, 0, {"h": torch.zeros(2, 3)})  # no process group is needed to refuse it
-    assert ch._meta == {} and ch._inflight == []
+        ch.send("F", 1, 0, {"h": torch.zeros(2, 3)})
+    assert ch._meta == {} and ch._inflight == [] and ch._next == 0
 
 
 def test_tags_are_unique_per_kind_stage_micro_batch_and_slot():
-    max_slots = (_HEADER - 2) // 2 + 1  # a header describes at most 31 tensors: slots 0 (header) .. 31
-    keys = list(itertools.product("FB", (0, 1, 5, 255), range(300), range(max_slots), range(4)))
-    tags = [_tag(kind, stage, mb, slot, gen) for kind, stage, mb, slot, gen in keys]
+    max_slots = 32
+    keys = list(itertools.product("FB", (0, 1, 7, 255), (0, 1, 2**16, 2**17 - 1), (0, 1, max_slots - 1)))
+    tags = [_tag(*key) for key in keys]
     assert len(set(tags)) == len(keys)
-    assert min(tags) >= 0 and max(tags) < 2**31
-    assert _tag("B", 255, 2**15 - 1, max_slots - 1, 3) < 2**31  # the largest tag fits gloo's 32 bits
-    assert _tag("F", 0, 0, 0, 4) == _tag("F", 0, 0, 0, 0)  # four generations, then the first again
+    assert _tag("B", 255, 2**17 - 1, max_slots - 1) < 2**31  # the largest tag fits gloo's 32 bits
     with pytest.raises(ValueError, match="at most 256 stages"):
         _tag("F", 256, 0, 0)
-    with pytest.raises(ValueError, match="32768 micro-batches"):
-        _tag("F", 0, 2**15, 0)
+    with pytest.raises(ValueError, match="131072 micro-batches"):
+        _tag("F", 0, 2**17, 0)
 
 
 # -- a real exchange over gloo ----------------------------------------------------------------------------------
@@ -85,85 +94,81 @@ def test_tags_are_unique_per_kind_stage_micro_batch_and_slot():
 STEPS = [[5, 3, 4], [2, 6, 1]]  # micro-batch sizes: the batch size changes between calls and steps
 
 
-def activation(step, mb, n):
-    """Stage 0's output of micro-batch ``mb``: a tensor, a tuple or a list of mixed dtypes and shapes."""
-    g = torch.Generator().manual_seed(1000 * step + mb)
-    if mb % 3 == 0:
+def activation(step, stage, mb, n):
+    """The input of ``stage`` for micro-batch ``mb``: a tensor, a tuple or a list of mixed dtypes and shapes."""
+    g = torch.Generator().manual_seed(1000 * step + 100 * stage + mb)
+    if (mb + stage) % 3 == 0:
         return torch.randn(4, n, generator=g, dtype=torch.float64).t()  # not contiguous
-    if mb % 3 == 1:
+    if (mb + stage) % 3 == 1:
         return (torch.randn(n, 2, 3, generator=g), torch.randint(0, 9, (n,), generator=g),
                 torch.randint(0, 2, (n, 1), generator=g).bool(), torch.randn(n, 5, generator=g).bfloat16(),
                 torch.randn(n, 2, generator=g, dtype=torch.complex64))
     return [torch.randn(n, 3, generator=g).half(), torch.randint(0, 255, (n,), generator=g).to(torch.uint8)]
 
 
-def gradient(step, mb, n):
-    """Stage 1's input gradients for ``activation(step, mb, n)``: one per tensor, None where there is none.
+def gradient(step, stage, mb, n):
+    """The gradients for ``activation(step, stage, mb, n)``: one per tensor, None where there is none.
 
     The bfloat16 activation gets no gradient although it could have one: the channel sends zeros for it.
     """
-    g = torch.Generator().manual_seed(5000 + 1000 * step + mb)
-    if mb % 3 == 0:
+    g = torch.Generator().manual_seed(50000 + 1000 * step + 100 * stage + mb)
+    if (mb + stage) % 3 == 0:
         return [torch.randn(n, 4, generator=g, dtype=torch.float64)]
-    if mb % 3 == 1:
+    if (mb + stage) % 3 == 1:
         return [torch.randn(n, 2, 3, generator=g), None, None, None,
                 torch.randn(n, 2, generator=g, dtype=torch.complex64)]
     return [torch.randn(n, 3, generator=g).half(), None]
 
 
 def exchange_job():
+    """Both ranks walk their rows of an interleaved schedule (4 stages on 2 processes: messages both ways on one
+    link), sending known activations and gradients and recording what they receive; then a failed step, then a
+    message that never comes."""
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
-    peer = 1 - rank
-    ch = P2PChannel(peer, rank=rank, stage=rank, peer_stage=peer, device=CPU, comm_device=CPU,
+    ch = P2PChannel(1 - rank, rank=rank, stage=rank, peer_stage=1 - rank, device=CPU, comm_device=CPU,
                     timeout=timedelta(seconds=30))
     got = []
     for step, sizes in enumerate(STEPS):
-        order = list(range(len(sizes)))
-        if rank == 0:  # device 0 holds stages 0 and 2 (virtual stages), device 1 stages 1 and 3
-            for mb in order:  # the gradients of stage 0's outputs: received as soon as each activation is sent
-                ch.expect("B", 0, mb)
-            for mb in order:
-                ch.send("F", 1, mb, activation(step, mb, sizes[mb]))
-                ch.send("F", 3, mb, activation(step + 10, mb, sizes[mb]))  # same micro-batch, another stage
-            for mb in order:
-                got.append((step, mb, ch.recv("B", 0, mb)))
-                assert same(ch.recv("B", 2, mb)[0], gradient(step + 10, mb, sizes[mb])[0])
-        else:
-            for mb in order:  # received ahead, as a runner asks at the start of a step
-                ch.expect("F", 1, mb)
-            for mb in reversed(order):  # consumed in another order than sent: tags, not arrival order, match them
-                other = ch.recv("F", 3, mb)
-                got.append((step, mb, ch.recv("F", 1, mb)))
-                ch.send("B", 2, mb, gradient(step + 10, mb, sizes[mb]))
-                ch.send("B", 0, mb, gradient(step, mb, sizes[mb]))
-                expected = activation(step + 10, mb, sizes[mb])
-                assert type(other) is type(expected)
+        plan = interleaved(2, len(sizes), 2)
+        ch.begin(crossings(plan)[(0, 1)])
+        for a in plan[rank]:
+            n = sizes[a.mb]
+            if a.kind is Kind.F:
+                if a.stage > 0:
+                    got.append(("F", step, a.stage, a.mb, ch.recv("F", a.stage, a.mb)))
+                if a.stage < 3:
+                    ch.send("F", a.stage + 1, a.mb, activation(step, a.stage + 1, a.mb, n))
+            else:
+                if a.stage < 3:
+                    got.append(("B", step, a.stage, a.mb, ch.recv("B", a.stage, a.mb)))
+                if a.stage > 0:
+                    ch.send("B", a.stage - 1, a.mb, gradient(step, a.stage, a.mb, n))
         ch.flush()
-    # a failed step leaves a receive posted ahead (rank 1); both sides reset, and the next step's message with the
-    # same (kind, stage, micro-batch) goes to the new receive, not to the stale one
-    if rank == 1:
-        ch.expect("F", 1, 50)
-    ch.reset()
-    after_reset = None
-    if rank == 0:
-        ch.send("F", 1, 50, torch.full((2, 2), 7.0))
-    else:
-        after_reset = ch.recv("F", 1, 50)
-    ch.flush()
-    # a message that never comes: a PeerError naming both sides (rank 0 stays up meanwhile, sending nothing)
-    error = ""
-    if rank == 1:
-        short = P2PChannel(0, rank=1, stage=1, peer_stage=0, device=CPU, comm_device=CPU,
-                           timeout=timedelta(seconds=1))
-        began = time.monotonic()
-        try:
-            short.recv("F", 1, 99)
-        except PeerError as exc:
-            error = f"{exc} after {time.monotonic() - began:.1f} s"
-    else:
+        ch.finish()
+    # a step fails on rank 0 before it sends anything (the caller's interrupt), and rank 0 stays up meanwhile,
+    # sending nothing: rank 1 gets a PeerError naming both sides after its timeout; both refuse the next step
+    ch.timeout = timedelta(seconds=1)
+    plan = interleaved(2, 2, 2)
+    ch.begin(crossings(plan)[(0, 1)])
+    error = refused = ""
+    began = time.monotonic()
+    try:
+        if rank == 1:
+            ch.recv("F", 1, 0)
+        else:
+            raise KeyboardInterrupt
+    except PeerError as exc:
+        error = f"{exc} after {time.monotonic() - began:.1f} s"
+        ch.fail(exc)
+    except KeyboardInterrupt as exc:
+        ch.fail(exc)
         time.sleep(2.5)
-    return {"got": got, "error": error, "after_reset": after_reset}
+    try:
+        ch.begin(crossings(plan)[(0, 1)])
+    except PeerError as exc:
+        refused = str(exc)
+    return {"got": got, "error": error, "refused": refused}
 
 
 def same(a, b):
@@ -171,37 +176,80 @@ def same(a, b):
 
 
 @pytest.mark.timeout(120)
-def test_activations_and_gradients_cross_between_processes_intact():
-    sent_back, received = pipeddp.spawn(exchange_job, 2, timeout=90)
-    # rank 1 got every activation: container, dtypes, shapes and values
-    assert [(s, mb) for s, mb, _ in received["got"]] == [(s, mb) for s, sizes in enumerate(STEPS)
-                                                           for mb in reversed(range(len(sizes)))]
-    for step, mb, value in received["got"]:
-        expected = activation(step, mb, STEPS[step][mb])
-        assert type(value) is type(expected)
-        if isinstance(expected, torch.Tensor):
-            assert same(value, expected.contiguous())
-        else:
-            assert len(value) == len(expected) and all(same(a, b) for a, b in zip(value, expected))
-    # rank 0 got the gradients, aligned with its activation's tensors: None for the ones that take no gradient,
-    # zeros for a floating tensor the peer left without one
-    assert [(s, mb) for s, mb, _ in sent_back["got"]] == [(s, mb) for s, sizes in enumerate(STEPS)
-                                                          for mb in range(len(sizes))]
-    for step, mb, grads in sent_back["got"]:
-        n = STEPS[step][mb]
-        acts = activation(step, mb, n)
-        acts = [acts] if isinstance(acts, torch.Tensor) else list(acts)
-        expected = gradient(step, mb, n)
-        assert isinstance(grads, list) and len(grads) == len(acts)
-        for act, g, want in zip(acts, grads, expected):
-            if not (act.is_floating_point() or act.is_complex()):
-                assert g is None
-            elif want is None:
-                assert same(g, torch.zeros_like(act))
-            else:
-                assert same(g, want)
-    assert sent_back["error"] == ""
-    assert torch.equal(received["after_reset"], torch.full((2, 2), 7.0))
-    assert received["error"].startswith("rank 1 (stage 1) got no activation of micro-batch 99 for stage 1 from rank 0 "
-                                        "(stage 0) within 1 s")
-    assert 0.9 <= float(received["error"].split(" after ")[-1][:-2]) < 2.5  # it waited its timeout, not longer
+@pytest.mark.parametrize("rules", ["nccl", "tags"])
+def test_activations_and_gradients_cross_between_processes_intact(rules):
+    results = pipeddp.spawn(exchange_job, 2, timeout=90, env={"PIPEDDP_P2P_RULES": rules})
+    for rank, res in enumerate(results):
+        plan = [interleaved(2, len(sizes), 2)[rank] for sizes in STEPS]
+        want = [(a.kind.value, step, a.stage, a.mb) for step, row in enumerate(plan) for a in row
+                if (a.kind is Kind.F and a.stage > 0) or (a.kind is not Kind.F and a.stage < 3)]
+        assert [g[:4] for g in res["got"]] == want  # every message, each where the schedule takes it
+        for kind, step, stage, mb, value in res["got"]:
+            n = STEPS[step][mb]
+            if kind == "F":  # container, dtypes, shapes and values
+                expected = activation(step, stage, mb, n)
+                assert type(value) is type(expected)
+                if isinstance(expected, torch.Tensor):
+                    assert same(value, expected.contiguous())
+                else:
+                    assert len(value) == len(expected) and all(same(a, b) for a, b in zip(value, expected))
+                continue
+            # gradients aligned with the activation's tensors: None for the ones that take no gradient, zeros
+            # for a floating tensor the peer left without one
+            acts = activation(step, stage + 1, mb, n)
+            acts = [acts] if isinstance(acts, torch.Tensor) else list(acts)
+            expected = gradient(step, stage + 1, mb, n)
+            assert isinstance(value, list) and len(value) == len(acts)
+            for act, g, w in zip(acts, value, expected):
+                if not (act.is_floating_point() or act.is_complex()):
+                    assert g is None
+                elif w is None:
+                    assert same(g, torch.zeros_like(act))
+                else:
+                    assert same(g, w)
+        assert "cannot exchange messages with rank" in res["refused"] and "Restart the job" in res["refused"]
+    assert "KeyboardInterrupt" in results[0]["refused"]  # the reason given is this rank's own failure
+    assert "got no activation of micro-batch 0 for stage 1" in results[1]["refused"]
+    assert results[0]["error"] == ""
+    assert results[1]["error"].startswith("rank 1 (stage 1) got no activation of micro-batch 0 for stage 1 from "
+                                          "rank 0 (stage 0) within 1 s")
+    assert 0.9 <= float(results[1]["error"].split(" after ")[-1][:-2]) < 2.5  # it waited its timeout, not longer
+
+
+def misordered_job():
+    """What a transport that relies on tags does: rank 1 posts the receive of the second message first; and both
+    ranks post a receive before their send."""
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
+    out = {}
+    if rank == 0:
+        dist.isend(torch.full((3,), 1.0), 1, tag=1).wait()
+        dist.isend(torch.full((3,), 2.0), 1, tag=2).wait()
+    else:
+        second, first = torch.zeros(3), torch.zeros(3)
+        w2 = dist.irecv(second, 0, tag=2)
+        w1 = dist.irecv(first, 0, tag=1)
+        w1.wait(), w2.wait()
+        out["first"], out["second"] = first.tolist(), second.tolist()
+    # both directions at once: each rank posts its receive, then sends
+    mine, theirs = torch.full((2,), float(rank)), torch.zeros(2)
+    recv = dist.irecv(theirs, 1 - rank, tag=7)
+    send = dist.isend(mine, 1 - rank, tag=7)
+    try:
+        recv.wait(timedelta(seconds=2))
+        send.wait(timedelta(seconds=2))
+        out["crossed"] = theirs.tolist()
+    except RuntimeError as exc:
+        out["crossed"] = str(exc)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_the_nccl_rules_catch_what_only_tags_made_right():
+    tagged = pipeddp.spawn(misordered_job, 2, timeout=60, env={"PIPEDDP_P2P_RULES": "tags"})
+    assert tagged[1]["first"] == [1.0] * 3 and tagged[1]["second"] == [2.0] * 3
+    assert tagged[0]["crossed"] == [1.0] * 2 and tagged[1]["crossed"] == [0.0] * 2
+    ruled = pipeddp.spawn(misordered_job, 2, timeout=60, env={"PIPEDDP_P2P_RULES": "nccl"})
+    assert ruled[1]["first"] == [2.0] * 3 and ruled[1]["second"] == [1.0] * 3  # paired by order: swapped
+    # a receive posted before a send on both sides: each waits for the other's send, queued behind it
+    assert "did not complete" in ruled[0]["crossed"] and "did not complete" in ruled[1]["crossed"]

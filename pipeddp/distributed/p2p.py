@@ -1,45 +1,48 @@
-"""``P2PChannel``: the transport between stages that live in different processes.
+"""``P2PChannel``: the transport between stages that live in different processes, right under NCCL's rules.
 
-Same two calls as ``LocalChannel`` (``send(kind, mb, value)``,
+Same two calls as ``LocalChannel`` (``send(kind, stage, mb, value)``,
 ``recv(kind, stage, mb)``), over ``torch.distributed`` point-to-point messages.
 One channel links this process to one other process of its pipeline, both
 ways: with virtual stages the same two processes exchange activations and
 gradients of several stages, told apart by the receiving stage.
 
+**Order, not tags, pairs messages.** NCCL ignores tags: between two ranks it
+pairs the n-th send with the n-th receive, and runs the operations of the pair
+one after another on one stream, both directions together. So both ends of a
+channel issue their operations in one order, which both compute from the
+schedule before the step (``crossings``; ``begin`` hands it to the channel)::
+
+    link order:   F0->1  F1->1  B0->0  F2->1  B1->0 ...
+    rank 0:       send   send   recv   send   recv  ...   (a receive is posted before any later send)
+    rank 1:       recv   recv   send   recv   send  ...
+
+A send is issued when its action has produced it, after every receive that
+comes before it in the link's order has been posted; a receive is posted as
+early as the order and its shapes allow (``_advance``, on every call), so what
+a stage waits for is usually there already. Tags are still set (gloo honours
+them, and a message that went astray then waits instead of landing in the
+wrong buffer), but nothing depends on them.
+
 An activation crosses as a small int64 *header* (container, dtypes and
-shapes) followed by its tensors, so batch sizes may change from step to step
-(the receiver cannot know the shape of a last, smaller batch in advance).
-Gradients need no header: they have the shapes of the activations the
-receiver itself sent, which the channel remembers per (stage, micro-batch).
-Every message has its own tag, derived from (kind, stage, micro-batch, slot),
-so nothing depends on the order in which messages arrive.
+shapes) followed by its tensors, so batch sizes may change from step to step;
+its tensors' receives are posted once the header is in. Gradients need no
+header: they have the shapes of the activation this process sent.
 
-Sends are asynchronous (``isend``): a stage does not wait for its neighbour to
-take an activation before it starts the next micro-batch. ``flush`` waits
-for the sends still in flight at the end of a step.
-
-Receives are posted ahead, so that what a stage waits for is already there
-when it needs it: at the start of a step the runner says which messages its
-device will take (``expect``); the header of every activation is received
-from then on, the tensors as soon as their header is in, and the receive of
-a gradient as soon as the activation it belongs to is sent (its shapes are
-known then)::
-
-    step starts:   irecv header F1  irecv header F2 ...        (expect)
-    F0 sent:       irecv gradient B0 (shapes of F0)            (send)
-    header F1 in:  irecv tensors of F1                          (any later call)
-    F1 needed:     wait (usually done)                          (recv)
+Sends are asynchronous (``isend``); ``flush`` waits for the ones still in
+flight at the end of a step. A step that fails leaves operations posted that
+no later message may meet, so the channel refuses further steps (``fail``).
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from ..runtime.channels import describe
+from ..runtime.schedule.messages import Message
 
 __all__ = ["P2PChannel", "PeerError"]
 
@@ -52,24 +55,20 @@ Meta = Tuple[int, List[Tuple[torch.dtype, Tuple[int, ...]]]]
 
 
 class PeerError(RuntimeError):
-    """A neighbouring process did not deliver (it died, stalled or timed out)."""
+    """A neighbouring process did not deliver (it died, stalled or timed out), or an earlier step broke the link."""
 
 
 _SLOTS = 5  # bits: the header (slot 0) and up to 31 tensors (as many as a header can describe)
 _STAGES = 8  # bits: up to 256 stages
-_GENERATIONS = 2  # bits: a failed step moves both sides to the next generation of tags
-_MBS = 31 - _SLOTS - 1 - _STAGES - _GENERATIONS  # bits left for the micro-batch
+_MBS = 31 - _SLOTS - 1 - _STAGES  # bits left for the micro-batch
 
 
-def _tag(kind: str, stage: int, mb: int, slot: int, generation: int = 0) -> int:
-    """A message's tag: unique per (kind, receiving stage, micro-batch, tensor slot, generation); fits gloo's
-    32 bits. The generation changes when a step fails, so a receive posted ahead for the failed step never takes a
-    message of a later one."""
+def _tag(kind: str, stage: int, mb: int, slot: int) -> int:
+    """A message's tag: unique per (kind, receiving stage, micro-batch, tensor slot); fits gloo's 32 bits."""
     if not 0 <= stage < 1 << _STAGES or not 0 <= mb < 1 << _MBS:
         raise ValueError(f"cannot tag a message of stage {stage}, micro-batch {mb} between processes: at most "
                          f"{1 << _STAGES} stages and {1 << _MBS} micro-batches per step")
-    gen = generation % (1 << _GENERATIONS)
-    return (((((mb << _GENERATIONS | gen) << _STAGES) | stage) << 1 | (kind == "B")) << _SLOTS) + slot
+    return ((((mb << _STAGES) | stage) << 1 | (kind == "B")) << _SLOTS) + slot
 
 
 def _activation(kind: str, stage: int, mb: int) -> Tuple[int, int]:
@@ -118,70 +117,176 @@ def _wants_grad(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point or dtype.is_complex
 
 
-class _Pending:
-    """A receive posted ahead: the header of an activation, then its tensors; or a gradient's tensors."""
+class _Posted:
+    """The receives of one incoming message: an activation's header, then its tensors; or a gradient's tensors."""
 
-    def __init__(self, header: Optional[Tuple[Any, torch.Tensor]] = None) -> None:
-        self.header = header
+    def __init__(self) -> None:
+        self.header: Optional[Tuple[Any, torch.Tensor]] = None
         self.meta: Optional[Meta] = None
         self.works: List[Any] = []
         self.bufs: List[torch.Tensor] = []
 
 
 class P2PChannel:
-    """Messages to and from the stages held by ``peer`` (a global rank), both ways."""
+    """Messages to and from the stages held by ``peer`` (a global rank), both ways, in the link's order."""
 
     def __init__(self, peer: int, *, rank: int, stage: int, peer_stage: int, device: torch.device,
                  comm_device: torch.device, timeout: timedelta) -> None:
         self.peer = peer
         self.rank = rank
-        #: the pipeline positions (devices) of this process and of the peer, for messages
+        #: the pipeline positions (device rows) of this process and of the peer
         self.stage = stage
         self.peer_stage = peer_stage
         self.device = device
         self.comm_device = comm_device
         self.timeout = timeout
-        self.generation = 0
+        self._order: Sequence[Message] = ()
+        self._index: Dict[Tuple[bool, str, int, int], int] = {}
+        self._next = 0  # the first message of the order whose operations are not all issued yet
+        self._posted: Dict[int, _Posted] = {}
         self._meta: Dict[Tuple[int, int], Meta] = {}
         self._inflight: List[Tuple[Any, List[torch.Tensor]]] = []
-        self._pending: Dict[Tuple[str, int, int], _Pending] = {}
-        self._want_grads: set = set()
+        self._broken: Optional[str] = None
 
-    def _tag(self, kind: str, stage: int, mb: int, slot: int) -> int:
-        return _tag(kind, stage, mb, slot, self.generation)
+    # -- the step's order --------------------------------------------------------------------------
+
+    def begin(self, order: Sequence[Message]) -> None:
+        """Start a step whose messages on this link are ``order`` (``crossings`` of its schedule)."""
+        if self._broken is not None:
+            raise PeerError(
+                f"rank {self.rank} (stage {self.stage}) cannot exchange messages with rank {self.peer} (stage "
+                f"{self.peer_stage}) any more: an earlier step failed in the middle of its exchange "
+                f"({self._broken}). Messages between processes are paired by their order (NCCL ignores tags) and "
+                "that step's are still posted, so no later message could be trusted. Restart the job from its last "
+                "checkpoint (torchrun --max-restarts=N restarts it by itself; pipeddp.resume picks up the newest)"
+            )
+        self._order = order
+        self._index = {(m.src == self.stage, m.kind, m.stage, m.mb): i for i, m in enumerate(order)}
+        self._next = 0
+        self._posted.clear()
+        self._meta.clear()
+        self._advance()
+
+    def _find(self, outgoing: bool, kind: str, stage: int, mb: int) -> int:
+        i = self._index.get((outgoing, kind, stage, mb))
+        if i is None:
+            what = f"{'send' if outgoing else 'receive'} the {describe(kind)} of micro-batch {mb} for stage {stage}"
+            raise RuntimeError(f"pipeddp: rank {self.rank} (stage {self.stage}) was asked to {what} "
+                               f"{'to' if outgoing else 'from'} rank {self.peer}, which this step's schedule does "
+                               "not send on this link")
+        return i
+
+    def _catch_up(self, upto: int) -> None:
+        """Post every receive that comes before message ``upto`` in the link's order (waiting for headers)."""
+        while self._next < upto:
+            m = self._order[self._next]
+            if m.src == self.stage:
+                later = self._order[upto]
+                raise RuntimeError(f"pipeddp: rank {self.rank} reached {later.kind}{later.mb} of stage {later.stage} "
+                                   f"before sending {m.kind}{m.mb} of stage {m.stage}: the step does not run in "
+                                   "the order of its schedule")
+            self._post(self._next, block=True)
+            self._next += 1
+
+    def _advance(self) -> None:
+        """Post the receives that come next in the link's order, as far as shapes are known (never waits)."""
+        while self._next < len(self._order) and self._order[self._next].src != self.stage \
+                and self._post(self._next, block=False):
+            self._next += 1
+
+    # -- receiving ---------------------------------------------------------------------------------
+
+    def _irecv(self, bufs: List[torch.Tensor], m: Message, first_slot: int) -> List[Any]:
+        return [dist.irecv(b, self.peer, tag=_tag(m.kind, m.stage, m.mb, first_slot + i)) for i, b in enumerate(bufs)]
+
+    def _post(self, i: int, *, block: bool) -> bool:
+        """Post the receives of incoming message ``i``; False where that needs what is not known yet and not
+        ``block`` (an activation's header not in, or a gradient of an activation not sent yet)."""
+        m = self._order[i]
+        posted = self._posted.setdefault(i, _Posted())
+        if m.kind == "F":
+            if posted.header is None:
+                buf = torch.empty((_HEADER,), dtype=torch.int64, device=self.comm_device)
+                posted.header = (self._irecv([buf], m, 0)[0], buf)
+            if posted.meta is None:
+                work, buf = posted.header
+                if not block and not work.is_completed():
+                    return False
+                self._wait([work], m)
+                posted.meta = self._meta[(m.stage, m.mb)] = _decode(buf.cpu())
+                metas = posted.meta[1]
+            else:
+                return True
+        else:
+            meta = self._meta.get(_activation(m.kind, m.stage, m.mb))
+            if meta is None:
+                if not block:
+                    return False
+                raise RuntimeError(f"pipeddp: rank {self.rank} expects the gradient of micro-batch {m.mb} from rank "
+                                   f"{self.peer} before it sent that activation")
+            metas = [(d, s) for d, s in meta[1] if _wants_grad(d)]
+        posted.bufs = [torch.empty(shape, dtype=dtype, device=self.comm_device) for dtype, shape in metas]
+        posted.works = self._irecv(posted.bufs, m, 1)
+        return True
+
+    def _wait(self, works: List[Any], m: Message) -> None:
+        try:
+            for work in works:
+                work.wait(self.timeout)
+        except RuntimeError as exc:
+            raise self._error(f"got no {describe(m.kind)} of micro-batch {m.mb} for stage {m.stage} from",
+                              exc) from exc
+
+    def recv(self, kind: str, stage: int, mb: int) -> Any:
+        """``stage``'s input (``"F"``) or the gradient of its output (``"B"``) for micro-batch ``mb``."""
+        i = self._find(False, kind, stage, mb)
+        if i >= self._next:
+            self._catch_up(i)
+            self._post(i, block=True)
+            self._next = i + 1
+        posted = self._posted.pop(i)
+        m = self._order[i]
+        self._wait(posted.works, m)
+        self._advance()
+        if kind == "F":
+            if posted.meta is None:  # _post reads every activation's header before its tensors
+                raise RuntimeError(f"pipeddp: the header of micro-batch {mb} for stage {stage} was never read")
+            tensors = [b.to(self.device) for b in posted.bufs]
+            container = posted.meta[0]
+            if container == 0:
+                return tensors[0]
+            return tuple(tensors) if container == 1 else list(tensors)
+        _, metas = self._meta.pop(_activation(kind, stage, mb))
+        got = iter(b.to(self.device) for b in posted.bufs)
+        return [next(got) if _wants_grad(d) else None for d, _ in metas]
 
     # -- sending -----------------------------------------------------------------------------------
-
-    def _isend(self, tensors: List[torch.Tensor], kind: str, stage: int, mb: int, first_slot: int) -> None:
-        out = [t.detach().to(self.comm_device).contiguous() for t in tensors]
-        for i, t in enumerate(out):
-            work = dist.isend(t, self.peer, tag=self._tag(kind, stage, mb, first_slot + i))
-            self._inflight.append((work, [t]))
-        self._prune()
 
     def send(self, kind: str, stage: int, mb: int, value: Any) -> None:
         """Send ``stage`` its input (``"F"``) or the gradient of its output (``"B"``) for micro-batch ``mb``."""
         if kind == "F":
-            container, tensors = _flatten(value)
+            container, tensors = _flatten(value)  # refuses what cannot cross before anything is posted
             header = _encode(container, tensors)
-            key = _activation(kind, stage, mb)
-            self._meta[key] = _decode(header)
-            self._isend([header] + tensors, kind, stage, mb, 0)
-            if ("B", stage - 1, mb) in self._want_grads:
-                self._post_gradient(stage - 1, mb)
-            self._advance()
-            return
-        # Gradients of the activation this process received: one per floating tensor, zeros where unused.
-        _, metas = self._meta.pop(_activation(kind, stage, mb))
-        grads = []
-        for (dtype, shape), g in zip(metas, value):
-            if _wants_grad(dtype):
-                grads.append(g if g is not None else torch.zeros(shape, dtype=dtype, device=self.device))
-        self._isend(grads, kind, stage, mb, 1)
-        self._advance()
-
-    def _prune(self) -> None:
+            i = self._find(True, kind, stage, mb)
+            self._catch_up(i)
+            self._meta[(stage, mb)] = _decode(header)
+            out, first_slot = [header] + tensors, 0
+        else:
+            # Gradients of the activation this process received: one per floating tensor, zeros where unused.
+            i = self._find(True, kind, stage, mb)
+            _, metas = self._meta.pop(_activation(kind, stage, mb))
+            out, first_slot = [], 1
+            for (dtype, shape), g in zip(metas, value):
+                if _wants_grad(dtype):
+                    out.append(g if g is not None else torch.zeros(shape, dtype=dtype, device=self.device))
+            self._catch_up(i)
+        m = self._order[i]
+        for k, t in enumerate(t.detach().to(self.comm_device).contiguous() for t in out):
+            work = dist.isend(t, self.peer, tag=_tag(m.kind, m.stage, m.mb, first_slot + k))
+            self._inflight.append((work, [t]))
+        self._next = i + 1
         self._inflight = [(w, ts) for w, ts in self._inflight if not w.is_completed()]
+        self._advance()
 
     def flush(self) -> None:
         """Wait until every send of this channel has completed."""
@@ -193,96 +298,23 @@ class P2PChannel:
         finally:
             self._inflight = []
 
-    # -- receiving ---------------------------------------------------------------------------------
+    def finish(self) -> None:
+        """End a step that ran to completion: every message of the link's order was sent or received."""
+        if self._next != len(self._order) or self._posted:
+            left = self._order[self._next] if self._next < len(self._order) else None
+            raise RuntimeError(f"pipeddp: rank {self.rank} ended a step with messages to or from rank {self.peer} "
+                               f"left over (the first: {left}): the step did not run its schedule")
 
-    def expect(self, kind: str, stage: int, mb: int) -> None:
-        """This step will take the message ``(kind, stage, mb)`` from the peer: receive it as early as possible."""
-        if kind == "F":
-            if ("F", stage, mb) not in self._pending:
-                buf = torch.empty((_HEADER,), dtype=torch.int64, device=self.comm_device)
-                work = dist.irecv(buf, self.peer, tag=self._tag("F", stage, mb, 0))
-                self._pending[("F", stage, mb)] = _Pending((work, buf))
-            return
-        self._want_grads.add(("B", stage, mb))
-        if _activation("B", stage, mb) in self._meta:  # its activation was sent already (a backward-only call)
-            self._post_gradient(stage, mb)
-
-    def _post(self, pending: _Pending, metas: List[Tuple[torch.dtype, Tuple[int, ...]]], kind: str, stage: int,
-              mb: int) -> None:
-        pending.bufs = [torch.empty(shape, dtype=dtype, device=self.comm_device) for dtype, shape in metas]
-        pending.works = [dist.irecv(b, self.peer, tag=self._tag(kind, stage, mb, 1 + i))
-                         for i, b in enumerate(pending.bufs)]
-
-    def _post_gradient(self, stage: int, mb: int) -> None:
-        self._want_grads.discard(("B", stage, mb))
-        _, metas = self._meta[_activation("B", stage, mb)]
-        pending = _Pending()
-        self._post(pending, [(d, s) for d, s in metas if _wants_grad(d)], "B", stage, mb)
-        self._pending[("B", stage, mb)] = pending
-
-    def _advance(self) -> None:
-        """Post the tensors of every activation whose header is in (cheap: one completion check per header)."""
-        for (_kind, stage, mb), pending in self._pending.items():
-            if pending.header is not None and pending.meta is None and pending.header[0].is_completed():
-                self._read_header(pending, stage, mb)
-
-    def _read_header(self, pending: _Pending, stage: int, mb: int) -> Meta:
-        if pending.header is None:  # expect() posts an activation's header first, always
-            raise RuntimeError(f"pipeddp: no header was posted for micro-batch {mb} of stage {stage}")
-        work, buf = pending.header
-        self._wait([work], "F", stage, mb)
-        meta = pending.meta = _decode(buf.cpu())
-        self._meta[_activation("F", stage, mb)] = meta
-        self._post(pending, meta[1], "F", stage, mb)
-        return meta
-
-    def _wait(self, works: List[Any], kind: str, stage: int, mb: int) -> None:
-        try:
-            for work in works:
-                work.wait(self.timeout)
-        except RuntimeError as exc:
-            raise self._error(f"got no {describe(kind)} of micro-batch {mb} for stage {stage} from", exc) from exc
-
-    def recv(self, kind: str, stage: int, mb: int) -> Any:
-        """``stage``'s input (``"F"``) or the gradient of its output (``"B"``) for micro-batch ``mb``."""
-        pending = self._pending.pop((kind, stage, mb), None)
-        if kind == "F":
-            if pending is None:
-                self.expect("F", stage, mb)
-                pending = self._pending.pop(("F", stage, mb))
-            meta = pending.meta if pending.meta is not None else self._read_header(pending, stage, mb)
-            self._wait(pending.works, kind, stage, mb)
-            self._advance()
-            tensors = [b.to(self.device) for b in pending.bufs]
-            container = meta[0]
-            if container == 0:
-                return tensors[0]
-            return tuple(tensors) if container == 1 else list(tensors)
-        if pending is None:
-            self._post_gradient(stage, mb)
-            pending = self._pending.pop(("B", stage, mb))
-        _, metas = self._meta.pop(_activation(kind, stage, mb))
-        self._wait(pending.works, kind, stage, mb)
-        self._advance()
-        got = iter(b.to(self.device) for b in pending.bufs)
-        return [next(got) if _wants_grad(d) else None for d, _ in metas]
+    def fail(self, exc: BaseException) -> None:
+        """A step failed: no later step may use this link (see ``begin``; the first failure is the reason given)."""
+        if self._broken is None:
+            self._broken = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        self._posted.clear()
+        self._meta.clear()
+        self._inflight = []
 
     def _error(self, what: str, exc: BaseException) -> PeerError:
         return PeerError(
             f"rank {self.rank} (stage {self.stage}) {what} rank {self.peer} (stage {self.peer_stage}) "
             f"within {self.timeout.total_seconds():.0f} s: that process died, stalled or timed out ({exc})"
         )
-
-    def reset(self) -> None:
-        """Forget per-step state after a failed step, and move to the next generation of tags.
-
-        Receives posted for the failed step may still be waiting inside the
-        process group; with another generation in their tags they can never
-        take a message of a later step (both sides of a failed step fail it,
-        the other one within its timeout, so both move on together).
-        """
-        self._meta.clear()
-        self._inflight = []
-        self._pending.clear()
-        self._want_grads.clear()
-        self.generation += 1

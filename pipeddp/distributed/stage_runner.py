@@ -10,21 +10,28 @@ With virtual stages the process holds stages ``row, row + p, ...`` and the
 last device feeds the first device's next stage: the channels form a ring,
 one per other process it exchanges data with (both ways on one channel).
 
-After a step every send still in flight is awaited (``flush``, a span of
-the trace's communication lane); after a failed step the channels forget
-what they knew of it (``reset``), so the next step starts clean.
+Before a step each channel is given the order of its link's messages, which
+both of its ends compute from the whole schedule (``crossings``): messages
+between processes are paired by order, as NCCL pairs them. Every send,
+receive and wait runs with the stage's compute stream current, so NCCL's
+operations are ordered after the kernels that produce what they send, and the
+kernels that read what they receive wait for them. After a step every send
+still in flight is awaited (``flush``, a span of the trace's communication
+lane); a failed step leaves receives posted that no later message may meet,
+so the channels refuse the next step with the reason (``P2PChannel.fail``).
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..runtime.channels import Channel, Inbox, LocalChannel
 from ..runtime.executor import Device, StageResults, group_rows, run_actions
-from ..runtime.schedule.actions import Action, Kind, row_of
+from ..runtime.schedule.actions import Action, Schedule, row_of
+from ..runtime.schedule.messages import Message, crossings
 from ..runtime.spec import Grads, StepSpec
 from ..runtime.stage import Stage
 from ..runtime.trace import Trace, timed
@@ -40,9 +47,13 @@ class ProcessRunner:
     def __init__(self, device: Device, links: Dict[int, Channel], *, rank: int) -> None:
         self.device = device
         self.links = links
-        self.channels: List[P2PChannel] = [c for c in links.values() if isinstance(c, P2PChannel)]
+        #: the channel to each other process's device row
+        self._p2p: Dict[int, P2PChannel] = {r: c for r, c in links.items() if isinstance(c, P2PChannel)}
+        self.channels: List[P2PChannel] = list(self._p2p.values())
         self._own: Optional[Inbox] = None
         self.rank = rank
+        self._plan: Optional[Schedule] = None
+        self._crossings: Dict[Tuple[int, int], List[Message]] = {}
 
     @classmethod
     def connect(cls, stages: Sequence[Stage], topology: Topology, *, n_stages: int, comm_device: torch.device,
@@ -70,41 +81,42 @@ class ProcessRunner:
         runner._own = own
         return runner
 
-    def run(self, rows: Sequence[Sequence[Action]], spec: StepSpec, *, inputs: Optional[Sequence[Any]] = None,
-            output_grads: Optional[Sequence[Optional[Grads]]] = None, grad_event: Any = None,
-            trace: Optional[Trace] = None) -> List[StageResults]:
+    def run(self, rows: Sequence[Sequence[Action]], spec: StepSpec, *, plan: Optional[Schedule] = None,
+            inputs: Optional[Sequence[Any]] = None, output_grads: Optional[Sequence[Optional[Grads]]] = None,
+            grad_event: Any = None, trace: Optional[Trace] = None) -> List[StageResults]:
+        """Run this device's row of ``plan`` (the whole schedule, which orders the messages of every link)."""
         (actions,) = rows
+        if plan is None:
+            raise ValueError("a stage-mode step needs the whole schedule (plan=): both ends of every link between "
+                             "processes derive the order of their messages from it")
+        orders = self._orders(plan)
         streams = self.device.first.streams
         if self._own is not None:
             self._own.reset()
-        self._expect(actions)
         streams.enter()
         try:
-            return [run_actions(self.device, actions, spec, links=self.links, inputs=inputs,
-                                output_grads=output_grads, trace=trace, rank=self.rank)]
-        except BaseException:
-            for ch in self.channels:
-                ch.reset()
-            raise
-        finally:
+            with streams.computing():  # receives posted here are ordered after the stage's compute stream
+                for peer_row, ch in self._p2p.items():
+                    ch.begin(orders.get((min(self.device.row, peer_row), max(self.device.row, peer_row)), []))
+            results = [run_actions(self.device, actions, spec, links=self.links, inputs=inputs,
+                                   output_grads=output_grads, trace=trace, rank=self.rank)]
             with timed(trace, self.device.first.index, "flush", 0, row=self.device.row, lane="comm"):
                 for ch in self.channels:
                     ch.flush()
+                    ch.finish()
+            return results
+        except BaseException as exc:
+            for ch in self.channels:
+                ch.fail(exc)
+            raise
+        finally:
             streams.leave()
 
-    def _expect(self, actions: Sequence[Action]) -> None:
-        """Tell each channel, before the step, which messages this device will take from it (received ahead)."""
-        rows, last = self.device.rows, self.device.n_stages - 1
-        for a in actions:
-            kind = Kind(a.kind)
-            if kind is Kind.F and a.at > 0:
-                link, what = self.links[row_of(a.at - 1, rows)], "F"
-            elif (kind is Kind.B or kind is Kind.I) and a.at < last:
-                link, what = self.links[row_of(a.at + 1, rows)], "B"
-            else:
-                continue
-            if isinstance(link, P2PChannel):  # another process (a stage of this device comes by its own inbox)
-                link.expect(what, a.at, a.mb)
+    def _orders(self, plan: Schedule) -> Dict[Tuple[int, int], List[Message]]:
+        """The messages of every link in ``plan``, in the order both ends issue them (computed once per plan)."""
+        if self._plan is not plan:
+            self._plan, self._crossings = plan, crossings(plan)
+        return self._crossings
 
     def close(self) -> None:
         """Nothing to stop: the stages run on the caller's thread."""

@@ -34,9 +34,10 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 import torch
 
 from .channels import Channel, Inbox, LocalChannel, PipelineAborted
-from .schedule.actions import Action, Kind, row_of
+from .schedule.actions import Action, Kind, Schedule, row_of
 from .spec import Grads, StepSpec
 from .stage import Stage
+from .streams import StageStreams
 from .trace import Trace, timed
 from .workers import Workers
 
@@ -161,7 +162,8 @@ def _run(
     arm = set(last_weight_actions(actions).values()) if spec.sync else set()
     stages = device.stages
     first = device.first
-    stream = first.streams.compute if (trace is not None and first.streams.cuda) else None
+    streams = first.streams  # every send and receive runs with the compute stream current (see _recv)
+    stream = streams.compute if (trace is not None and streams.cuda) else None
     for k, a in enumerate(actions):
         if stop is not None and stop.is_set():
             where.clear()  # the message says where it stopped; no action was interrupted
@@ -178,11 +180,11 @@ def _run(
                     raise RuntimeError("stage 0 was given no inputs")
                 value = inputs[mb]
             else:
-                value = _recv(links[row_of(s - 1, rows)], "F", s, mb, device.row, trace)
+                value = _recv(links[row_of(s - 1, rows)], "F", s, mb, device.row, trace, streams)
             with timed(trace, s, "F", mb, stream, device.row):
                 out, loss = st.forward(mb, value, spec)
             if s < last_stage:
-                with timed(trace, s, "send", mb, None, device.row, lane="comm"):
+                with streams.computing(), timed(trace, s, "send", mb, None, device.row, lane="comm"):
                     links[row_of(s + 1, rows)].send("F", s + 1, mb, out)
             else:
                 results.outputs[mb] = out
@@ -192,12 +194,12 @@ def _run(
             if s == last_stage:
                 grads = output_grads[mb] if output_grads is not None else None
             else:
-                grads = _recv(links[row_of(s + 1, rows)], "B", s, mb, device.row, trace)
+                grads = _recv(links[row_of(s + 1, rows)], "B", s, mb, device.row, trace, streams)
             with timed(trace, s, kind.value, mb, stream, device.row):
                 gin = st.backward(mb, grads, spec, sync=k in arm) if kind is Kind.B \
                     else st.backward_input(mb, grads, spec)
             if s > 0:
-                with timed(trace, s, "send", mb, None, device.row, lane="comm"):
+                with streams.computing(), timed(trace, s, "send", mb, None, device.row, lane="comm"):
                     links[row_of(s - 1, rows)].send("B", s - 1, mb, gin)
             else:
                 results.input_grads[mb] = gin
@@ -211,8 +213,12 @@ def _run(
     return results
 
 
-def _recv(channel: Channel, kind: str, stage: int, mb: int, row: int, trace: Optional[Trace]) -> Any:
-    with timed(trace, stage, "recv", mb, None, row, lane="comm"):
+def _recv(channel: Channel, kind: str, stage: int, mb: int, row: int, trace: Optional[Trace],
+          streams: StageStreams) -> Any:
+    """A message from ``channel``, with the stage's compute stream current: a NCCL receive (and any receive the
+    channel posts ahead meanwhile) is then ordered after the stage's kernels, and its wait orders the kernels that
+    read it after it; a send likewise runs after the kernels that produced its tensors."""
+    with streams.computing(), timed(trace, stage, "recv", mb, None, row, lane="comm"):
         return channel.recv(kind, stage, mb)
 
 
@@ -247,10 +253,12 @@ class ThreadRunner:
             self._links.append(links)
         self._workers = Workers(len(self.devices), threads=threads)
 
-    def run(self, rows: Sequence[Sequence[Action]], spec: StepSpec, *, inputs: Optional[Sequence[Any]] = None,
-            output_grads: Optional[Sequence[Optional[Grads]]] = None, grad_event: Any = None,
-            trace: Optional[Trace] = None) -> List[StageResults]:
-        """Run ``rows[k]`` on device k's thread; return each device's results (re-raising the first real error)."""
+    def run(self, rows: Sequence[Sequence[Action]], spec: StepSpec, *, plan: Optional[Schedule] = None,
+            inputs: Optional[Sequence[Any]] = None, output_grads: Optional[Sequence[Optional[Grads]]] = None,
+            grad_event: Any = None, trace: Optional[Trace] = None) -> List[StageResults]:
+        """Run ``rows[k]`` on device k's thread; return each device's results (re-raising the first real error).
+
+        ``plan``, the whole schedule, is not needed here: the devices of one process pass messages by key."""
         for inbox in self._inboxes.values():
             inbox.reset()
         for d in self.devices:

@@ -49,9 +49,9 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 class Runner(Protocol):
     """Runs one action list per local device (schedule row) of a step and returns each device's results."""
 
-    def run(self, rows: Sequence[Sequence[Action]], spec: StepSpec, *, inputs: Optional[Sequence[Any]] = None,
-            output_grads: Optional[Sequence[Optional[Grads]]] = None, grad_event: Any = None,
-            trace: Optional[Trace] = None) -> List[StageResults]: ...
+    def run(self, rows: Sequence[Sequence[Action]], spec: StepSpec, *, plan: Optional[Schedule] = None,
+            inputs: Optional[Sequence[Any]] = None, output_grads: Optional[Sequence[Optional[Grads]]] = None,
+            grad_event: Any = None, trace: Optional[Trace] = None) -> List[StageResults]: ...
 
     def close(self) -> None: ...
 
@@ -103,7 +103,7 @@ class Step:
         self.before_forward: List[Callable[[], None]] = [self.ties.refresh] + [d.reset for d in self.deferred]
         self.after_forward: List[Callable[[], None]] = [d.commit for d in self.deferred]
         self.after_backward: List[Callable[[], None]] = [self.ties.fold]
-        self._rows: Dict[Tuple[str, int], List[List[Action]]] = {}
+        self._plans: Dict[Tuple[str, int], Tuple[List[List[Action]], Schedule]] = {}
 
     @property
     def first(self) -> Optional[Stage]:
@@ -119,19 +119,21 @@ class Step:
         """Micro-batch sizes for a batch of ``n`` (uneven where ``n`` does not divide)."""
         return split_sizes(n, self.chunks, self.split_size)
 
-    def _local_rows(self, kind: str, m: int) -> List[List[Action]]:
+    def _plan(self, kind: str, m: int) -> Tuple[List[List[Action]], Schedule]:
+        """This process's rows of the ``kind`` step over ``m`` micro-batches, and the whole schedule they come from
+        (a runner between processes orders its messages by it); built once per (kind, m)."""
         key = (kind, m)
-        if key not in self._rows:
+        if key not in self._plans:
             if kind == "train":
                 plan: Schedule = get_schedule(self.schedule, self.rows, m, self.virtual_stages)
             else:
                 plan = (forward_only if kind == "forward" else backward_only)(self.rows, m, self.virtual_stages)
-            self._rows[key] = [plan[r] for r in self.local_rows]
-        return self._rows[key]
+            self._plans[key] = ([plan[r] for r in self.local_rows], plan)
+        return self._plans[key]
 
     def reschedule(self) -> None:
         """Forget the rows built so far: the schedule function has new costs (``schedule="auto"``)."""
-        self._rows.clear()
+        self._plans.clear()
 
     def _seed(self) -> Optional[int]:
         """One base seed per step, drawn in the caller's thread (so ``torch.manual_seed`` rules it)."""
@@ -183,8 +185,8 @@ class Step:
         if first:
             self.ties.begin()
         self._call(self.before_forward)
-        results = self.runner.run(self._local_rows("train", m), spec, inputs=self._split_to(self.first, x, sizes),
-                                  trace=self.trace)
+        rows, plan = self._plan("train", m)
+        results = self.runner.run(rows, spec, plan=plan, inputs=self._split_to(self.first, x, sizes), trace=self.trace)
         self._call(self.after_forward)
         if final:
             self._call(self.after_backward)
@@ -234,7 +236,8 @@ class Step:
         x = self._to(self.first, x)  # the graph hangs on the moved input, whose grad lives on stage 0's device
         xs = None if x is None else split(x, sizes)
         self._call(self.before_forward)
-        results = self.runner.run(self._local_rows("forward", m), spec, inputs=xs, trace=self.trace)
+        rows, plan = self._plan("forward", m)
+        results = self.runner.run(rows, spec, plan=plan, inputs=xs, trace=self.trace)
         self._call(self.after_forward)
         if self.last is None:
             return None
@@ -245,8 +248,8 @@ class Step:
 
         def run_backward(grads: List[Optional[Grads]], event: Any) -> List[Grads]:
             self.ties.begin()  # here, not at the forward: the user may zero_grad in between
-            res = self.runner.run(self._local_rows("backward", m), spec, output_grads=grads, grad_event=event,
-                                  trace=self.trace)
+            rows, plan = self._plan("backward", m)
+            res = self.runner.run(rows, spec, plan=plan, output_grads=grads, grad_event=event, trace=self.trace)
             self._call(self.after_backward)
             return [res[0].input_grads[i] for i in range(m)]
 

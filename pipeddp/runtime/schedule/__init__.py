@@ -6,6 +6,8 @@
        ^
     replay     play: run a schedule on paper (durations, transfers) -> Played; peak_held
        ^
+    messages   crossings: the messages between two devices, in the one order both ends issue them
+       ^
     checks     validate (complete, ordered, placed, deadlock-free), format_schedule
        ^
     builders   gpipe, one_f_one_b, list_schedule -> interleaved, zero_bubble
@@ -33,10 +35,11 @@ from .builders import (
 from .checks import format_schedule, validate
 from .costed import AutoSchedule, Costs
 from .registry import SCHEDULES, VIRTUAL, accepts_virtual_stages, get_schedule, schedule_name
+from .messages import Message, crossings
 from .replay import Played, peak_held, play, ready_time
 
 __all__ = ["Kind", "Action", "Schedule", "ScheduleFn", "Event", "row_of", "stage_count", "produces", "deps",
            "releases", "normalize", "gpipe", "one_f_one_b", "list_schedule", "interleaved_limit", "interleaved",
            "zero_bubble", "forward_only", "backward_only", "SCHEDULES", "VIRTUAL", "schedule_name", "get_schedule",
            "accepts_virtual_stages", "AutoSchedule", "Costs", "validate", "format_schedule", "Played", "play",
-           "peak_held", "ready_time"]
+           "peak_held", "ready_time", "Message", "crossings"]
