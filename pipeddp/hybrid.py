@@ -68,7 +68,8 @@ class HybridParallel(Checkpointable, StepModule):
         mode: ``"replica"`` (one process per replica, driving ``stages`` devices with threads) or ``"stage"``.
         devices: this process's devices (``stages`` of them in replica mode, one in stage mode).
             Default: consecutive CUDA devices by local rank, else CPU (one process with fewer GPUs
-            than stages shares them); ``"auto"``: the CPU too where the GPUs are too few.
+            than stages shares them); ``"auto"``: the CPU on a machine without GPUs (a node whose GPUs
+            are too few for its processes is refused, naming ``CUDA_VISIBLE_DEVICES``).
         backend: ``"nccl"`` or ``"gloo"``; default nccl for CUDA, gloo for CPU.
         layout: stage mode only: ``"pipeline"`` (ranks 0..S-1 are replica 0) or ``"data"`` (0..R-1 hold stage 0).
         ddp_kwargs: passed to every stage's DDP (``bucket_cap_mb``, ``gradient_as_bucket_view``,

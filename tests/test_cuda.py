@@ -60,7 +60,7 @@ def test_two_gpus_and_nccl():
 
 def test_the_checks_themselves_on_the_cpu():
     """The checks' logic, with every CUDA device mapped to the CPU: it must hold wherever the suite runs."""
-    proc = subprocess.run([sys.executable, str(CHECKS), "one-gpu", "cut", "autocast", "two-gpus", "--fake-cpu"],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, str(CHECKS), "one-gpu", "cut", "autocast", "two-gpus", "nccl",
+                           "--fake-cpu"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.split() == ["ok", "one-gpu", "ok", "cut", "ok", "autocast", "ok", "two-gpus"]
+    assert proc.stdout.split() == ["ok", "one-gpu", "ok", "cut", "ok", "autocast", "ok", "two-gpus", "ok", "nccl"]

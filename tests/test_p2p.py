@@ -253,3 +253,51 @@ def test_the_nccl_rules_catch_what_only_tags_made_right():
     assert ruled[1]["first"] == [2.0] * 3 and ruled[1]["second"] == [1.0] * 3  # paired by order: swapped
     # a receive posted before a send on both sides: each waits for the other's send, queued behind it
     assert "did not complete" in ruled[0]["crossed"] and "did not complete" in ruled[1]["crossed"]
+
+
+def stream_context_job():
+    """A stage-mode job that records, for every call into its transport, whether the stage's compute stream
+    context (``StageStreams.computing``) was entered around it: where NCCL needs it, on a GPU."""
+    import contextlib
+    import threading
+
+    from torch import nn
+
+    from pipeddp.runtime.streams import StageStreams
+
+    depth = threading.local()
+    calls = []
+    entered = StageStreams.computing
+
+    @contextlib.contextmanager
+    def computing(self):
+        depth.n = getattr(depth, "n", 0) + 1
+        try:
+            with entered(self):
+                yield
+        finally:
+            depth.n -= 1
+
+    def recording(name, fn):
+        def call(self, *args, **kwargs):
+            calls.append((name, getattr(depth, "n", 0) > 0))
+            return fn(self, *args, **kwargs)
+        return call
+
+    StageStreams.computing = computing
+    for name in ("begin", "send", "recv"):
+        setattr(P2PChannel, name, recording(name, getattr(P2PChannel, name)))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
+    with pipeddp.HybridParallel(model, stages=2, mode="stage", chunks=3, balance=[2, 3]) as engine:
+        for _ in range(2):
+            engine.train_step(torch.randn(6, 6), torch.randn(6, 2), nn.functional.mse_loss)
+    return calls
+
+
+@pytest.mark.timeout(120)
+def test_every_call_into_the_transport_runs_inside_the_stage_stream_context():
+    for calls in pipeddp.spawn(stream_context_job, 2, timeout=90):
+        assert {name for name, _ in calls} == {"begin", "send", "recv"}
+        assert len(calls) == 2 * (1 + 3 + 3)  # per step: begin, 3 sends, 3 receives on each rank
+        assert all(inside for _, inside in calls), calls

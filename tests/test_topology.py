@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from pipeddp.distributed.topology import Topology
 
@@ -42,3 +43,27 @@ def test_stage_mode_names_the_process_counts_that_would_work():
         Topology(0, 3, 0, 3, 2, "stage")
     with pytest.raises(ValueError, match=r"start 2 processes, or use mode='replica'"):
         Topology(0, 1, 0, 1, 2, "stage")
+
+
+def test_auto_devices_refuse_a_node_whose_gpus_are_too_few(monkeypatch):
+    """devices='auto' on a node with GPUs, too few for its processes, names what it found and the mask. (The GPU
+    count is the only thing faked: this host has none, and the decision reads nothing else.)"""
+    from pipeddp.distributed.groups import local_devices
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
+    four_stage_processes = Topology(1, 4, 1, 4, 2, "stage", "pipeline")
+    with pytest.raises(ValueError, match=r"rank 1: devices='auto' found 3 CUDA device\(s\) on this node, but 4 "
+                                         r"processes x 1 device\(s\) each need 4 \(CUDA_VISIBLE_DEVICES='0,1,2'\)"):
+        local_devices(four_stage_processes, "auto")
+    two_replicas = Topology(0, 2, 0, 2, 2, "replica", "pipeline")
+    with pytest.raises(ValueError, match="need 4"):
+        local_devices(two_replicas, "auto")
+    # enough GPUs: one each, by local rank; one process alone shares the GPUs it has
+    assert local_devices(Topology(2, 3, 2, 3, 3, "stage", "pipeline"), "auto") == [torch.device("cuda", 2)]
+    with pytest.warns(RuntimeWarning, match="stages share devices"):
+        assert len(local_devices(Topology(0, 1, 0, 1, 4, "replica", "pipeline"), "auto")) == 4
+    # no GPU at all: the CPU, without a word
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert local_devices(four_stage_processes, "auto") == [torch.device("cpu")]

@@ -42,20 +42,23 @@ def current_topology(stages: int, mode: str, layout: str) -> Topology:
 def local_devices(topo: Topology, devices: Union[None, str, Sequence[DeviceLike]]) -> List[torch.device]:
     """This process's devices: as given (checked), else by local rank (see the module docstring).
 
-    ``devices="auto"``: the GPUs where there are enough for every process on this node, else the CPU
-    (with a warning where there are GPUs, too few; quietly on a machine without any, where the CPU is
-    what "auto" means), so that one script runs on any machine.
+    ``devices="auto"``: the GPUs, or the CPU on a machine without any, so that one script runs on any
+    machine. A node with GPUs, but too few for its processes, is refused (naming ``CUDA_VISIBLE_DEVICES``):
+    a mis-set mask would otherwise train on the CPU for hours without a word.
     """
     want = topo.stages if topo.mode == "replica" else 1
     if devices == "auto":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count and (count >= topo.local_world_size * want or topo.local_world_size == 1):
-            devices = None
-        else:
-            if count:
-                warn(f"pipeddp: {count} CUDA device(s) cannot hold {topo.local_world_size} process(es) x "
-                     f"{want} stage(s): running on the CPU", RuntimeWarning)
+        if not count:
             return [torch.device("cpu")] * want
+        if count < topo.local_world_size * want and topo.local_world_size > 1:
+            raise ValueError(
+                f"rank {topo.rank}: devices='auto' found {count} CUDA device(s) on this node, but "
+                f"{topo.local_world_size} processes x {want} device(s) each need {topo.local_world_size * want} "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<not set>')!r}); make the GPUs "
+                "visible, start fewer processes per node, or pass devices=['cpu'] to train on the CPU on purpose"
+            )
+        devices = None
     if devices is not None:
         devs = resolve_devices(devices)
         if len(devs) != want:
@@ -102,8 +105,11 @@ def choose_backend(backend: Optional[str], devs: Sequence[torch.device], topo: T
     return chosen
 
 
-def init_process_group(backend: str, timeout: timedelta) -> None:
+def init_process_group(backend: str, timeout: timedelta, device: Optional[torch.device] = None) -> None:
     """``init_process_group`` from torchrun's (or ``spawn``'s) environment, safe across torchrun restarts.
+
+    ``device`` (nccl: this process's GPU) binds the group to it (``device_id``), so that every rank's
+    communicators, object collectives and barriers use its own GPU, never GPU 0 of every rank of a node.
 
     torchrun (``--max-restarts``) restarts every worker on the same store
     (the agent's, shared with the rendezvous); the keys the previous attempt's
@@ -112,14 +118,15 @@ def init_process_group(backend: str, timeout: timedelta) -> None:
     keys are therefore put under a prefix of the restart attempt.
     """
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    bound: Dict[str, Any] = {"device_id": device} if device is not None else {}
     if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        dist.init_process_group(backend, timeout=timeout)
+        dist.init_process_group(backend, timeout=timeout, **bound)
         return
     rank, world, _, _ = env_world()
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world,
                           is_master=False, timeout=timeout)
     dist.init_process_group(backend, store=dist.PrefixStore(f"pipeddp/attempt-{attempt}", store), rank=rank,
-                            world_size=world, timeout=timeout)
+                            world_size=world, timeout=timeout, **bound)
 
 
 @dataclass
