@@ -34,8 +34,8 @@ from .builders import (
 )
 from .checks import format_schedule, validate
 from .costed import AutoSchedule, Costs
-from .registry import SCHEDULES, VIRTUAL, accepts_virtual_stages, get_schedule, schedule_name
 from .messages import Message, crossings
+from .registry import SCHEDULES, VIRTUAL, accepts_virtual_stages, get_schedule, schedule_name
 from .replay import Played, peak_held, play, ready_time
 
 __all__ = ["Kind", "Action", "Schedule", "ScheduleFn", "Event", "row_of", "stage_count", "produces", "deps",
