@@ -317,3 +317,39 @@ def test_devices_auto_errors_say_what_to_pass():
             pipeddp.Pipeline(make_mlp(), ["cpu"], stages=bad)
     with pytest.raises(TypeError, match="one device per stage"):
         pipeddp.Pipeline(make_mlp(), "cpu")  # a single device name is still not a list of devices
+
+
+class InterruptOnce(nn.Module):
+    """The identity, which on its ``at``-th call interrupts the caller's thread (Ctrl-C in a notebook) and then
+    goes on computing for a while, as a stage in the middle of a long forward does."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.calls, self.at = 0, at
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import _thread
+
+        self.calls += 1
+        if self.calls == self.at:
+            _thread.interrupt_main()
+            time.sleep(1.5)  # the caller has long given up on this step when this micro-batch's output leaves
+        return x
+
+
+@pytest.mark.timeout(120)
+def test_the_step_after_an_interrupted_one_is_exact():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 12), nn.Tanh(), InterruptOnce(at=6), nn.Linear(12, 12), nn.Tanh(),
+                          nn.Linear(12, 12)).double()
+    plain = copy.deepcopy(model)
+    with pipeddp.Pipeline(model, ["cpu", "cpu"], chunks=4, balance=[3, 3], schedule="gpipe") as pipe:
+        pipe.train_step(*data(8, seed=1), LOSS)  # calls 1-4 of the layer
+        with pytest.raises(KeyboardInterrupt):
+            pipe.train_step(*data(8, seed=2), LOSS)  # interrupted at its second micro-batch
+        for p in pipe.parameters():
+            p.grad = None
+        x, y = data(8, seed=3)
+        pipe.train_step(x, y, LOSS)
+        LOSS(plain(x), y).backward()
+        assert max_diff([p.grad for p in pipe.parameters()], [p.grad for p in plain.parameters()]) < 1e-12

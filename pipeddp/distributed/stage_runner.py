@@ -114,8 +114,8 @@ class ProcessRunner:
 
     def _orders(self, plan: Schedule) -> Dict[Tuple[int, int], List[Message]]:
         """The messages of every link in ``plan``, in the order both ends issue them (computed once per plan)."""
-        if self._plan is not plan:
-            self._plan, self._crossings = plan, crossings(plan)
+        if self._plan is not plan:  # (a process with every stage, the only one to run backward-only steps, has none)
+            self._plan, self._crossings = plan, crossings(plan) if self._p2p else {}
         return self._crossings
 
     def close(self) -> None:

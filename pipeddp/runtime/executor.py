@@ -258,7 +258,9 @@ class ThreadRunner:
             grad_event: Any = None, trace: Optional[Trace] = None) -> List[StageResults]:
         """Run ``rows[k]`` on device k's thread; return each device's results (re-raising the first real error).
 
-        ``plan``, the whole schedule, is not needed here: the devices of one process pass messages by key."""
+        ``plan``, the whole schedule, is not needed here: the devices of one process pass messages by key.
+        A step interrupted in the caller (Ctrl-C) is waited for before the next one clears the inboxes."""
+        self._workers.settle()
         for inbox in self._inboxes.values():
             inbox.reset()
         for d in self.devices:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -81,6 +81,8 @@ class Workers:
         self._workers = [_Worker(f"{name}-stage{i}", threads, self._done) for i in range(n)]
         self._closed = False
         self._run = 0
+        #: (run, worker) of jobs still running for a step whose caller stopped waiting (an interrupt)
+        self._unfinished: Set[Tuple[int, int]] = set()
 
     def __len__(self) -> int:
         return len(self._workers)
@@ -88,6 +90,7 @@ class Workers:
     def run(self, fns: Sequence[Callable[[], Any]], on_error: Callable[[BaseException], None]) -> List[Any]:
         if self._closed:
             raise RuntimeError("this pipeline was closed; create a new one")
+        self.settle()
         self._run += 1
         run = self._run
         grad_mode = torch.is_grad_enabled()
@@ -122,11 +125,28 @@ class Workers:
         except BaseException as exc:  # Ctrl-C (or SystemExit) in the caller: wake the devices that wait, then go
             if not errors:
                 on_error(exc)
+            self._unfinished |= {(run, k) for k in pending}
             raise
         if errors:
             real = [e for e in errors if not isinstance(e, PipelineAborted)]
             raise (real[0] if real else errors[0])
         return results
+
+    def settle(self) -> None:
+        """Wait for the jobs of a step whose caller stopped waiting (an interrupt mid-step).
+
+        Its devices were told to stop, but one may still be inside an action;
+        finishing it, it would hand its output to the *next* step's inboxes,
+        which the next step would take for its own. So a step starts only once
+        every job of an earlier one has ended (or its thread has died).
+        """
+        while self._unfinished:
+            try:
+                got_run, k, _, _ = self._done.get(timeout=1.0)
+            except queue.Empty:
+                self._unfinished = {(r, k) for r, k in self._unfinished if self._workers[k].thread.is_alive()}
+                continue
+            self._unfinished.discard((got_run, k))
 
     def close(self, wait: float = 2.0) -> None:
         """Stop and join every worker (idempotent), waiting at most ``wait`` seconds in all.
