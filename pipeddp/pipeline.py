@@ -265,11 +265,14 @@ class Pipeline(Checkpointable, StepModule):
                    scaler: Optional[torch.amp.GradScaler] = None) -> torch.Tensor:
         """Forward and backward of one batch under the schedule; returns the detached mean loss.
 
-        ``loss_fn(output, target)`` must return the *mean* loss of its
+        ``loss_fn(output, target)`` returns the *mean* loss of its
         micro-batch. Each micro-batch's loss is weighted by its share of the
         batch, so the accumulated ``.grad`` equals that of
         ``loss_fn(model(x), y).backward()`` on one device, uneven micro-batches
-        included. Gradients accumulate into ``.grad`` (zero them as usual).
+        included. A loss over tokens (padding ignored) returns ``(total, count)``
+        instead, the micro-batch's sum and how many items it counted: the step's
+        loss and gradients are then those of sum(totals) / sum(counts) over the
+        whole batch (``pipeddp.runtime.counted``). Gradients accumulate into ``.grad`` (zero them as usual).
         With ``scaler`` (``torch.amp.GradScaler``) backward starts from the
         scaled loss; then ``scaler.step(optimizer); scaler.update()`` as usual.
         """
@@ -277,10 +280,12 @@ class Pipeline(Checkpointable, StepModule):
         ny = batch_size(y, name="y")
         if n != ny:
             raise ValueError(f"x has {n} samples but y has {ny}; inputs and targets must have the same batch size")
-        loss = self._step.train(x, y, loss_fn, n, loss_scale=scaler.scale if scaler is not None else None)
+        loss = self._step.train_passes(x, y, loss_fn, n, loss_scale=scaler.scale if scaler is not None else None)
         if loss is None:  # cannot happen: a Pipeline runs every stage, the last one included
             raise RuntimeError("the pipeline's last stage returned no loss")
-        return loss
+        count = self._step.count
+        self._step.finish_counted(count is not None, count or 0.0)
+        return loss if count is None else loss / count
 
     def extra_repr(self) -> str:
         devs = ", ".join(str(d) for d in self.devices)

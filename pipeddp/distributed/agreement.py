@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Any, Callable, Dict, Iterable, List, Sequence, Tuple, TypeVar
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -135,8 +135,14 @@ class Agreement:
     # -- the loss and non-finite steps -----------------------------------------------------------------
 
     def finish_step(self, local_loss: float, params: Iterable[nn.Parameter], *, skip_nonfinite: bool,
-                    skipped: int, overflow_to_scaler: bool = False) -> Tuple[torch.Tensor, bool]:
+                    skipped: int, overflow_to_scaler: bool = False,
+                    count: Optional[float] = None) -> Tuple[torch.Tensor, bool, Optional[float]]:
         """Average the loss over replicas (one collective); vote on non-finite gradients.
+
+        ``count``: where the loss_fn returned ``(total, count)``, ``local_loss``
+        is this rank's sum of totals and ``count`` its sum of counts; the loss is
+        then the sum of totals over the sum of counts of every rank, and that
+        global count is returned (else None) for the gradients to be divided by.
 
         With ``overflow_to_scaler`` (a GradScaler judges the step): if any rank's
         gradients are not finite, every rank marks one of its own gradients inf,
@@ -145,7 +151,7 @@ class Agreement:
         ``skip_nonfinite``: a step with a non-finite loss or gradients anywhere is
         skipped, every rank drops its gradients (set to None, so
         ``optimizer.step()`` changes nothing) and a warning names the ranks.
-        Returns the global mean loss and whether the step was skipped.
+        Returns the global mean loss, whether the step was skipped and the global count.
         """
         params = list(params)
         grads = [p.grad for p in params if p.grad is not None]
@@ -155,21 +161,26 @@ class Agreement:
         if (skip_nonfinite or overflow_to_scaler) and grads:
             bad_grads = 0.0 if bool(torch.stack([torch.isfinite(local_tensor(g)).all() for g in grads]).all()) \
                 else 1.0  # a sharded gradient votes with its own shard; the vote below joins every rank
-        mine = torch.tensor([local_loss, bad_loss, bad_grads], dtype=torch.float64, device=self.comm_device)
+        mine = torch.tensor([local_loss, bad_loss, bad_grads, count or 0.0, count is not None],
+                            dtype=torch.float64, device=self.comm_device)
         if self.distributed:
             everyone = [torch.zeros_like(mine) for _ in range(self.topology.world_size)]
             dist.all_gather(everyone, mine)
         else:
             everyone = [mine]
-        loss = sum(t[0].item() for t in everyone) / self.topology.replicas
+        total = sum(t[0].item() for t in everyone)
+        counted = any(t[4].item() > 0 for t in everyone)
+        n = sum(t[3].item() for t in everyone) if counted else None
+        loss = torch.tensor(total / self.topology.replicas if n is None else (total / n if n else float("nan")),
+                            dtype=torch.float64)
         losses = [r for r, t in enumerate(everyone) if t[1].item() > 0]
         grads_bad = [r for r, t in enumerate(everyone) if t[2].item() > 0]
         if overflow_to_scaler and grads_bad:
             if grads:
                 grads[0].fill_(float("inf"))  # any layout; the scaler only needs to find one inf
-            return torch.tensor(loss, dtype=torch.float64), False
+            return loss, False, n
         if not (losses or grads_bad):
-            return torch.tensor(loss, dtype=torch.float64), False
+            return loss, False, n
         for p in params:
             p.grad = None
         where = "; ".join(part for part in (
@@ -177,7 +188,7 @@ class Agreement:
             f"non-finite gradients on rank(s) {grads_bad}" if grads_bad else "") if part)
         warn(f"pipeddp: skipped a training step: {where}; gradients were dropped on every rank "
              f"({skipped + 1} skipped so far)", RuntimeWarning)
-        return torch.tensor(loss, dtype=torch.float64), True
+        return loss, True, n
 
     # -- a gradient norm over stages --------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ The saved state lives in the step, not in the stage, so several outstanding
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
@@ -33,7 +33,8 @@ class StepSpec:
     ``grad``: keep what backward needs. ``recompute(i)``: drop activations of
     micro-batch i and recompute them in backward. ``seed``: base seed for random
     stages (None: no random stage). ``loss_fn``/``targets``/``weights``: the last
-    stage turns outputs into weighted losses. ``sync``: this step's last backward
+    stage turns outputs into weighted losses (or, for a loss_fn returning ``(total, count)``, totals and
+    ``counts``). ``sync``: this step's last backward
     on each stage must trigger the data-parallel gradient all-reduce.
     ``autocast``/``loss_scale``: mixed precision (see ``amp``).
     """
@@ -41,7 +42,7 @@ class StepSpec:
     grad: bool
     recompute: Callable[[int], bool] = lambda i: False
     seed: Optional[int] = None
-    loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None
+    loss_fn: Optional[Callable[[Any, Any], Any]] = None
     targets: Optional[Sequence[Any]] = None
     weights: Optional[Sequence[float]] = None
     sync: bool = False
@@ -52,6 +53,22 @@ class StepSpec:
     #: per stage, what forward kept for backward, by micro-batch. It lives in the
     #: step (not the stage) so several outstanding ``pipe(x)`` calls never mix.
     saved: List[Dict[int, "Saved"]] = field(default_factory=list)
+    #: per micro-batch, the count its loss_fn returned with its total (empty for mean losses)
+    counts: Dict[int, Union[int, float, torch.Tensor]] = field(default_factory=dict)
+    #: which kind of loss the step's loss_fn returns: a mean (False) or (total, count) (True); None before the first
+    counted: Optional[bool] = None
+
+    def count(self, mb: int, loss: torch.Tensor, count: Optional[Union[int, float, torch.Tensor]]) -> None:
+        """Record the kind of loss micro-batch ``mb`` returned (and its count): one kind for the whole step."""
+        kind = count is not None
+        if self.counted is not None and self.counted != kind:
+            raise ValueError("loss_fn returned a mean for some micro-batches and (total, count) for others; return "
+                             "one kind for every micro-batch")
+        self.counted = kind
+        if count is not None:
+            if isinstance(count, torch.Tensor) and count.numel() != 1:
+                raise ValueError(f"loss_fn's count must be a number, got a tensor of shape {tuple(count.shape)}")
+            self.counts[mb] = count
 
     def store(self, stage: int) -> Dict[int, "Saved"]:
         while len(self.saved) <= stage:

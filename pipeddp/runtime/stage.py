@@ -73,6 +73,13 @@ def _may_write_its_input(module: nn.Module) -> bool:
     return any(getattr(m, "inplace", False) for m in module.modules())
 
 
+def _scalar(value: Any, what: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor) or value.dim() != 0:
+        raise ValueError(f"loss_fn must return {what}, got "
+                         f"{type(value).__name__}{tuple(value.shape) if isinstance(value, torch.Tensor) else ''}")
+    return value
+
+
 class Stage:
     """A slice of the model (``module``, an ``nn.Sequential``) placed on ``device``."""
 
@@ -122,15 +129,18 @@ class Stage:
         """What backward starts from: the weighted loss, scaled for mixed precision when asked."""
         return spec.loss_scale(loss) if spec.loss_scale is not None else loss
 
-    def _loss(self, out: Any, saved: Saved, spec: StepSpec) -> torch.Tensor:
+    def _loss(self, out: Any, saved: Saved, spec: StepSpec, mb: int) -> torch.Tensor:
+        """The micro-batch's loss as backward takes it: a mean weighted by the micro-batch's share of the batch,
+        or, where ``loss_fn`` returns ``(total, count)``, the total as it is (the step divides by the count of the
+        whole batch once every micro-batch has counted: ``spec.counts``)."""
         if spec.loss_fn is None:
             raise RuntimeError(f"stage {self.index} was asked for a loss without a loss_fn")
         loss = spec.loss_fn(out, saved.target)
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            raise ValueError(
-                "loss_fn must return a scalar tensor (the mean loss of the micro-batch), got "
-                f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}"
-            )
+        if isinstance(loss, tuple) and len(loss) == 2:
+            total, count = loss
+            spec.count(mb, _scalar(total, "the total of (total, count)"), count)
+            return total
+        spec.count(mb, _scalar(loss, "a scalar tensor (the mean loss of the micro-batch) or (total, count)"), None)
         return loss * saved.weight
 
     # -- forward ----------------------------------------------------------------------------------------
@@ -144,7 +154,7 @@ class Stage:
             if not spec.grad:
                 with torch.no_grad():
                     out = self._run(value)
-                    loss = self._loss(out, Saved(value, None, target, weight), spec) if wants_loss else None
+                    loss = self._loss(out, Saved(value, None, target, weight), spec, mb) if wants_loss else None
                 return out, loss
 
             inputs = self._leaf(value) if type(value) is torch.Tensor else tree_map(self._leaf, value)
@@ -153,11 +163,11 @@ class Stage:
                 # on copies: an in-place op must not change what the replay will see
                 with torch.no_grad(), checkpointing():
                     out = self._run(tree_map(_clone, inputs))
-                    loss = self._loss(out, saved, spec) if wants_loss else None
+                    loss = self._loss(out, saved, spec, mb) if wants_loss else None
             else:
                 with _NOTHING if torch.is_grad_enabled() else torch.enable_grad():
                     out = self._run(inputs)
-                    loss = self._loss(out, saved, spec) if wants_loss else None
+                    loss = self._loss(out, saved, spec, mb) if wants_loss else None
                 saved.roots = self._root(loss, spec) if loss is not None else out
             spec.store(self.index)[mb] = saved
         detached = out.detach() if type(out) is torch.Tensor else tree_map(_detach, out)
@@ -201,7 +211,7 @@ class Stage:
             with self._seeded(spec, mb), recomputing(), frozen_statistics(self.batch_norms), spec.autocast(), \
                     torch.enable_grad():
                 out = self._run(saved.inputs)
-                saved.roots = self._root(self._loss(out, saved, spec), spec) \
+                saved.roots = self._root(self._loss(out, saved, spec, mb), spec) \
                     if (self.last and spec.loss_fn is not None) else out
         return saved.roots
 

@@ -30,6 +30,7 @@ import torch
 from . import _bridge
 from .amp import Autocast
 from .batchnorm import DeferredStatistics
+from .counted import Baseline
 from .executor import StageResults
 from .microbatch import merge, split, split_sizes, tree_map
 from .rng import draw_base_seed
@@ -104,6 +105,11 @@ class Step:
         self.after_forward: List[Callable[[], None]] = [d.commit for d in self.deferred]
         self.after_backward: List[Callable[[], None]] = [self.ties.fold]
         self._plans: Dict[Tuple[str, int], Tuple[List[List[Action]], Schedule]] = {}
+        #: whether the last training step's loss_fn returned (total, count) (None: no step yet), and that step's
+        #: count and the gradients it started from (see ``counted``)
+        self.counting: Optional[bool] = None
+        self.count: Optional[float] = None
+        self.baseline: Optional[Baseline] = None
 
     @property
     def first(self) -> Optional[Stage]:
@@ -190,6 +196,8 @@ class Step:
         self._call(self.after_forward)
         if final:
             self._call(self.after_backward)
+        if spec.counted:
+            self.count = (self.count or 0.0) + sum(float(c) for c in spec.counts.values())
         if self.last is None:
             return None
         losses = results[-1].losses
@@ -204,6 +212,8 @@ class Step:
         losses are summed, so the result is the whole batch's mean loss, as
         one pass of ``n`` would give (where this process runs the last stage).
         """
+        self.baseline = Baseline((p for st in self.stages for p in st.module.parameters()), self.counting)
+        self.count = None
         if passes == 1:
             return self.train(x, y, loss_fn, n, loss_scale=loss_scale)
         if passes < 1 or n % passes:
@@ -218,6 +228,15 @@ class Step:
             if loss is not None:
                 total = loss if total is None else total + loss
         return total
+
+    def finish_counted(self, counted: bool, count: float, replicas: int = 1) -> None:
+        """End a training step: where its loss_fn returned ``(total, count)`` (in any process: ``counted``), divide
+        what the step added to the gradients by ``count``, the count of the whole batch over every replica (data
+        parallelism already divided by ``replicas``). See ``counted``."""
+        self.counting = counted
+        if counted and self.baseline is not None:
+            self.baseline.scale(replicas / count if count else float("nan"))  # nothing counted: 0/0, as the plain model
+        self.baseline = None
 
     def forward(self, x: Any, n: int, *, need_grad: bool) -> Any:
         """Forward of a batch of ``n``; the merged output where this process runs the last stage, else None.
