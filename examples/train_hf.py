@@ -110,8 +110,12 @@ def windows(data: torch.Tensor, n: int, context: int, generator: torch.Generator
     return {"input_ids": rows[:, :-1]}, rows[:, 1:]
 
 
-def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), target.reshape(-1))
+def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The micro-batch's summed loss over its non-padding tokens (-100), and how many there are: pipeddp divides
+    by the count of the whole batch, so padded batches train the plain model's token mean (no padding here)."""
+    total = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), target.reshape(-1), ignore_index=-100,
+                            reduction="sum")
+    return total, (target != -100).sum()
 
 
 def main(argv: Optional[List[str]] = None) -> dict:
@@ -147,7 +151,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
             say(f"step {step:4d}  loss {losses[-1]:.3f}  ({time.perf_counter() - start:.1f}s)")
     first = sum(losses[:5]) / len(losses[:5])
     last = sum(losses[-5:]) / len(losses[-5:])
-    say(f"loss fell from {first:.3f} to {last:.3f} (ln vocabulary = {math.log(vocab):.3f})")
+    say(f"mean loss of the first {len(losses[:5])} steps {first:.3f}, of the last {len(losses[-5:])} steps "
+        f"{last:.3f} (ln vocabulary = {math.log(vocab):.3f})")
 
     engine.save(args.out)
     held = windows(data, args.batch, args.context, torch.Generator().manual_seed(args.seed + 2))
@@ -161,7 +166,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
         again.load_state_dict(state, strict=True)
         again.eval()
         with torch.no_grad():
-            back = loss_fn(again(**held[0], use_cache=False).logits, held[1]).item()
+            total, count = loss_fn(again(**held[0], use_cache=False).logits, held[1])
+            back = (total / count).item()
         say(f"the checkpoint loads into {type(again).__name__} (strict): held-out loss {back:.4f} "
             f"(the pipeline's: {pipe_loss:.4f})")
         result["loaded_back"] = back

@@ -205,8 +205,9 @@ class HybridParallel(Checkpointable, StepModule):
 
         ``loader`` yields ``(x, y)`` for this replica (``pipeddp.data.loader(..., train=False)`` shards without
         the padding ``DistributedSampler`` adds). ``metric_fn(output, y)`` returns a dict of *means over the
-        batch*; the result is the sample-weighted mean over the whole set, plus ``"samples"``. Every rank returns
-        the same dict.
+        batch*, or of ``(total, count)`` pairs (a loss over non-padding tokens); the result is the sample-weighted
+        mean over the whole set (for a pair: the sum of totals over the sum of counts), plus ``"samples"``. Every
+        rank returns the same dict.
         """
         return self._replica.evaluate(self, loader, metric_fn)
 

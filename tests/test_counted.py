@@ -20,13 +20,13 @@ def lm(seed: int = 0) -> nn.Sequential:
 
 
 def batch(n: int, seed: int):
-    """Tokens and labels; row i keeps its first ``(i * 5) % LENGTH + 1`` labels, the rest is padding (-100), so
-    the micro-batches count very different numbers of tokens."""
+    """Tokens and labels; each row keeps a random number (1 to LENGTH) of its first labels, the rest is padding
+    (-100), so micro-batches and replicas count different numbers of tokens."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(0, VOCAB, (n, LENGTH), generator=g)
     y = torch.randint(0, VOCAB, (n, LENGTH), generator=g)
-    for i in range(n):
-        y[i, (i * 5) % LENGTH + 1:] = -100
+    for i, keep in enumerate(torch.randint(1, LENGTH + 1, (n,), generator=g).tolist()):
+        y[i, keep:] = -100
     return x, y
 
 
@@ -126,3 +126,25 @@ def test_replicas_train_the_token_mean_of_the_global_batch(mode, nprocs):
     for got, got_state in pipeddp.spawn(counted_job, nprocs, args=(mode, batches), timeout=150):
         assert max(abs(a - b) for a, b in zip(got, losses)) < 1e-12
         assert max_diff([got_state[k] for k in state], list(state.values())) < 1e-12
+
+
+def evaluate_job(batches):
+    engine = pipeddp.HybridParallel(lm(), stages=2, mode="stage", chunks=3, balance=[2, 4])
+    r = engine.topology.replica
+    mine = [(x[r * 6:(r + 1) * 6], y[r * 6:(r + 1) * 6]) for x, y in batches]
+    got = engine.evaluate(mine, lambda out, y: {"tokens": token_sum(out, y), "rows": token_mean(out, y)})
+    engine.close()
+    return got
+
+
+@pytest.mark.timeout(180)
+def test_evaluation_takes_the_same_pair():
+    batches = [batch(12, seed) for seed in range(2)]
+    model = lm()
+    with torch.no_grad():
+        tokens = torch.cat([y.flatten() for _, y in batches])
+        logits = torch.cat([model(x).flatten(0, 1) for x, _ in batches])
+        want = nn.functional.cross_entropy(logits, tokens, ignore_index=-100).item()
+    for got in pipeddp.spawn(evaluate_job, 4, args=(batches,), timeout=150):
+        assert abs(got["tokens"] - want) < 1e-12 and got["samples"] == 24
+        assert abs(got["rows"] - want) > 1e-3  # a mean per batch, weighted by rows: another number

@@ -231,18 +231,25 @@ class Agreement:
 
     # -- metrics ---------------------------------------------------------------------------------------
 
-    def mean_metrics(self, count: int, sums: Dict[str, float]) -> Dict[str, float]:
-        """Sample-weighted means over every rank's ``(count, sums)``, plus ``"samples"`` (same on every rank)."""
-        parts: List[Any] = [(count, sums)]
+    def mean_metrics(self, count: int, sums: Dict[str, float],
+                     counts: Optional[Dict[str, float]] = None) -> Dict[str, float]:
+        """Sample-weighted means over every rank's ``(count, sums)``, plus ``"samples"`` (same on every rank).
+
+        A metric in ``counts`` (one returned as ``(total, count)``) is its summed totals over its summed counts.
+        """
+        parts: List[Any] = [(count, sums, counts or {})]
         if self.distributed:
             parts = [None] * self.topology.world_size
-            dist.all_gather_object(parts, (count, sums))
-        total = sum(c for c, _ in parts)
+            dist.all_gather_object(parts, (count, sums, counts or {}))
+        total = sum(c for c, _, _ in parts)
         merged: Dict[str, float] = {}
-        for _, s in parts:
+        denominators: Dict[str, float] = {}
+        for _, s, c in parts:
             for k, v in s.items():
                 merged[k] = merged.get(k, 0.0) + v
-        result = {k: v / total for k, v in merged.items()} if total else {}
+            for k, v in c.items():
+                denominators[k] = denominators.get(k, 0.0) + v
+        result = {k: v / denominators.get(k, total) for k, v in merged.items()} if total else {}
         result["samples"] = float(total)
         return result
 

@@ -108,10 +108,13 @@ class Replica:
 
     def evaluate(self, model: nn.Module, loader: Iterable[Tuple[Any, Any]],
                  metric_fn: Callable[[Any, Any], Dict[str, Any]]) -> Dict[str, float]:
-        """``metric_fn``'s means over every sample of ``loader`` (run through ``model`` in eval mode), once each."""
+        """``metric_fn``'s means over every sample of ``loader`` (run through ``model`` in eval mode), once each.
+
+        A metric returned as ``(total, count)`` (a loss over tokens) is the sum of totals over the sum of counts."""
         was_training = model.training
         model.eval()
         sums: Dict[str, float] = {}
+        counts: Dict[str, float] = {}  # of the metrics returned as (total, count)
         count = 0
         last = self.step.last.device if self.step.last is not None else None
         try:
@@ -121,11 +124,15 @@ class Replica:
                 if last is not None:
                     n = samples_of(y, name="y")
                     for k, v in metric_fn(out, tree_map(partial(torch.Tensor.to, device=last), y)).items():
-                        sums[k] = sums.get(k, 0.0) + float(v) * n
+                        if isinstance(v, tuple):  # (total, count): a mean over what was counted, not over samples
+                            sums[k] = sums.get(k, 0.0) + float(v[0])
+                            counts[k] = counts.get(k, 0.0) + float(v[1])
+                        else:
+                            sums[k] = sums.get(k, 0.0) + float(v) * n
                     count += n
         finally:
             model.train(was_training)
-        return self.agreement.mean_metrics(count, sums)
+        return self.agreement.mean_metrics(count, sums, counts)
 
     def norm_scope(self) -> Tuple[List[nn.Parameter], torch.device, Optional[Combine]]:
         """For clipping: in stage mode the norm is joined over this replica's processes (replicas agree after DDP)."""
