@@ -116,6 +116,7 @@ class HybridParallel(Checkpointable, StepModule):
                                                          "skip_nonfinite": skip_nonfinite},
                                                   balance=balance, sample=sample, max_activations=max_activations)
         self.key_names = Names.of(model)
+        self._model_keys = [self.key_names.original(k) for k in model.state_dict()]
         self.skip_nonfinite = skip_nonfinite
         self.shard = check_shard(shard, replicas=topo.replicas, model=model,
                                  split_backward=shard == "full" and split_backward(settings.schedule, stages,
@@ -231,11 +232,18 @@ class HybridParallel(Checkpointable, StepModule):
 
     # mypy: nn.Module.load_state_dict's Mapping type is narrower than the state dicts both classes take
     def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
-        """Load the entries of a full (or partial) state dict that belong to this process."""
+        """Load the entries of a full (or partial) state dict that belong to this process (all or nothing; with
+        ``strict``, a key the whole model lacks is refused too)."""
+        if strict:
+            self.check_keys(state_dict)
         targets = super().state_dict()
         entries = state.own_entries(state_dict, list(targets), strict=strict, rank=self.topology.rank)
         entries = {k: shard_like(v, targets[k]) if k in targets else v for k, v in entries.items()}  # with shard=
         return super().load_state_dict(entries, strict=strict, assign=assign)
+
+    def model_keys(self) -> List[str]:
+        """Every key of the whole model's state dict, as the model had them when the engine was built."""
+        return list(self._model_keys)
 
     # -- life cycle --------------------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import nn
 
+from ..runtime.names import Names
 from ..runtime.warn import warn
 from . import checkpoint as files
 from . import saving, state
@@ -46,6 +47,7 @@ class Checkpointable(nn.Module):
     #: a fixed global batch (HybridParallel's ``global_batch``); None: checkpoints hold no data position
     global_batch_plan: Optional[GlobalBatch] = None
     position: DataPosition
+    key_names: Names
 
     def local_state_dict(self) -> Dict[str, Any]:
         """This process's part of the model, with the model's keys."""
@@ -54,10 +56,31 @@ class Checkpointable(nn.Module):
     # mypy: nn.Module.load_state_dict's Mapping type is narrower than the state dicts both classes take
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
         """As ``nn.Module.load_state_dict``, but all or nothing: every entry that this process holds is checked
-        (shape and kind of dtype) before any is copied; a misfit raises ``ValueError`` naming the first ones."""
+        (shape and kind of dtype) before any is copied, and with ``strict`` so are the keys (``model_keys``: every
+        key of the whole model, for the keys nobody holds); a misfit raises naming the first ones."""
+        own = self.local_state_dict()
+        if strict:
+            self.check_keys(state_dict)
         saved = {k: v for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
-        files.check_model_tensors("the state dict", files.specs(saved), self.local_state_dict())
+        files.check_model_tensors("the state dict", files.specs(saved), own)
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def check_keys(self, state_dict: Dict[str, Any]) -> None:
+        """Refuse, before anything is copied, a state dict that lacks a key this process holds or has a key the
+        whole model lacks (``model_keys``); the original model's names and the pipeline's are both taken."""
+        given = {self.key_names.original(k) for k in state_dict}
+        missing = [k for k in self.local_state_dict() if k not in given]
+        unexpected = sorted(given - set(self.model_keys()))
+        if missing or unexpected:
+            parts = [f"{len(unexpected)} key(s) the model lacks: {unexpected[:5]}"] if unexpected else []
+            if missing:
+                parts.append(f"{len(missing)} of the model's key(s) missing: {missing[:5]}")
+            raise KeyError(f"rank {self.topology.rank}: nothing was loaded: the state dict has "
+                           f"{'; '.join(parts)} (strict=False loads what matches)")
+
+    def model_keys(self) -> List[str]:
+        """Every key of the whole model's state dict (this process may hold only some of them)."""
+        return list(self.local_state_dict())
 
     def save(self, path: str, optimizer: Optional[torch.optim.Optimizer] = None,
              extra: Optional[Dict[str, Any]] = None, *, sharded: bool = False, async_save: bool = False) -> None:
