@@ -353,3 +353,33 @@ def test_the_step_after_an_interrupted_one_is_exact():
         pipe.train_step(x, y, LOSS)
         LOSS(plain(x), y).backward()
         assert max_diff([p.grad for p in pipe.parameters()], [p.grad for p in plain.parameters()]) < 1e-12
+
+
+def test_a_training_step_keeps_no_output_of_the_last_stage():
+    """train_step reads only the losses: no micro-batch's logits may outlive its backward, nor the step."""
+    import gc
+
+    width = 37  # the logits' last dimension, found nowhere else
+    alive = []
+
+    def count_logits():
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.dim() == 2 and o.shape[1] == width)
+
+    class Head(nn.Linear):
+        def forward(self, x):
+            out = super().forward(x)
+            alive.append(count_logits())  # at each forward: what is still alive of the earlier micro-batches
+            return out
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 12), nn.Tanh(), Head(12, width)).double()
+    with pipeddp.Pipeline(model, ["cpu", "cpu"], chunks=4, balance=[2, 1], schedule="gpipe") as pipe:
+        x = data(8)[0]
+        y = torch.randn(8, width, dtype=torch.float64)
+        before = count_logits()
+        pipe.train_step(x, y, LOSS)
+        assert count_logits() == before
+    # GPipe runs every forward before any backward: each forward sees the earlier ones' logits still needed by
+    # their losses' graphs (one each), but no second, detached copy kept as an output
+    assert alive == [alive[0] + i for i in range(4)], alive

@@ -187,9 +187,11 @@ def _run(
                 with streams.computing(), timed(trace, s, "send", mb, None, device.row, lane="comm"):
                     links[row_of(s + 1, rows)].send("F", s + 1, mb, out)
             else:
-                results.outputs[mb] = out
                 if loss is not None:
                     results.losses[mb] = loss
+                else:  # an output the caller reads (a training step reads only its losses)
+                    results.outputs[mb] = out
+            del out
         elif kind is Kind.B or kind is Kind.I:
             if s == last_stage:
                 grads = output_grads[mb] if output_grads is not None else None

@@ -59,8 +59,10 @@ class _Worker:
                 with torch.set_grad_enabled(grad_mode):
                     result = fn()
                 self.done.put((run, k, True, result))
+                del result  # handed over: this thread keeps nothing of the step until its next job
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 self.done.put((run, k, False, exc))
+                del exc
             finally:
                 del fn, job
 
