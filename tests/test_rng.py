@@ -210,3 +210,29 @@ def test_is_checkpointing_in_a_module_call_and_backward():
         pipe(torch.randn(8, 6, dtype=torch.float64)).sum().backward()
     for name in "abcd":
         assert sorted((c, r) for n, c, r in calls if n == name) == [(False, True)] * 4 + [(True, False)] * 4
+
+
+class Augmenting(torch.utils.data.Dataset):
+    """A dataset that draws from the CPU generator while it loads (a random crop or flip would)."""
+
+    def __len__(self) -> int:
+        return 240
+
+    def __getitem__(self, i: int):
+        x = torch.randn(16, dtype=torch.float64) + 0.01 * torch.rand(200).sum().item()
+        return x, torch.zeros(16, dtype=torch.float64)
+
+
+@pytest.mark.timeout(120)
+def test_the_recompute_replays_its_masks_while_the_prefetch_thread_draws():
+    """pipeddp's own prefetch thread runs a dataset that draws: every replay must see the first forward's mask."""
+    recorder = Recorder()
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), recorder, nn.Linear(16, 16)).double()
+    loader = pipeddp.data.loader(Augmenting(), 8, replicas=1, replica=0, prefetch=2)
+    with pipeddp.Pipeline(model, ["cpu", "cpu"], chunks=4, checkpoint="always", balance=[2, 2]) as pipe:
+        for x, y in loader:
+            pipe.train_step(x, y, LOSS)
+    first = [mask for again, mask in recorder.calls if not again]
+    replays = [mask for again, mask in recorder.calls if again]
+    assert len(first) == len(replays) == 120  # 30 steps x 4 micro-batches
+    assert sum(not torch.equal(a, b) for a, b in zip(first, replays)) == 0

@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterator, Optional, Tuple
 import torch
 
 from .microbatch import tree_map, tree_tensors
+from .rng import ForeignDraws
 
 __all__ = ["Prefetcher", "Placement", "check_prefetch"]
 
@@ -132,11 +133,14 @@ class Prefetcher:
         return False
 
     def _fill(self, make: Callable[[], Iterator[Any]]) -> None:
+        draws = ForeignDraws()  # a dataset that draws (random crops) must not shift a stage's seeded numbers
         try:
-            batches = make()
+            with draws.guarded():
+                batches = make()
             while self._slot():
                 try:
-                    batch = next(batches)
+                    with draws.guarded():
+                        batch = next(batches)
                 except StopIteration:
                     self._queue.put(_END)
                     return

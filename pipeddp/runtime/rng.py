@@ -27,6 +27,15 @@ stage, and its thread never waits for another's), and one that drew locks
 only the generators it used. A layer that starts drawing only later (its
 dropout probability raised from 0 during training) needs a new pipeline.
 
+The CPU generator is one per process, so a thread that draws from it while
+a stage holds it seeded shifts the stage's numbers, and the replay would see
+others. pipeddp's own threads that run user code (the ``prefetch`` thread,
+loading a dataset that draws for random crops and flips) take the same lock
+around that code (``ForeignDraws``), once it is found to draw. Threads pipeddp
+does not own cannot be held back: a user thread that draws from the CPU
+generator during a step with dropout under recompute breaks the replay, as it
+breaks ``torch.utils.checkpoint``'s (torch has no per-thread default generator).
+
 ``is_recomputing()`` tells a layer that its forward is a replay (to skip
 side effects such as updating statistics); ``is_checkpointing()`` that its
 forward is the first one of a micro-batch whose activations will be dropped
@@ -46,7 +55,8 @@ from typing import Dict, FrozenSet, Hashable, Iterator, List, Optional
 
 import torch
 
-__all__ = ["Replay", "draw_base_seed", "is_checkpointing", "is_recomputing", "checkpointing", "recomputing"]
+__all__ = ["Replay", "ForeignDraws", "draw_base_seed", "is_checkpointing", "is_recomputing", "checkpointing",
+           "recomputing"]
 
 _locks: Dict[str, threading.Lock] = {}
 _locks_guard = threading.Lock()
@@ -156,3 +166,28 @@ class Replay:
                     self._draws[mode] = frozenset(k for k in keys if not torch.equal(_get(k), start[k]))
                 for key in keys:
                     _set(key, saved[key])
+
+
+class ForeignDraws:
+    """User code that pipeddp runs on a thread of its own, kept out of the stages' seeded forwards.
+
+    ``guarded()`` runs its body under the CPU generator's lock until a run is
+    seen not to draw from that generator; from then on without the lock (a
+    dataset that draws nothing never waits for a stage with dropout).
+    """
+
+    def __init__(self) -> None:
+        self.draws: Optional[bool] = None
+
+    @contextlib.contextmanager
+    def guarded(self) -> Iterator[None]:
+        if self.draws is False:
+            yield
+            return
+        with _lock("cpu"):
+            before = torch.get_rng_state() if self.draws is None else None
+            try:
+                yield
+            finally:
+                if before is not None:
+                    self.draws = not torch.equal(before, torch.get_rng_state())
