@@ -233,3 +233,17 @@ def call_job() -> Dict[str, Any]:
     result = {"state": engine.state_dict(), "out": out, "resharded": resharded, "reductions": reductions}
     engine.close()
     return result
+
+
+def uneven_evaluation_job(mode: str, shard: str) -> Dict[str, Any]:
+    """9 evaluation samples over 2 replicas (5 and 4: 3 and 2 batches of 2): every metric of shard='none'."""
+    init()
+    engine = pipeddp.HybridParallel(model(), stages=2, mode=mode, chunks=2, balance="uniform", shard=shard,
+                                    timeout=60)
+    x, y = data(9, width=WIDTH, seed=77)
+    dataset = torch.utils.data.TensorDataset(x, y)
+    loader = pipeddp.data.loader(dataset, 2, engine=engine, train=False)
+    got = engine.evaluate(loader, lambda out, t: {"mse": LOSS(out, t)})
+    resharded = all(p.to_local().numel() < p.numel() for p in engine.parameters()) if shard != "none" else True
+    engine.close()
+    return {"metrics": got, "resharded": resharded}

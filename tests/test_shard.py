@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_mlp
+from conftest import data, make_mlp
 from shard_jobs import (
     LOSS,
+    WIDTH,
     MAX_NORM,
     batches,
     call_job,
@@ -17,6 +18,7 @@ from shard_jobs import (
     save_job,
     tied_job,
     train_job,
+    uneven_evaluation_job,
 )
 from torch.distributed.checkpoint import FileSystemReader
 
@@ -160,3 +162,16 @@ def test_settings_that_cannot_work_with_shards_are_refused_naming_the_way_out(mo
     bn = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 4))
     with pytest.raises(ValueError, match="BatchNorm"):
         pipeddp.HybridParallel(bn, stages=2, shard="optimizer")
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("mode,nprocs,shard", [("replica", 2, "optimizer"), ("stage", 4, "full")])
+def test_evaluation_with_uneven_batches_per_replica_equals_the_plain_model(mode, nprocs, shard):
+    net = model()
+    x, y = data(9, width=WIDTH, seed=77)
+    with torch.no_grad():
+        want = LOSS(net(x), y).item()  # a mean over equal-sized samples: any grouping into batches gives it
+    for res in pipeddp.spawn(uneven_evaluation_job, nprocs, args=(mode, shard), timeout=180):
+        assert res["metrics"]["samples"] == 9
+        assert abs(res["metrics"]["mse"] - want) < 1e-12
+        assert res["resharded"]

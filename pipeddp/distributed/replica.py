@@ -16,6 +16,7 @@ position.
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 from typing import Any, Callable, ContextManager, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -65,6 +66,8 @@ class Replica:
         self.shards = list(shards)
         #: steps skipped because their loss or gradients were not finite somewhere (``skip_nonfinite``)
         self.skipped_steps = 0
+        #: whether the stages' sharded parameters are held gathered (an evaluation with shard=)
+        self._gathered = False
 
     def train(self, x: Any, y: Any, loss_fn: LossFn, params: Iterable[nn.Parameter], *,
               plan: Optional[GlobalBatch], scaler: Optional[torch.amp.GradScaler],
@@ -101,8 +104,8 @@ class Replica:
         else:
             n = self.agreement.local_batch(x, None, need_y=False, group=self.groups.pipeline)
         out = self.step.forward(x, n, need_grad=need_grad)
-        for sh in self.shards if not need_grad else ():  # an evaluation forward frees what it gathered
-            if sh is not None:
+        for sh in self.shards if not (need_grad or self._gathered) else ():  # an evaluation forward frees what
+            if sh is not None:                                               # it gathered
                 sh.reshard()
         return out
 
@@ -113,6 +116,11 @@ class Replica:
         A metric returned as ``(total, count)`` (a loss over tokens) is the sum of totals over the sum of counts."""
         was_training = model.training
         model.eval()
+        gathered = contextlib.ExitStack()  # with shard=: parameters gathered once, no collective per forward,
+        for sh in self.shards:             # since replicas may hold different numbers of batches
+            if sh is not None:
+                gathered.enter_context(sh.gathered())
+        self._gathered = bool(self.shards)
         sums: Dict[str, float] = {}
         counts: Dict[str, float] = {}  # of the metrics returned as (total, count)
         count = 0
@@ -132,6 +140,8 @@ class Replica:
                     count += n
         finally:
             model.train(was_training)
+            self._gathered = False
+            gathered.close()
         return self.agreement.mean_metrics(count, sums, counts)
 
     def norm_scope(self) -> Tuple[List[nn.Parameter], torch.device, Optional[Combine]]:

@@ -48,8 +48,9 @@ torch that renames them fails with a clear message rather than silently.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -146,6 +147,24 @@ class StageShard:
         for m in self.root.modules():
             if isinstance(m, FSDPModule):
                 m.reshard()
+
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Every parameter gathered once and kept whole in the body, then freed: forwards in it (an evaluation)
+        run no collective, so replicas that hold different numbers of batches never wait for each other."""
+        from torch.distributed.fsdp import FSDPModule
+
+        modules = [m for m in self.root.modules() if isinstance(m, FSDPModule)]
+        for m in modules:
+            m.set_reshard_after_forward(False, recurse=False)
+            m.unshard()
+        try:
+            yield
+        finally:
+            for m in modules:  # as built: every layer reshards after its forward with "full", the root then too
+                m.set_reshard_after_forward(self.mode == "full" or m is not self.root, recurse=False)
+            self.reshard()
 
 
 class GlooAllGather:
