@@ -12,6 +12,8 @@ The public face is small:
 - ``spawn``: start a local multi-process job the way torchrun would.
 - ``data.loader``: a DataLoader sharded by replica (not by rank), preparing batches ahead with ``prefetch=``.
 - ``resume``: pick up the newest complete checkpoint of a directory.
+- ``CollectiveError``: the ranks did not make the same collective call (``save`` on one rank, say);
+  ``PeerError``: a neighbouring process of a pipeline did not deliver, or an earlier step broke the link.
 - ``simulate``: predict a step from measured costs (``pipeddp plan`` ranks configurations with it).
 - ``is_recomputing``: whether a layer's forward is a recompute (activation checkpointing) replay;
   ``is_checkpointing``: whether it is the first forward of a micro-batch whose activations will be recomputed.
@@ -20,7 +22,9 @@ The public face is small:
 """
 
 from .distributed import data
+from .distributed.agreement import CollectiveError
 from .distributed.launch import spawn
+from .distributed.p2p import PeerError
 from .hybrid import HybridParallel, resume
 from .partitioning.report import HeavyLayerWarning, Partition, partition
 from .pipeline import Pipeline
@@ -33,5 +37,5 @@ from .tools.simulate import simulate
 
 __all__ = ["Pipeline", "HybridParallel", "Partition", "partition", "HeavyLayerWarning", "spawn", "resume", "data",
            "simulate", "gpipe", "one_f_one_b", "interleaved", "zero_bubble", "Action", "format_schedule",
-           "is_recomputing", "is_checkpointing", "flatten_sequential"]
+           "is_recomputing", "is_checkpointing", "flatten_sequential", "CollectiveError", "PeerError"]
 __version__ = "0.4.0"

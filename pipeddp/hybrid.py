@@ -227,7 +227,10 @@ class HybridParallel(Checkpointable, StepModule):
 
     # mypy: nn.Module.state_dict is a set of overloads; one keyword-only signature cannot match them all
     def state_dict(self, **kwargs: Any) -> Dict[str, Any]:  # type: ignore[override]
-        """The whole model's state dict with the plain model's keys (a collective in stage mode, and with shard=)."""
+        """The whole model's state dict with the plain model's keys (a collective in stage mode, and with shard=;
+        in replica mode without shard= every process holds the whole model, and one rank may call it alone)."""
+        if self.topology.world_size > 1 and (self.topology.mode == "stage" or self.shard != "none"):
+            self.agreement.enter("state_dict")
         return state.gather_state_dict(whole_tensors(super().state_dict(**kwargs)), self.topology, self.agreement)
 
     # mypy: nn.Module.load_state_dict's Mapping type is narrower than the state dicts both classes take

@@ -5,7 +5,10 @@ them waiting forever. So every check here is a collective that *every* rank
 of the group enters: each rank reports what it has (or what went wrong), and
 then all ranks raise, or proceed, alike::
 
-    batch sizes     one int64 all-gather per step: (x size, y size, error flag)
+    the call        which of the engine's collectives each rank entered, carried by the first
+                    collective of every one of them: a rank that called save while another
+                    called train_step gets an error naming both, never a mismatched collective
+    batch sizes     one int64 all-gather per step: (call, x size, y size, error flag)
     the loss        one float64 all-gather: (local loss, loss not finite, grads not finite)
     replicas        a CRC32 of every parameter, compared within each stage's group
     a partition     rank 0 measures, every rank uses rank 0's cut (DDP needs identical replicas)
@@ -27,9 +30,16 @@ from ..runtime.warn import warn
 from .shard import local_tensor
 from .topology import Topology
 
-__all__ = ["Agreement"]
+__all__ = ["Agreement", "CollectiveError", "COLLECTIVES"]
 
 T = TypeVar("T")
+
+#: The engine's calls that are collectives: every rank must make them together.
+COLLECTIVES = ("train_step", "forward", "save", "save_checkpoint", "state_dict", "load", "resume", "evaluate")
+
+
+class CollectiveError(RuntimeError):
+    """The ranks did not enter the same collective call (or one never came)."""
 
 
 class Agreement:
@@ -69,7 +79,44 @@ class Agreement:
 
     # -- batch sizes ---------------------------------------------------------------------------------
 
-    def _gather_sizes(self, x: Any, y: Any, group: Any, ranks: List[int]) -> List[Tuple[int, int, str]]:
+    def enter(self, call: str) -> None:
+        """Every rank enters the collective ``call`` together (see ``_calls``); nothing else is exchanged."""
+        if self.distributed:
+            self._calls(call, [0, 0, 0], None, list(range(self.topology.world_size)))
+
+    def _calls(self, call: str, payload: List[int], group: Any, ranks: List[int]) -> List[List[int]]:
+        """Every rank's ``payload`` (three ints), gathered with the name of the collective call each rank is in.
+
+        The same small all-gather opens every collective call, so a rank in
+        ``save`` meets a rank in ``train_step`` here and both raise naming the
+        calls, instead of entering collectives that do not match (a gloo abort,
+        or a hang). A rank that never comes leaves the others an error after the
+        process group's timeout that says what to do.
+        """
+        t = torch.tensor([COLLECTIVES.index(call), *payload], dtype=torch.int64, device=self.comm_device)
+        gathered = [torch.zeros_like(t) for _ in ranks]
+        try:
+            dist.all_gather(gathered, t, group=group)
+        except RuntimeError as exc:
+            topo = self.topology
+            where = f"rank {topo.rank}" + (f" (stage {topo.stage})" if topo.mode == "stage" else "")
+            raise CollectiveError(
+                f"{where} entered {call}, a collective, and not every rank came: each must call "
+                f"{call} too, together (not under `if rank == 0:`); or a rank stalled or died ({exc})"
+            ) from exc
+        rows = [[int(v) for v in g.tolist()] for g in gathered]
+        calls = [COLLECTIVES[row[0]] if 0 <= row[0] < len(COLLECTIVES) else "?" for row in rows]
+        if len(set(calls)) > 1:
+            listing = ", ".join(f"rank {r} {c}" for r, c in zip(ranks, calls))
+            raise CollectiveError(
+                f"rank {self.topology.rank}: the ranks entered different collective calls ({listing}). "
+                f"{', '.join(COLLECTIVES[:1] + COLLECTIVES[2:])} (and state_dict in stage mode or with shard=) run "
+                "on every rank together: call each on every rank, not under `if rank == 0:`"
+            )
+        return [row[1:] for row in rows]
+
+    def _gather_sizes(self, x: Any, y: Any, group: Any, ranks: List[int],
+                      call: str = "train_step") -> List[Tuple[int, int, str]]:
         """Every rank's (x size, y size, error) in ``group``; never raises before the collective."""
 
         def size(v: Any, name: str) -> Tuple[int, str]:
@@ -86,16 +133,13 @@ class Agreement:
         if not self.distributed:
             return [mine]
         # One small tensor collective per step; messages travel only when some rank has one.
-        t = torch.tensor([nx, ny, 1 if mine[2] else 0], dtype=torch.int64, device=self.comm_device)
-        gathered = [torch.zeros_like(t) for _ in ranks]
-        dist.all_gather(gathered, t, group=group)
-        rows = [tuple(int(v) for v in g.tolist()) for g in gathered]
+        rows = self._calls(call, [nx, ny, 1 if mine[2] else 0], group, ranks)
         messages: List[Any] = [""] * len(ranks)
         if any(r[2] for r in rows):
             dist.all_gather_object(messages, mine[2], group=group)
         return [(r[0], r[1], m) for r, m in zip(rows, messages)]
 
-    def local_batch(self, x: Any, y: Any, *, need_y: bool, group: Any = None) -> int:
+    def local_batch(self, x: Any, y: Any, *, need_y: bool, group: Any = None, call: str = "train_step") -> int:
         """Check every rank's batch (the ranks of ``group``, default all) and return the common local size.
 
         The rank of stage 0 must pass ``x``, the rank of the last stage ``y``
@@ -104,7 +148,7 @@ class Agreement:
         topo = self.topology
         ranks = dist.get_process_group_ranks(group) if (group is not None and self.distributed) \
             else list(range(topo.world_size))
-        infos = self._gather_sizes(x, y, group, ranks)
+        infos = self._gather_sizes(x, y, group, ranks, call)
         for r, (_, _, err) in zip(ranks, infos):
             if err:
                 raise ValueError(f"rank {r}: {err}")

@@ -102,7 +102,7 @@ class Replica:
         if self.topology.mode == "replica":
             n = samples_of(x, name="input")
         else:
-            n = self.agreement.local_batch(x, None, need_y=False, group=self.groups.pipeline)
+            n = self.agreement.local_batch(x, None, need_y=False, group=self.groups.pipeline, call="forward")
         out = self.step.forward(x, n, need_grad=need_grad)
         for sh in self.shards if not (need_grad or self._gathered) else ():  # an evaluation forward frees what
             if sh is not None:                                               # it gathered
@@ -114,6 +114,7 @@ class Replica:
         """``metric_fn``'s means over every sample of ``loader`` (run through ``model`` in eval mode), once each.
 
         A metric returned as ``(total, count)`` (a loss over tokens) is the sum of totals over the sum of counts."""
+        self.agreement.enter("evaluate")
         was_training = model.training
         model.eval()
         gathered = contextlib.ExitStack()  # with shard=: parameters gathered once, no collective per forward,

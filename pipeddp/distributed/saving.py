@@ -159,11 +159,6 @@ def _payload(engine: Engine, optimizer: Optional[torch.optim.Optimizer],
             "meta": _meta(engine, optimizer)}
 
 
-def _barrier(engine: Engine) -> None:
-    if engine.topology.world_size > 1:
-        dist.barrier()
-
-
 def _check_save(engine: Engine, extra: Optional[Dict[str, Any]], sharded_format: bool, async_save: bool,
                 saver: Optional[Saver]) -> Dict[str, Any]:
     """Arguments checked on every rank before any collective, so that all raise alike."""
@@ -203,14 +198,14 @@ def save(engine: Engine, path: str, optimizer: Optional[torch.optim.Optimizer] =
          extra: Optional[Dict[str, Any]] = None, *, sharded: bool = False, async_save: bool = False,
          saver: Optional[Saver] = None) -> None:
     """One checkpoint at ``path``: a file rank 0 writes atomically, or (``sharded``) a directory all ranks write."""
+    engine.agreement.enter("save")
     extra = _check_save(engine, extra, sharded, async_save, saver)
     if sharded:
         _save_sharded(engine, path, optimizer, extra, async_save=async_save, saver=saver, directory=None, keep=0)
         return
     payload = _payload(engine, optimizer, extra)
-    if payload is not None:
-        files.atomic_save(payload, path)
-    _barrier(engine)
+    # written on rank 0; every rank returns once it is, or raises with rank 0's error at once (not at the timeout)
+    engine.agreement.from_rank0(lambda: files.atomic_save(payload, path) if payload is not None else None)
 
 
 def save_checkpoint(engine: Engine, directory: str, step: int, optimizer: Optional[torch.optim.Optimizer] = None,
@@ -223,6 +218,7 @@ def save_checkpoint(engine: Engine, directory: str, step: int, optimizer: Option
     """
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
+    engine.agreement.enter("save_checkpoint")
     extra = _check_save(engine, dict(extra or {}, step=step), sharded, async_save, saver)
     path = catalog.step_path(directory, step, sharded)
     if sharded:
@@ -230,9 +226,12 @@ def save_checkpoint(engine: Engine, directory: str, step: int, optimizer: Option
                       keep=keep)
         return path
     payload = _payload(engine, optimizer, extra)
-    if payload is not None:
-        os.makedirs(directory, exist_ok=True)
-        files.atomic_save(payload, path)
-        catalog.prune(directory, keep)
-    _barrier(engine)
+
+    def write() -> None:  # on rank 0; the others wait for it and raise with its error, if any
+        if payload is not None:
+            os.makedirs(directory, exist_ok=True)
+            files.atomic_save(payload, path)
+            catalog.prune(directory, keep)
+
+    engine.agreement.from_rank0(write)
     return path

@@ -206,6 +206,7 @@ def _load_any(engine: Optional[Engine], scope: _Scope, path: str, optimizer: Opt
 def load(engine: Engine, path: str, optimizer: Optional[torch.optim.Optimizer] = None, *,
          saver: Optional[Saver] = None) -> Dict[str, Any]:
     """Load a checkpoint (a file or a sharded directory, any layout) into this process's share; its ``extra``."""
+    engine.agreement.enter("load")
     if saver is not None:
         saver.wait()
     return _load_any(engine, _scope(engine), path, optimizer, rng=False)
@@ -228,6 +229,7 @@ def resume(engine: Engine, directory: str, optimizer: Optional[torch.optim.Optim
     then loads the chosen one. Random generator states are restored when the
     job has as many ranks as the one that saved.
     """
+    engine.agreement.enter("resume")
     if saver is not None:
         saver.wait()
     topo = engine.topology
