@@ -249,3 +249,28 @@ def schedule_job(mode: str, stages: int, replicas: int, combos) -> List[Dict[str
                     "ddp": len([d for d in engine._ddps if d]), "stages": [st.index for st in engine.stages]})
         engine.close()
     return out
+
+
+def fifo_backwards(stages: int, chunks: int):
+    """A schedule written by hand, as data: every forward, then the backwards in the order of the forwards."""
+    return [[("F", i) for i in range(chunks)] + [("B", i) for i in range(chunks)] for _ in range(stages)]
+
+
+def layout_job(batches) -> List[Dict[str, Any]]:
+    """Stage mode, 2 replicas x 2 stages with the copies of a stage on neighbouring ranks (layout="data"), under
+    1F1B and under a schedule written by hand; the batch size changes between steps (10, 10, 7 per replica)."""
+    init()
+    out = []
+    for schedule in ("1f1b", fifo_backwards):
+        engine = pipeddp.HybridParallel(make_mlp(), stages=2, mode="stage", layout="data", chunks=4,
+                                        schedule=schedule, balance="uniform")
+        opt = torch.optim.SGD(engine.parameters(), lr=0.1)
+        for x, y in batches:
+            local = x.shape[0] // engine.topology.replicas
+            x, y = local_slice((x, y), engine.topology.replica, local)
+            opt.zero_grad()
+            engine.train_step(x if engine.is_first else None, y if engine.is_last else None, LOSS)
+            opt.step()
+        out.append(engine.state_dict())
+        engine.close()
+    return out

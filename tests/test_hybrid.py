@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import pipeddp
-from conftest import make_mlp, max_diff, reference_training
+from conftest import data, make_mlp, max_diff, reference_training
 from hybrid_jobs import (LOSS, bad_batch_job, checkpoint_resume_job, checkpoint_save_job, equivalence_job, eval_job,
-                         global_batches, indivisible_world_job)
+                         global_batches, indivisible_world_job, layout_job)
 
 # local batch 10: uneven over 4 micro-batches; recompute must not fire DDP's hooks twice
 COMBOS = [("gpipe", 1, "never"), ("gpipe", 4, "never"), ("1f1b", 1, "never"), ("1f1b", 4, "never"),
@@ -248,3 +248,12 @@ def test_forward_then_backward_averages_gradients_over_replicas():
         *grads, calls = res
         assert max_diff(expect, grads) < 1e-12
         assert calls.tolist() == [1, 1]  # one all-reduce per stage, in the last backward
+
+
+@pytest.mark.timeout(240)
+def test_stage_mode_with_the_data_layout_a_schedule_by_hand_and_a_changing_batch_size():
+    batches = global_batches(2, 2) + [data(14, width=12, seed=150)]  # 10, 10, then 7 per replica
+    expected = reference_state(batches)
+    for rank, per_rank in enumerate(pipeddp.spawn(layout_job, 4, args=(batches,), timeout=200)):
+        for state in per_rank:
+            assert max_diff(expected.values(), [state[k] for k in expected]) < 1e-12, rank
