@@ -7,7 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import nccl_rules
 import pipeddp
+
+nccl_rules.install()  # point-to-point messages follow NCCL's rules in the spawned jobs too (see conftest)
 
 LOSS = nn.functional.mse_loss
 
@@ -136,18 +139,28 @@ def test_an_in_place_op_on_an_input_without_grad_runs_once_under_recompute():
         assert torch.equal(foo.grad, torch.full((4, 3), 2.0, dtype=torch.float64)), checkpoint  # 3 = ran twice
 
 
+def random_grads_job(mode: str, checkpoint: str):
+    """One step of the random model in HybridParallel; this process's gradients by name."""
+    model = random_model()
+    torch.manual_seed(5)
+    kw = {"devices": ["cpu"] * 3} if mode == "replica" else {}
+    with pipeddp.HybridParallel(model, stages=3, mode=mode, chunks=3, checkpoint=checkpoint, balance="uniform",
+                                **kw) as engine:
+        x, y = batches(1)[0]
+        engine.train_step(x if engine.is_first else None, y if engine.is_last else None, LOSS)
+        return {n: p.grad.clone() for n, p in engine.named_parameters()}
+
+
+@pytest.mark.timeout(120)
 def test_random_layers_in_replica_and_stage_mode_match_across_checkpoint_policies():
-    """The same replay in HybridParallel (one process): recompute does not change the result."""
-    results = []
-    for checkpoint in ("never", "always"):
-        model = random_model()
-        torch.manual_seed(5)
-        with pipeddp.HybridParallel(model, stages=3, chunks=3, checkpoint=checkpoint,
-                                    balance="uniform", devices=["cpu"] * 3) as engine:
-            x, y = batches(1)[0]
-            engine.train_step(x, y, LOSS)
-            results.append([p.grad.clone() for p in engine.parameters()])
-    assert all(torch.equal(a, b) for a, b in zip(*results))
+    """The same replay in HybridParallel, one process (replica mode) or one process per stage: recompute does not
+    change the result, bit for bit."""
+    replica = [random_grads_job("replica", checkpoint) for checkpoint in ("never", "always")]
+    stage = [{n: g for grads in pipeddp.spawn(random_grads_job, 3, args=("stage", checkpoint), timeout=100)
+              for n, g in grads.items()} for checkpoint in ("never", "always")]
+    for never, always in (replica, stage):
+        assert never.keys() == always.keys() == set(n for n, _ in random_model().named_parameters())
+        assert all(torch.equal(never[n], always[n]) for n in never)
 
 
 class Records(nn.Module):
