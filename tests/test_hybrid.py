@@ -209,10 +209,10 @@ def test_ddp_options_and_comm_hooks_reach_every_stage(mode, nprocs):
         for res in per_rank:
             for name in ("buckets", "unused"):
                 assert max_diff(expected.values(), res[name]["state"].values()) < 1e-12, name
-            # compressed gradients: close to, not equal to, the exact result
+            # compressed gradients: close to, not equal to, the exact result (a hook never registered gives 0)
             for name in ("fp16", "bf16", "powersgd"):
                 err = max_diff(expected.values(), res[name]["state"].values())
-                assert err < (5e-2 if name != "fp16" else 1e-3), (name, err)
+                assert 1e-9 < err < (5e-2 if name != "fp16" else 1e-3), (name, err)
     # tiny buckets: several all-reduces per step per stage (DDP re-buckets after the first step), and the
     # same number whatever the micro-batch count
     for a, b in zip(results[1], results[5]):
