@@ -42,10 +42,14 @@ def test_pipeline_equals_plain_or_raises_a_clear_error(cfg):
         pipe = pipeddp.Pipeline(copy.deepcopy(MODEL), ["cpu"] * stages, chunks=chunks, split_size=split_size,
                                 balance=balance, schedule=schedule, checkpoint=checkpoint)
     except (ValueError, TypeError) as exc:
-        assert str(exc)  # a message that says what to change
         bad_balance = isinstance(balance, list) and (sum(balance) != 5 or len(balance) != stages or 0 in balance)
-        assert (stages > 5 or bad_balance or (chunks is not None and chunks < 1)
-                or (split_size is not None and split_size < 1)), f"rejected a valid configuration: {exc}"
+        # what is wrong, and the words a message about it must hold (the setting it names, or what to do)
+        wrong = {"stages": stages > 5, "balance": bad_balance, "chunks": chunks is not None and chunks < 1,
+                 "split_size": split_size is not None and split_size < 1}
+        assert any(wrong.values()), f"rejected a valid configuration: {exc}"
+        words = {"stages": "use at most 5 stages", "balance": "balance", "chunks": "chunks must be an int >= 1",
+                 "split_size": "split_size must be an int >= 1"}
+        assert any(words[k] in str(exc) for k, bad in wrong.items() if bad), f"{wrong}: {exc}"
         return
     with pipe:
         try:

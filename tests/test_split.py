@@ -2,9 +2,10 @@
 
 Every case compares against autograd's whole backward on the plain layers:
 the I half must give the input gradients and touch no ``.grad``; the W half
-must then give the parameter gradients, and together they must cost no more
-activation-gradient work than one backward (checked on the graph: W never
-re-enters the input side).
+must then give the parameter gradients. Where W re-enters the graph is checked
+on the graph itself (``test_the_weight_half_re_enters_the_graph_where_the_paths_part``):
+one split point per Linear, at its weight side, with no whole-backward
+fallback, so W adds no activation-gradient work of its own; nothing here times it.
 """
 
 import copy
