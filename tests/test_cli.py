@@ -33,7 +33,9 @@ def test_partition_report(capsys):
 
 def test_bad_arguments_give_an_error_not_a_traceback(capsys):
     assert main(["partition", "--model", "mlp", "--stages", "40"]) == 2
-    assert "at most 32" in capsys.readouterr().out
+    said = capsys.readouterr()
+    assert "at most 32" in said.out
+    assert "profiling" not in said.out + said.err  # refused before anything is measured
 
 
 def test_piped_output_keeps_every_cell_whole_and_shows_progress(capsys):

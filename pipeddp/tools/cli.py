@@ -55,10 +55,12 @@ def _partition(args: argparse.Namespace, console: Console) -> int:
     import torch
 
     from ..partitioning.report import partition
+    from ..partitioning.solve import check_stage_count
     from .models import build
 
     torch.set_num_threads(args.threads)
     model, make_sample = build(args.model)
+    check_stage_count(args.stages, len(model))  # refused before anything is measured
     sample = make_sample(args.batch)
     with _progress(console, f"profiling {args.model} ({len(model)} layers) for method={args.method}") as progress:
         plan = partition(model, args.stages, method=args.method, sample=sample, chunks=args.chunks,
