@@ -19,29 +19,33 @@ from typing import Any
 
 import torch
 from torch import nn
+from train_hybrid import build
 
 import pipeddp
-from train_hybrid import build
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` keeps the docstring's layout and ends every flag's help with its default."""
 
 
 def parse(argv: Any = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--checkpoint-dir", required=True, help="on a file system every host sees")
-    p.add_argument("--stages", type=int, default=2)
-    p.add_argument("--mode", choices=["replica", "stage"], default="replica")
-    p.add_argument("--chunks", type=int, default=2)
+    p.add_argument("--stages", type=int, default=2, help="pipeline stages per replica")
+    p.add_argument("--mode", choices=["replica", "stage"], default="replica", help="a process per replica or per stage")
+    p.add_argument("--chunks", type=int, default=2, help="micro-batches per step")
     p.add_argument("--global-batch", type=int, default=48, help="samples per optimizer step, all replicas together "
                    "(pick one that every replica count the job may run with divides)")
     p.add_argument("--batch-size", type=int, default=8, help="samples per pass of one replica (the memory knob)")
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=60, help="optimizer steps")
     p.add_argument("--every", type=int, default=5, help="checkpoint every this many steps")
     p.add_argument("--sharded", action="store_true", help="sharded checkpoints (every process writes its share)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds a rank waits for a peer before failing")
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--width", type=int, default=32)
-    p.add_argument("--layers", type=int, default=3)
-    p.add_argument("--samples", type=int, default=480)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=0.05, help="learning rate")
+    p.add_argument("--width", type=int, default=32, help="hidden width of the model")
+    p.add_argument("--layers", type=int, default=3, help="layers (blocks) of the model")
+    p.add_argument("--samples", type=int, default=480, help="training samples")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
     p.add_argument("--out", default=None, help="write the final consolidated state dict here")
     return p.parse_args(argv)
 

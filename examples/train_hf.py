@@ -43,26 +43,31 @@ import pipeddp
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
+
+class HelpFormatter(argparse.RawTextHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` keeps the docstring's layout and ends every flag's help with its default."""
+
+
 def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--text", default=str(README), help="the text file to train on (default: pipeddp's README)")
     p.add_argument("--model-dir", default=None, help="a local transformers model directory (config + weights)")
     p.add_argument("--arch", choices=["llama", "gpt2"], default="llama", help="the config to build without --model-dir")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--layers", type=int, default=4, help="layers (blocks) of the model")
+    p.add_argument("--hidden", type=int, default=128, help="hidden size of the model")
+    p.add_argument("--heads", type=int, default=4, help="attention heads")
+    p.add_argument("--context", type=int, default=64, help="tokens per training window")
     p.add_argument("--batch", type=int, default=16, help="sequences per replica per step")
     p.add_argument("--chunks", type=int, default=4, help="micro-batches per step")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--stages", type=int, default=2)
-    p.add_argument("--mode", choices=["replica", "stage"], default="replica")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps")
+    p.add_argument("--lr", type=float, default=3e-3, help="learning rate")
+    p.add_argument("--stages", type=int, default=2, help="pipeline stages per replica")
+    p.add_argument("--mode", choices=["replica", "stage"], default="replica", help="a process per replica or per stage")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
+    p.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="the model's parameter dtype")
     p.add_argument("--out", default="train_hf.pt", help="the checkpoint engine.save writes at the end")
     p.add_argument("--save-pretrained", default=None, help="also write the trained model with save_pretrained")
-    p.add_argument("--log-every", type=int, default=20)
+    p.add_argument("--log-every", type=int, default=20, help="print the loss every this many steps")
     return p.parse_args(argv)
 
 

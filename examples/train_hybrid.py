@@ -46,20 +46,25 @@ def build(args: argparse.Namespace) -> Tuple[nn.Sequential, TensorDataset, Tenso
     return model, TensorDataset(x[:args.samples], y[:args.samples]), TensorDataset(x[args.samples:], y[args.samples:])
 
 
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` keeps the docstring's layout and ends every flag's help with its default."""
+
+
 def parse(argv: Any = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--stages", type=int, default=2)
-    p.add_argument("--mode", choices=["replica", "stage"], default="replica")
-    p.add_argument("--chunks", type=int, default=4)
-    p.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--stages", type=int, default=2, help="pipeline stages per replica")
+    p.add_argument("--mode", choices=["replica", "stage"], default="replica", help="a process per replica or per stage")
+    p.add_argument("--chunks", type=int, default=4, help="micro-batches per step")
+    p.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b", help="the pipeline schedule")
     p.add_argument("--batch", type=int, default=32, help="samples per replica per step (the global batch is "
                    "this times the number of replicas)")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--lr", type=float, default=0.1)
-    p.add_argument("--width", type=int, default=64)
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps")
+    p.add_argument("--lr", type=float, default=0.1, help="learning rate")
+    p.add_argument("--width", type=int, default=64, help="hidden width of the model")
+    p.add_argument("--layers", type=int, default=4, help="layers (blocks) of the model")
     p.add_argument("--samples", type=int, default=2048, help="training samples (a quarter more are held out)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
     p.add_argument("--out", default=None, help="write the final consolidated state dict here")
     return p.parse_args(argv)
 

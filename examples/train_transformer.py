@@ -47,7 +47,6 @@ from pipeddp.tools.models import flatten_sequential
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # train_lm.py beside this file, whatever the directory
 import train_lm as lm  # noqa: E402  (after the path it is found on)
 
-
 # -- model -----------------------------------------------------------------------------------------
 
 

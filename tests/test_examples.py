@@ -69,3 +69,13 @@ def test_example_learns_with_its_defaults(tmp_path):
     stdout = run_script([sys.executable, str(EXAMPLE)], tmp_path)
     before, after = map(float, re.search(r"held-out mse ([\d.]+) before training, ([\d.]+) after", stdout).groups())
     assert after < 0.7 * before, stdout[-2000:]
+
+
+@pytest.mark.parametrize("script", sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.py")),
+                         ids=lambda p: p.name)
+def test_every_examples_help_shows_each_options_default(script):
+    out = run_script([sys.executable, str(script), "--help"], script.parent, timeout=120)
+    text = " ".join(out.split())  # help text wraps anywhere
+    options = [w for w in re.findall(r"^  (--[a-z][a-z-]*)", out, flags=re.M)]
+    assert options, out
+    assert text.count("(default: ") >= len(options), out
