@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .runtime.clip import Combine, clip_grad_norm
-from .runtime.names import Names
+from .runtime.names import Names, key_mismatch
 from .runtime.stage import Stage
 from .runtime.step import Step
 from .runtime.trace import Trace
@@ -61,12 +61,7 @@ class StepModule(nn.Module):
         missing = list(OrderedDict.fromkeys(names.original(k) for k in result.missing_keys))
         unexpected = list(OrderedDict.fromkeys(names.original(k) for k in result.unexpected_keys))
         if strict and (missing or unexpected):
-            parts = []
-            if unexpected:
-                parts.append("Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in unexpected) + ". ")
-            if missing:
-                parts.append("Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing) + ". ")
-            raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}:\n\t" + "\n\t".join(parts))
+            raise RuntimeError(key_mismatch(type(self).__name__, missing, unexpected))
         return type(result)(missing, unexpected)
 
     @property

@@ -132,9 +132,8 @@ def test_first_and_last_stage_take_inputs_and_return_losses_and_input_grads():
     acts = {("F", i): first_part(xi).detach() for i, xi in enumerate(xs)}
     to_first, _ = channels(log, prev={"incoming": acts})
     res_last = run_stage(last, rows[1], spec, prev=to_first, next=None)
-    assert sorted(res_last.outputs) == [0, 1, 2] and sorted(res_last.losses) == [0, 1, 2]
+    assert res_last.outputs == {} and sorted(res_last.losses) == [0, 1, 2]  # a loss step keeps no output
     for i in range(3):
-        assert torch.equal(res_last.outputs[i], last_part(acts[("F", i)]))
         ref = weights[i] * LOSS(last_part(acts[("F", i)]), ys[i])
         assert abs(res_last.losses[i].item() - ref.item()) < 1e-15
     # ... and the first stage gets the gradients the last one sent back

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import nn
 
-from ..runtime.names import Names
+from ..runtime.names import Names, key_mismatch
 from ..runtime.warn import warn
 from . import checkpoint as files
 from . import saving, state
@@ -68,15 +68,15 @@ class Checkpointable(nn.Module):
     def check_keys(self, state_dict: Dict[str, Any]) -> None:
         """Refuse, before anything is copied, a state dict that lacks a key this process holds or has a key the
         whole model lacks (``model_keys``); the original model's names and the pipeline's are both taken."""
-        given = {self.key_names.original(k) for k in state_dict}
+        original = self.key_names.original
+        given = {original(k) for k in state_dict}
         missing = [k for k in self.local_state_dict() if k not in given]
-        unexpected = sorted(given - set(self.model_keys()))
+        known = set(self.model_keys())
+        unexpected = list(dict.fromkeys(original(k) for k in state_dict if original(k) not in known))
         if missing or unexpected:
-            parts = [f"{len(unexpected)} key(s) the model lacks: {unexpected[:5]}"] if unexpected else []
-            if missing:
-                parts.append(f"{len(missing)} of the model's key(s) missing: {missing[:5]}")
-            raise KeyError(f"rank {self.topology.rank}: nothing was loaded: the state dict has "
-                           f"{'; '.join(parts)} (strict=False loads what matches)")
+            raise RuntimeError(key_mismatch(type(self).__name__, missing, unexpected,
+                                            f" (rank {self.topology.rank}; nothing was loaded; strict=False loads "
+                                            "what matches)"))
 
     def model_keys(self) -> List[str]:
         """Every key of the whole model's state dict (this process may hold only some of them)."""

@@ -28,7 +28,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, TypeVar
 
 from torch import nn
 
-__all__ = ["Names", "record", "recorded", "names_of"]
+__all__ = ["Names", "record", "recorded", "names_of", "key_mismatch"]
 
 V = TypeVar("V")
 
@@ -176,3 +176,15 @@ def names_of(module: nn.Module) -> Names:
     """The ``Names`` of an engine (``Pipeline``, ``HybridParallel``), or the identity for any other module."""
     found = getattr(module, "key_names", None)
     return found if isinstance(found, Names) else Names()
+
+
+def key_mismatch(owner: str, missing: Iterable[str], unexpected: Iterable[str], note: str = "") -> str:
+    """``nn.Module.load_state_dict``'s message for keys that do not match (so code that reads torch's reads
+    ours), ``note`` after the owner's name."""
+    parts = []
+    unexpected, missing = list(unexpected), list(missing)
+    if unexpected:
+        parts.append("Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in unexpected) + ". ")
+    if missing:
+        parts.append("Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing) + ". ")
+    return f"Error(s) in loading state_dict for {owner}{note}:\n\t" + "\n\t".join(parts)

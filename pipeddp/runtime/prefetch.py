@@ -135,7 +135,7 @@ class Prefetcher:
     def _fill(self, make: Callable[[], Iterator[Any]]) -> None:
         draws = ForeignDraws()  # a dataset that draws (random crops) must not shift a stage's seeded numbers
         try:
-            with draws.guarded():
+            with ForeignDraws().guarded():  # (a loader that is a generator draws nothing here: judge next() alone)
                 batches = make()
             while self._slot():
                 try:
