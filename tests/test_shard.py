@@ -157,6 +157,8 @@ def test_settings_that_cannot_work_with_shards_are_refused_naming_the_way_out(mo
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(ValueError, match="shard='optimizer' with that schedule"):
         pipeddp.HybridParallel(make_mlp(), stages=2, shard="full", schedule="zb")
+    with pytest.raises(ValueError, match="schedule 'auto', which splits backwards"):
+        pipeddp.HybridParallel(make_mlp(), stages=2, shard="full", schedule="auto")
     with pytest.raises(ValueError, match="drop them, or use shard='none'"):
         pipeddp.HybridParallel(make_mlp(), stages=2, shard="optimizer", comm_hook="fp16")
     bn = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 4))

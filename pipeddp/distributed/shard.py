@@ -301,8 +301,9 @@ def check_shard(shard: Any, *, replicas: int, model: nn.Module, split_backward: 
                          "broadcasts them): use shard='none', or a model with LayerNorm/GroupNorm")
     if shard == "full" and split_backward:
         conflicts.append("shard='full' frees a layer's parameters after its input-gradient half, and a split "
-                         "backward's weight half (schedule 'zb' or a schedule with W actions) would run on the "
-                         "freed shards: use shard='optimizer' with that schedule, or schedule='1f1b'")
+                         "backward's weight half (schedule 'zb', schedule 'auto', which splits backwards to fill its "
+                         "bubbles, or a schedule with W actions) would run on the freed shards: use "
+                         "shard='optimizer' with that schedule, or schedule='1f1b' or 'interleaved'")
     if conflicts:
         raise ValueError(f"shard={shard!r} cannot be used here: " + "; ".join(conflicts))
     return shard
