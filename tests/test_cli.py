@@ -23,6 +23,11 @@ def test_demo_trains_plain_pipeline_and_hybrid_alike(capsys):
         ratio, word = re.search(r"(\d+\.\d+)x (faster|slower)", rows[name]).groups()
         if word == "slower":
             assert "Slower than the plain model here" in out and name in out.split("Slower than")[1]
+        # ... and agrees at a glance with the step times beside it
+        plain_ms = float(rows["plain"].split("│")[2])
+        row_ms = float(rows[name].split("│")[2])
+        shown = plain_ms / row_ms if word == "faster" else row_ms / plain_ms
+        assert abs(shown - float(ratio)) < 0.02 * shown + 0.01, (rows["plain"], rows[name])
 
 
 def test_partition_report(capsys):
