@@ -209,3 +209,26 @@ def test_a_one_process_asynchronous_sharded_save_prints_no_warning_of_torchs(tmp
                 pipe.save_checkpoint(str(tmp_path), step, sharded=True, async_save=True)
             pipe.wait_for_save()
     assert [str(w.message) for w in caught] == []
+
+
+def stage_mode_refusal_job(path: str):
+    """Stage mode, 2 processes (layer 2 on rank 0, layer 4 on rank 1): load a checkpoint of wider layers."""
+    with pipeddp.HybridParallel(model(), stages=2, mode="stage", balance=[3, 2]) as engine:
+        before = {k: v.clone() for k, v in engine.local_state_dict().items()}
+        try:
+            engine.load(path)
+        except ValueError as exc:
+            said = str(exc)
+        unchanged = all(torch.equal(v, engine.local_state_dict()[k]) for k, v in before.items())
+    return said, unchanged
+
+
+@pytest.mark.timeout(120)
+def test_a_refused_load_in_stage_mode_counts_the_whole_models_misfits_on_every_rank(tmp_path):
+    with pipeddp.Pipeline(model(width=16), ["cpu", "cpu"], chunks=2) as wide:
+        wide.save(str(tmp_path / "wide.pt"))
+    results = pipeddp.spawn(stage_mode_refusal_job, 2, args=(str(tmp_path / "wide.pt"),), timeout=100)
+    (first, kept0), (second, kept1) = results
+    assert kept0 and kept1
+    assert first == second  # one message for the whole model, on every rank
+    assert "(3 of them): 2.weight: saved [16, 12]" in first and "4.weight: saved [4, 16]" in first, first

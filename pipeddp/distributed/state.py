@@ -74,19 +74,26 @@ class _Scope:
     module: nn.Module                                # names the optimizer's parameters
     own: Dict[str, Any]                              # this process's share, under the model's keys
     keys: Set[str]                                   # the whole model's keys (every process's share)
+    whole: Dict[str, Any]                            # every process's entries as meta tensors (shape and dtype)
     load: Callable[[Dict[str, Any]], Any]            # loads entries of this share
     rank: int
     world_size: int
 
 
 def _scope(engine: Engine) -> _Scope:
+    """What this process loads into, and the whole model's entries (gathered in stage mode), so that a refused
+    load names the same misfits, counted over the whole model, on every rank."""
     own = engine.local_state_dict()
-    keys: Set[str] = set(own)
+    mine = {k: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None for k, v in own.items()}
+    specs = dict(mine)
     if engine.topology.world_size > 1 and engine.topology.mode == "stage":
-        for part in engine.agreement.gather_to_all(sorted(own)):
-            keys.update(part)
+        specs = {}  # in rank order: every rank lists the misfits alike
+        for part in engine.agreement.gather_to_all(mine):
+            specs.update(part)
+    whole = {k: torch.empty(spec[0], dtype=spec[1], device="meta") for k, spec in specs.items() if spec is not None}
+    keys: Set[str] = set(specs)
     # mypy: an Engine is an nn.Module at run time; the protocol cannot say so without a base class
-    return _Scope(engine, own, keys, engine.load_state_dict, engine.topology.rank,  # type: ignore[arg-type]
+    return _Scope(engine, own, keys, whole, engine.load_state_dict, engine.topology.rank,  # type: ignore[arg-type]
                   engine.topology.world_size)
 
 
@@ -113,7 +120,7 @@ def _load_file(scope: _Scope, payload: Dict[str, Any], path: str,
                optimizer: Optional[torch.optim.Optimizer]) -> Callable[[], None]:
     """Check ``payload`` whole against this process's share; returns what loads the optimizer state and weights."""
     files.check_model_keys(path, payload["model"], scope.keys)
-    files.check_model_tensors(path, files.specs(payload["model"]), scope.own)
+    files.check_model_tensors(path, files.specs(payload["model"]), scope.whole)
     if optimizer is not None:
         optim_state.check_optimizer(path, payload.get("meta", {}).get("optimizer"),
                                     payload.get("optimizer") is not None, optimizer)
@@ -147,7 +154,7 @@ def _load_sharded(scope: _Scope, path: str, optimizer: Optional[torch.optim.Opti
     head = sharded.header(path, metadata)
     saved = sharded.entry_specs(metadata, "model")
     files.check_model_keys(path, sharded.model_shapes(metadata), scope.keys)
-    files.check_model_tensors(path, saved, scope.own)
+    files.check_model_tensors(path, saved, scope.whole)
     target: Dict[str, Any] = {"model": {k: _buffer(v, saved[k]) if isinstance(v, torch.Tensor) and k in saved else v
                                         for k, v in scope.own.items()}}
     if optimizer is not None:
