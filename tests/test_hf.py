@@ -124,8 +124,10 @@ def test_a_model_that_cannot_be_taken_names_the_construct_and_the_way_out():
             return self.head(h)
 
     with pytest.raises(ValueError, match=r"blocks\.1 is not called on the output of blocks\.0 .*test_hf\.py:\d+ in "
-                                         r"forward.*one per block of model\.blocks taking and passing on"):
+                                         r"forward.*one per block of model\.blocks taking and passing on") as info:
         flatten_sequential(Between(), torch.randint(0, 10, (2, 4)))
+    assert str(info.value).startswith("cannot flatten Between: its blocks ")  # the real reason first, torch.fx's last
+    assert str(info.value).index("torch.fx") > str(info.value).index("is not called on the output")
 
 
 def test_the_way_out_is_written_with_the_model_s_own_parts():

@@ -71,9 +71,10 @@ def _layers(model: nn.Module, sample: Any) -> Tuple[List[Layer], List[EncoderCal
                          f"{by_hand(model)}") from None
     try:
         return stack_layers(model, sample, *stack), [], True
-    except NotAStack as exc:
-        raise ValueError(f"cannot flatten {name}: its forward is not a chain of its children ({chain_reason}), and "
-                         f"its blocks {stack[0]} cannot be opened: {exc}. {_stack_hint(stack[0])}") from None
+    except NotAStack as exc:  # the blocks' reason first: torch.fx's failure on a stack of blocks says little
+        raise ValueError(f"cannot flatten {name}: its blocks {stack[0]} cannot be opened: {exc}. "
+                         f"{_stack_hint(stack[0])} (Read as a chain of its children by torch.fx, it failed too: "
+                         f"{chain_reason}.)") from None
 
 
 def flatten_sequential(model: nn.Module, sample: Any, *, rtol: float = 1e-5, atol: float = 1e-6) -> nn.Sequential:
