@@ -17,9 +17,10 @@ then all ranks raise, or proceed, alike::
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -95,15 +96,9 @@ class Agreement:
         """
         t = torch.tensor([COLLECTIVES.index(call), *payload], dtype=torch.int64, device=self.comm_device)
         gathered = [torch.zeros_like(t) for _ in ranks]
-        try:
+        with self._waiting(f"entered {call}, a collective, and not every rank came: each must call {call} too, "
+                           "together (not under `if rank == 0:`); or a rank stalled or died"):
             dist.all_gather(gathered, t, group=group)
-        except RuntimeError as exc:
-            topo = self.topology
-            where = f"rank {topo.rank}" + (f" (stage {topo.stage})" if topo.mode == "stage" else "")
-            raise CollectiveError(
-                f"{where} entered {call}, a collective, and not every rank came: each must call "
-                f"{call} too, together (not under `if rank == 0:`); or a rank stalled or died ({exc})"
-            ) from exc
         rows = [[int(v) for v in g.tolist()] for g in gathered]
         calls = [COLLECTIVES[row[0]] if 0 <= row[0] < len(COLLECTIVES) else "?" for row in rows]
         if len(set(calls)) > 1:
@@ -114,6 +109,17 @@ class Agreement:
                 "on every rank together: call each on every rank, not under `if rank == 0:`"
             )
         return [row[1:] for row in rows]
+
+    @contextlib.contextmanager
+    def _waiting(self, what: str) -> Iterator[None]:
+        """A collective whose failure (a timeout, a peer gone) becomes a ``CollectiveError`` naming this rank (and
+        its stage) and ``what`` it was doing, the process group's own error kept as the cause."""
+        try:
+            yield
+        except RuntimeError as exc:
+            topo = self.topology
+            where = f"rank {topo.rank}" + (f" (stage {topo.stage})" if topo.mode == "stage" else "")
+            raise CollectiveError(f"{where} {what} ({exc})") from exc
 
     def _gather_sizes(self, x: Any, y: Any, group: Any, ranks: List[int],
                       call: str = "train_step") -> List[Tuple[int, int, str]]:
@@ -209,7 +215,9 @@ class Agreement:
                             dtype=torch.float64, device=self.comm_device)
         if self.distributed:
             everyone = [torch.zeros_like(mine) for _ in range(self.topology.world_size)]
-            dist.all_gather(everyone, mine)
+            with self._waiting("waited for every rank's loss at the end of a step: a rank stalled or died in its "
+                               "step, or skipped train_step (a collective: call it on every rank)"):
+                dist.all_gather(everyone, mine)
         else:
             everyone = [mine]
         total = sum(t[0].item() for t in everyone)
