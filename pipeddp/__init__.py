@@ -12,6 +12,8 @@ The public face is small:
 - ``spawn``: start a local multi-process job the way torchrun would.
 - ``data.loader``: a DataLoader sharded by replica (not by rank), preparing batches ahead with ``prefetch=``.
 - ``resume``: pick up the newest complete checkpoint of a directory.
+- ``materialize``: a model built on the meta device, with the weights an engine gives its stages from ``seed=``
+  (the engines take such a model as it is: each process allocates only its own layers).
 - ``CollectiveError``: the ranks did not make the same collective call (``save`` on one rank, say);
   ``PeerError``: a neighbouring process of a pipeline did not deliver, or an earlier step broke the link.
 - ``simulate``: predict a step from measured costs (``pipeddp plan`` ranks configurations with it).
@@ -28,6 +30,7 @@ from .distributed.p2p import PeerError
 from .hybrid import HybridParallel, resume
 from .partitioning.report import HeavyLayerWarning, Partition, partition
 from .pipeline import Pipeline
+from .runtime.materialize import materialize
 from .runtime.rng import is_checkpointing, is_recomputing
 from .runtime.schedule.actions import Action
 from .runtime.schedule.builders import gpipe, interleaved, one_f_one_b, zero_bubble
@@ -37,5 +40,6 @@ from .tools.simulate import simulate
 
 __all__ = ["Pipeline", "HybridParallel", "Partition", "partition", "HeavyLayerWarning", "spawn", "resume", "data",
            "simulate", "gpipe", "one_f_one_b", "interleaved", "zero_bubble", "Action", "format_schedule",
-           "is_recomputing", "is_checkpointing", "flatten_sequential", "CollectiveError", "PeerError"]
+           "is_recomputing", "is_checkpointing", "flatten_sequential", "CollectiveError", "PeerError",
+           "materialize"]
 __version__ = "0.4.0"

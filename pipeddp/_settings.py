@@ -17,6 +17,7 @@ from torch import nn
 
 from .partitioning.report import METHODS, Partition, check_balance, check_model, partition
 from .partitioning.solve import check_stage_count
+from .runtime.materialize import is_meta
 from .runtime.microbatch import batch_size
 from .runtime.schedule.actions import ScheduleFn
 from .runtime.schedule.costed import check_max_activations, is_auto
@@ -51,6 +52,7 @@ def check_settings(
     balance: Union[None, str, Sequence[int]] = None,
     sample: Any = None,
     max_activations: Optional[int] = None,
+    seed: int = 0,
 ) -> Settings:
     """Check everything that does not need a device or a process group; raise naming the fix.
 
@@ -61,6 +63,7 @@ def check_settings(
     ``threads``: intra-op threads per stage thread (None or an int >= 1). ``flags``: the
     constructor's on/off arguments by name, each must be a bool. ``balance`` (with ``sample``):
     a method name or one number of layers per stage. ``max_activations``: ``schedule="auto"``'s cap.
+    ``seed``: what a model built on the meta device is initialised from (an int >= 0).
 
     Everything here runs before any thread or process starts, so a mistake
     raises at once, naming the argument, instead of failing in a stage thread.
@@ -71,6 +74,13 @@ def check_settings(
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be True or False, got {value!r}")
     check_model(model)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be an int >= 0 (what a model built on the meta device is initialised from), "
+                         f"got {seed!r}")
+    if is_meta(model) and balance in ("time", "memory"):
+        raise ValueError(f"balance={balance!r} runs the model's layers, and this model is on the meta device (no "
+                         "values): use balance='params' (the default without a sample), 'uniform' or a list of "
+                         "layers per stage")
     check_stage_count(stages, len(model))
     virtual = check_virtual_stages(virtual_stages, schedule)
     if balance is not None:
@@ -101,7 +111,8 @@ def check_settings(
     if not isinstance(compile, (bool, dict)):
         raise ValueError(f"compile must be True, False or a dict of torch.compile options, got {compile!r}")
     options = dict(compile) if isinstance(compile, dict) else ({} if compile else None)
-    return Settings(chunks, split_size, schedule, checkpoint, float(seconds), options, virtual, max_activations)
+    return Settings(chunks, split_size, schedule, checkpoint, float(seconds), options, virtual, max_activations,
+                    seed)
 
 
 def check_balance_arg(balance: Union[str, Sequence[int]], sample: Any, devices: int, virtual: int,
@@ -139,10 +150,10 @@ def choose_partition(model: nn.Sequential, stages: int, balance: Union[None, str
     """The cut for ``balance``: measured on ``sample`` at the real micro-batch size, or as given.
 
     ``stages`` is the number of stages to cut (devices x virtual stages).
-    ``balance=None`` means ``"time"`` with a sample and ``"params"`` without.
+    ``balance=None`` means ``"time"`` with a sample and ``"params"`` without (or on the meta device).
     """
     if balance is None:
-        balance = "time" if sample is not None else "params"
+        balance = "time" if sample is not None and not is_meta(model) else "params"
     pieces = settings.chunks or 1
     if sample is not None and settings.split_size is not None:
         pieces = max(1, -(-batch_size(sample, name="sample") // settings.split_size))

@@ -102,7 +102,7 @@ class HybridParallel(Checkpointable, StepModule):
                  threads: Optional[int] = None, skip_nonfinite: bool = False, deferred_batch_norm: bool = False,
                  compile: Union[bool, Dict[str, Any]] = False, virtual_stages: Optional[int] = None,
                  global_batch: Optional[int] = None, batch_size: Optional[int] = None,
-                 shard: str = "none", max_activations: Optional[int] = None) -> None:
+                 shard: str = "none", max_activations: Optional[int] = None, seed: int = 0) -> None:
         super().__init__()
         self.topology = topo = current_topology(stages, mode, layout)
         self.global_batch_plan: Optional[GlobalBatch] = plan_global_batch(global_batch, batch_size, topo.replicas)
@@ -114,7 +114,8 @@ class HybridParallel(Checkpointable, StepModule):
                                                   flags={"trace": trace, "deferred_batch_norm": deferred_batch_norm,
                                                          "sync_batchnorm": sync_batchnorm,
                                                          "skip_nonfinite": skip_nonfinite},
-                                                  balance=balance, sample=sample, max_activations=max_activations)
+                                                  balance=balance, sample=sample, max_activations=max_activations,
+                                                  seed=seed)
         self.key_names = Names.of(model)
         self._model_keys = [self.key_names.original(k) for k in model.state_dict()]
         self.skip_nonfinite = skip_nonfinite

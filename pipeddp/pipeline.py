@@ -151,6 +151,7 @@ class Pipeline(Checkpointable, StepModule):
         compile: Union[bool, Dict[str, Any]] = False,
         virtual_stages: Optional[int] = None,
         max_activations: Optional[int] = None,
+        seed: int = 0,
     ) -> None:
         super().__init__()
         devs = pipeline_devices(devices, stages)
@@ -158,14 +159,14 @@ class Pipeline(Checkpointable, StepModule):
                                   checkpoint=checkpoint, timeout=timeout, compile=compile,
                                   virtual_stages=virtual_stages, threads=threads,
                                   flags={"trace": trace, "deferred_batch_norm": deferred_batch_norm},
-                                  balance=balance, sample=sample, max_activations=max_activations)
+                                  balance=balance, sample=sample, max_activations=max_activations, seed=seed)
         self.key_names = Names.of(model)
         self.devices = devs
         n_stages = len(devs) * settings.virtual_stages
         self.partition: Partition = choose_partition(model, n_stages, balance, sample, settings, devs[0])
         self.balance: List[int] = list(self.partition.balance)
         local = build_stages(model, self.balance, [devs[row_of(s, len(devs))] for s in range(n_stages)],
-                             compile=settings.compile)
+                             compile=settings.compile, seed=settings.seed)
         register_layers(self, local)
         self._runner = ThreadRunner(local, threads=threads, timeout=settings.timeout, rows=len(devs),
                                     n_stages=n_stages)

@@ -36,6 +36,7 @@ from torch import nn
 
 from .batchnorm import batch_norms, frozen_statistics
 from .compiled import Compiled
+from .materialize import SharedPlaces, is_meta, materialize_layer
 from .microbatch import tree_map, tree_tensors
 from .rng import Replay, checkpointing, recomputing
 from .spec import Grads, Saved, StepSpec
@@ -293,20 +294,30 @@ class Stage:
 
 def build_stages(model: nn.Sequential, balance: Sequence[int], devices: Sequence[torch.device],
                  indices: Optional[Sequence[int]] = None, *,
-                 compile: Optional[Dict[str, Any]] = None) -> List[Stage]:
+                 compile: Optional[Dict[str, Any]] = None, seed: int = 0) -> List[Stage]:
     """Cut ``model`` by ``balance`` and place stage ``indices[k]`` on ``devices[k]`` (default: every stage).
 
     A process that owns one stage of a longer pipeline builds only that one;
     the layers of the others are left where they are. ``compile``: options
-    for ``torch.compile`` of each stage's module (None: eager).
+    for ``torch.compile`` of each stage's module (None: eager). Layers on the
+    meta device are materialized here, only those of the stages built, each
+    from ``seed`` and its name (a copy of a module used by several stages from
+    the name of its first place), as ``materialize`` would the whole model.
     """
     indices = list(range(len(balance))) if indices is None else list(indices)
     if len(indices) != len(devices):
         raise ValueError(f"{len(indices)} stages to place but {len(devices)} devices")
+    shared = SharedPlaces(model) if is_meta(model) else None  # before any copy: a tie stays one parameter
     named = own_layers(model, balance)
+    first: Dict[int, str] = {}
+    origin = [first.setdefault(id(layer), name) for name, layer in layers_of(model)]  # per place: first name
     starts = [sum(balance[:s]) for s in range(len(balance))]
     stages = []
     for s, device in zip(indices, devices):
+        for pos in range(starts[s], starts[s] + balance[s]):
+            if shared is not None and is_meta(named[pos][1]):
+                materialize_layer(named[pos][1], origin[pos], seed=seed)
+                shared.join()
         part = nn.Sequential(OrderedDict(named[starts[s]:starts[s] + balance[s]])).to(device)
         stages.append(Stage(s, part, device, last=s == len(balance) - 1, compile=compile))
     return stages

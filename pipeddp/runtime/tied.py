@@ -142,6 +142,7 @@ class LocalTies:
         self.entries: List[Tuple[Tie, List[nn.Parameter]]] = []
         #: (module, attribute, what the model held there, the copy put in its place): undone by ``restore``
         self._placed: List[Tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = []
+        holders: Dict[int, Tuple[str, int]] = {}  # id(module holding a tied parameter) -> (a use's name, stage)
         for tie in ties:
             group: Dict[int, nn.Parameter] = {}
             for name, stage in zip(tie.names, tie.stages):
@@ -149,6 +150,14 @@ class LocalTies:
                 if st is None:
                     continue
                 module, attr = _resolve(st.module, name)
+                other = holders.setdefault(id(module), (name, stage))
+                if other[1] != stage:  # one module object inside layers of two stages: a copy cannot be put there
+                    raise ValueError(
+                        f"{other[0]} and {name} are one {type(module).__name__} module used inside layers of stages "
+                        f"{other[1]} and {stage}; each stage needs its own module to hold its copy of the weight. "
+                        "Share the parameter instead of the module (e.g. head.weight = embed.weight), or cut where "
+                        "both uses fall in one stage"
+                    )
                 current = getattr(module, attr)
                 if stage not in group:
                     original = next(iter(group.values()), None)

@@ -1,0 +1,126 @@
+"""Models built on the meta device: each process allocates only the layers it holds, the same weights in every layout.
+
+A model too big for one process is built under ``torch.device("meta")``: its
+parameters have shapes and dtypes but no memory. An engine cuts it like any
+model and each process materializes only its own stages: ``to_empty`` on the
+CPU, each module's own initialisation, then its device::
+
+    model = build()  under torch.device("meta")       no memory
+    rank 0: stage 0 -> to_empty, init, .to(cuda:0)     only its layers
+    rank 1: stage 1 -> to_empty, init, .to(cuda:1)
+
+Random initialisation under a pipeline would otherwise depend on the layout
+(which layers a process builds, in which order, drawing from which
+generator). So every module that owns parameters or buffers is initialised
+from a generator seeded by ``(seed, its name in the model)``: 2 stages, 4
+stages, any replica count, and ``materialize(model, seed=s)`` (the plain model
+on one device, for reference or single-device runs) start from the same
+weights, and a restarted job with another layout starts the same too. The
+initialisation is the module's ``reset_parameters()`` (``_reset_parameters()``
+where torch names it so, as ``nn.MultiheadAttention`` does), on the CPU, so
+the values do not depend on the device either.
+
+Limits: a buffer that a module computes in ``__init__`` and never in
+``reset_parameters`` (a rotary embedding's frequencies, say) has no values on
+the meta device to restore; such a module, and one that owns parameters but
+has no ``reset_parameters``, is refused by name. Build those on a real device.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Dict, Iterator, List, Tuple, Union
+
+import torch
+from torch import nn
+
+__all__ = ["materialize", "materialize_layer", "is_meta", "layer_seed", "SharedPlaces"]
+
+_CPU = torch.device("cpu")
+
+
+def is_meta(module: nn.Module) -> bool:
+    """Whether any parameter or buffer of ``module`` lives on the meta device (has no memory yet)."""
+    return any(t.is_meta for t in _tensors(module, recurse=True))
+
+
+def layer_seed(seed: int, name: str) -> int:
+    """The seed of the module named ``name`` (its qualified name in the model): the same in every layout."""
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _tensors(module: nn.Module, *, recurse: bool) -> Iterator[torch.Tensor]:
+    yield from module.parameters(recurse=recurse)
+    yield from module.buffers(recurse=recurse)
+
+
+def materialize_layer(layer: nn.Module, name: str, *, seed: int,
+                      device: Union[str, torch.device] = _CPU) -> nn.Module:
+    """Give every meta tensor of ``layer`` (the model's module called ``name``) memory and its initial values.
+
+    Each module that owns meta tensors is initialised from ``layer_seed(seed, its qualified name)``; the module
+    is then moved to ``device``. Returns ``layer`` (changed in place).
+    """
+    owners: List[Tuple[str, nn.Module]] = [(n, m) for n, m in layer.named_modules(prefix=name)
+                                           if any(t.is_meta for t in _tensors(m, recurse=False))]
+    for _, m in owners:  # memory first: an initialisation may touch a child's tensors too
+        m.to_empty(device=_CPU, recurse=False)
+    for qualified, m in owners:
+        init = getattr(m, "reset_parameters", None) or getattr(m, "_reset_parameters", None)
+        if init is None:
+            raise ValueError(
+                f"cannot materialize {qualified} ({type(m).__name__}) from the meta device: it has no "
+                "reset_parameters() to initialise its parameters and buffers; give it one, or build the model on "
+                "a real device"
+            )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(layer_seed(seed, qualified))
+            with torch.no_grad():
+                init()
+    return layer.to(device)
+
+
+def materialize(model: nn.Module, device: Union[str, torch.device] = _CPU, *, seed: int = 0) -> nn.Module:
+    """``model`` (built on the meta device) with memory and initial values on ``device``, in place.
+
+    The same weights an engine gives each of its stages from the same
+    ``seed`` (see the module docstring): the plain model for reference, or to
+    train on one device. A module used at several places is initialised once,
+    and a parameter held at several places (an embedding tied to the output
+    head) stays one parameter, with the values of its first place.
+    """
+    shared = SharedPlaces(model)
+    for name, child in model.named_children():
+        materialize_layer(child, name, seed=seed, device=device)
+        shared.join()
+    if any(t.is_meta for t in _tensors(model, recurse=False)):
+        materialize_layer(model, "", seed=seed, device=device)
+        shared.join()
+    return model.to(device)
+
+
+class SharedPlaces:
+    """The places of every meta parameter held at several places of ``model`` (a tied embedding and head).
+
+    ``to_empty`` gives the place it materializes a *new* parameter; ``join``
+    then gives every other place of that parameter the same one, so a tie stays
+    one parameter (what finds ties by identity still finds it), with the values
+    of the place materialized first.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        places: Dict[int, List[Tuple[nn.Module, str]]] = {}
+        for module in model.modules():
+            for pname, p in module.named_parameters(recurse=False):
+                if p.is_meta:
+                    places.setdefault(id(p), []).append((module, pname))
+        self.places = [where for where in places.values() if len(where) > 1]
+
+    def join(self) -> None:
+        for where in self.places:
+            done = next((getattr(m, n) for m, n in where if not getattr(m, n).is_meta), None)
+            if done is not None:
+                for m, n in where:
+                    if getattr(m, n) is not done:
+                        setattr(m, n, done)

@@ -1,0 +1,136 @@
+"""Models built on the meta device: each process allocates only its own layers, and every layout starts from the
+weights ``materialize(model, seed=...)`` gives the plain model, so training equals it (float64, 1e-12)."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import pipeddp
+from conftest import max_diff
+
+LOSS = nn.functional.mse_loss
+
+
+def build(tied: bool = False) -> nn.Sequential:
+    """Built under the meta device: no memory until materialized. ``tied``: an embedding and an output head that
+    share one weight (one Parameter at two places of the model)."""
+    with torch.device("meta"):
+        if tied:
+            embed = nn.Embedding(10, 12, dtype=torch.float64)
+            head = nn.Linear(12, 10, bias=False, dtype=torch.float64)
+            head.weight = embed.weight
+            return nn.Sequential(embed, nn.Linear(12, 12, dtype=torch.float64), nn.Tanh(),
+                                 nn.LayerNorm(12, dtype=torch.float64), nn.Linear(12, 12, dtype=torch.float64), head)
+        return nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 16), nn.ReLU(), nn.LayerNorm(16),
+                             nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)).double()
+
+
+def batches(steps=3, n=10, tied=False):
+    g = torch.Generator().manual_seed(5)
+    if tied:
+        return [(torch.randint(0, 10, (n, 3), generator=g), torch.randn(n, 3, 10, generator=g, dtype=torch.float64))
+                for _ in range(steps)]
+    return [(torch.randn(n, 12, generator=g, dtype=torch.float64), torch.randn(n, 4, generator=g, dtype=torch.float64))
+            for _ in range(steps)]
+
+
+def plain(seed, steps, tied=False):
+    model = pipeddp.materialize(build(tied), seed=seed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in steps:
+        opt.zero_grad()
+        LOSS(model(x), y).backward()
+        opt.step()
+    return model.state_dict()
+
+
+def test_a_tied_weight_stays_one_parameter_with_its_first_places_values():
+    model = pipeddp.materialize(build(tied=True), seed=7)
+    assert model[0].weight is model[5].weight and len(list(model.parameters())) == 7
+    again = pipeddp.materialize(build(tied=True), seed=7)
+    assert torch.equal(again[0].weight, model[0].weight)
+
+
+def test_materialize_is_seeded_by_name_and_leaves_nothing_on_meta():
+    a, b, c = (pipeddp.materialize(build(), seed=s) for s in (3, 3, 4))
+    assert not any(t.is_meta for t in a.state_dict().values())
+    assert all(torch.equal(a.state_dict()[k], v) for k, v in b.state_dict().items())  # the same seed: the same
+    assert not torch.equal(a[0].weight, c[0].weight)  # another seed: other weights
+    assert not torch.equal(a[2].weight, a[5].weight)  # two layers of one shape: each its own numbers
+    assert torch.equal(a[4].weight, torch.ones(16, dtype=torch.float64))  # LayerNorm's own initialisation
+
+
+@pytest.mark.parametrize("devices,virtual,tied", [(2, 1, False), (3, 1, False), (2, 2, False), (2, 1, True),
+                                                  (3, 1, True)])
+def test_a_pipeline_of_a_meta_model_trains_the_materialized_model(devices, virtual, tied):
+    steps = batches(tied=tied)
+    expect = plain(7, steps, tied)
+    model = build(tied)
+    schedule = "interleaved" if virtual > 1 else "1f1b"
+    with pipeddp.Pipeline(model, ["cpu"] * devices, chunks=3, seed=7, schedule=schedule,
+                          virtual_stages=virtual) as pipe:
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        for x, y in steps:
+            opt.zero_grad()
+            pipe.train_step(x, y, LOSS)
+            opt.step()
+        got = pipe.state_dict()
+    assert list(got) == list(expect)
+    assert max_diff([got[k] for k in expect], expect.values()) < 1e-12
+
+
+def stage_job(seed, steps, tied):
+    """Stage mode: every process gets the whole model on meta and allocates only its own layers."""
+    model = build(tied)
+    engine = pipeddp.HybridParallel(model, stages=2, mode="stage", chunks=3, seed=seed)
+    mine = {id(p) for p in engine.parameters()}
+    others_on_meta = all(p.is_meta for p in model.parameters() if id(p) not in mine)
+    held = sum(p.numel() for p in engine.parameters())
+    opt = torch.optim.SGD(engine.parameters(), lr=0.1)
+    r, replicas = engine.topology.replica, engine.topology.replicas
+    for x, y in steps:
+        local = x.shape[0] // replicas
+        opt.zero_grad()
+        engine.train_step(x[r * local:(r + 1) * local] if engine.is_first else None,
+                          y[r * local:(r + 1) * local] if engine.is_last else None, LOSS)
+        opt.step()
+    state = engine.state_dict()
+    engine.close()
+    return {"state": state, "others_on_meta": others_on_meta, "held": held}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("nprocs,tied", [(2, False), (4, False), (2, True)])
+def test_stage_mode_processes_hold_only_their_layers_and_train_the_materialized_model(nprocs, tied):
+    steps = batches(n=12, tied=tied)
+    expect = plain(11, steps, tied)
+    total = sum(p.numel() for p in pipeddp.materialize(build(tied), seed=0).parameters())
+    results = pipeddp.spawn(stage_job, nprocs, args=(11, steps, tied), timeout=150)
+    for res in results:
+        assert res["others_on_meta"]  # the layers of other stages were never allocated here
+        assert res["held"] < total
+        assert max_diff([res["state"][k] for k in expect], expect.values()) < 1e-12
+
+
+def test_what_a_meta_model_cannot_do_is_refused_naming_the_way_out():
+    with pytest.raises(ValueError, match="balance='time' runs the model's layers, and this model is on the meta "
+                                         "device"):
+        pipeddp.Pipeline(build(), ["cpu", "cpu"], balance="time", sample=torch.zeros(2, 12))
+
+    class Scale(nn.Module):  # owns a parameter, no reset_parameters
+        def __init__(self):
+            super().__init__()
+            self.s = nn.Parameter(torch.ones(4))
+
+        def forward(self, x):
+            return x * self.s
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), Scale())
+    with pytest.raises(ValueError, match=r"cannot materialize 1 \(Scale\) from the meta device: it has no "
+                                         r"reset_parameters\(\)"):
+        pipeddp.materialize(model)
+    with pytest.raises(ValueError, match="seed must be an int >= 0"):
+        pipeddp.Pipeline(build(), ["cpu", "cpu"], seed=-1)
