@@ -17,7 +17,6 @@ from torch import nn
 
 from .partitioning.report import METHODS, Partition, check_balance, check_model, partition
 from .partitioning.solve import check_stage_count
-from .runtime.materialize import is_meta
 from .runtime.microbatch import batch_size
 from .runtime.schedule.actions import ScheduleFn
 from .runtime.schedule.costed import check_max_activations, is_auto
@@ -77,10 +76,6 @@ def check_settings(
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be an int >= 0 (what a model built on the meta device is initialised from), "
                          f"got {seed!r}")
-    if is_meta(model) and balance in ("time", "memory"):
-        raise ValueError(f"balance={balance!r} runs the model's layers, and this model is on the meta device (no "
-                         "values): use balance='params' (the default without a sample), 'uniform' or a list of "
-                         "layers per stage")
     check_stage_count(stages, len(model))
     virtual = check_virtual_stages(virtual_stages, schedule)
     if balance is not None:
@@ -150,10 +145,11 @@ def choose_partition(model: nn.Sequential, stages: int, balance: Union[None, str
     """The cut for ``balance``: measured on ``sample`` at the real micro-batch size, or as given.
 
     ``stages`` is the number of stages to cut (devices x virtual stages).
-    ``balance=None`` means ``"time"`` with a sample and ``"params"`` without (or on the meta device).
+    ``balance=None`` means ``"time"`` with a sample and ``"params"`` without. A model on the meta device is
+    measured one layer at a time (``profile``), so no process ever holds it whole.
     """
     if balance is None:
-        balance = "time" if sample is not None and not is_meta(model) else "params"
+        balance = "time" if sample is not None else "params"
     pieces = settings.chunks or 1
     if sample is not None and settings.split_size is not None:
         pieces = max(1, -(-batch_size(sample, name="sample") // settings.split_size))

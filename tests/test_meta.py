@@ -114,10 +114,35 @@ def test_stage_mode_processes_hold_only_their_layers_and_train_the_materialized_
         assert max_diff([res["state"][k] for k in expect], expect.values()) < 1e-12
 
 
+class Probe(nn.Linear):
+    """A Linear that notes, at each forward, how many Probes hold real (not meta) weights at that moment."""
+
+    alive: "weakref.WeakSet" = None  # set per test
+    seen: list = []
+
+    def forward(self, x):
+        import gc
+
+        Probe.alive.add(self)  # the profile's working copies are made by deepcopy: each announces itself here
+        gc.collect()
+        Probe.seen.append(sum(1 for p in Probe.alive if not p.weight.is_meta))
+        return super().forward(x)
+
+
+def test_balance_time_profiles_a_meta_model_one_layer_at_a_time():
+    import weakref
+
+    Probe.alive, Probe.seen = weakref.WeakSet(), []
+    with torch.device("meta"):
+        model = nn.Sequential(*[Probe(12, 12, dtype=torch.float64) for _ in range(6)])
+    x = torch.randn(8, 12, dtype=torch.float64)
+    plan = pipeddp.partition(model, 3, method="time", sample=x, chunks=2)
+    assert Probe.seen and max(Probe.seen) == 1  # never two layers' weights at once
+    assert all(p.weight.is_meta for p in model)  # the model itself still holds nothing
+    assert sum(plan.balance) == 6 and all(c.forward > 0 for c in plan.layers)
+
+
 def test_what_a_meta_model_cannot_do_is_refused_naming_the_way_out():
-    with pytest.raises(ValueError, match="balance='time' runs the model's layers, and this model is on the meta "
-                                         "device"):
-        pipeddp.Pipeline(build(), ["cpu", "cpu"], balance="time", sample=torch.zeros(2, 12))
 
     class Scale(nn.Module):  # owns a parameter, no reset_parameters
         def __init__(self):

@@ -9,7 +9,9 @@ The sample is pushed through the model once and each layer's input is kept;
 then every layer is run forward and backward on its own input, layer after
 layer, ``repeat`` rounds over the whole model. The median per layer is used,
 because a slow stretch of the machine (page faults, the host's neighbours)
-must not move a cut.
+must not move a cut. A model on the meta device (too big to hold) is
+profiled one layer at a time instead: each layer materialized alone with
+random weights, timed ``repeat`` times, and freed before the next.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ import functools
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 from torch import nn
 
+from ..runtime.materialize import is_meta, materialize_layer
 from ..runtime.microbatch import batch_size, split, split_sizes, tree_map, tree_tensors
 from ..runtime.tied import layers_of
 
@@ -131,11 +134,8 @@ def profile_layers(
 
     if device is None:
         first = next(layers.parameters(), None)
-        device = first.device if first is not None else torch.device("cpu")
+        device = first.device if first is not None and not first.is_meta else torch.device("cpu")
     device = torch.device(device)
-    # One pass to get every layer's input; then the timing rounds go layer 0, 1, ..., n-1, again and
-    # again, so that a slow stretch of the machine hits one repeat of every layer, not every repeat of
-    # a few neighbouring layers (which would move the cut).
     rounds = repeat + 1 if timed else 0
     total, done = len(named) * (rounds + 1), 0
 
@@ -145,47 +145,97 @@ def profile_layers(
         if progress is not None:
             progress(done, total)
 
-    works, inputs, outs = [], [], []
     x = tree_map(lambda t: t.detach().to(device), sample)
+    if any(is_meta(layer) for _, layer in named):
+        fb, outs = _one_at_a_time(named, x, device, rounds, sample, whole, advance)
+    else:
+        fb, outs = _round_robin(named, x, device, rounds, sample, whole, advance)
+    for i, (name, _) in enumerate(named):
+        costs.append(LayerCost(name, fb[i][0], fb[i][1], params[i], pbytes[i], outs[i]))
+    return costs
+
+
+Timings = List[Tuple[float, float]]
+
+
+def _first_pass(pos: int, name: str, layer: nn.Module, work: nn.Module, x: Any, sample: Any, whole: Any) -> Any:
+    """``work``'s output on ``x`` (without grad): the next layer's input."""
+    try:
+        with torch.no_grad():
+            return work(tree_map(lambda t: t.clone(), x))
+    except Exception as exc:
+        raise _failed(exc, sample, whole, pos, name, layer, x, "forward") from exc
+
+
+def _timed(work: nn.Module, x: Any, pos: int, name: str, layer: nn.Module, sample: Any, whole: Any,
+           device: torch.device) -> Tuple[float, float]:
+    """One forward and backward of ``work`` on ``x``: (forward seconds, backward seconds)."""
+    # the first layer gets no input gradient, as in the pipeline (the batch does not require grad)
+    want = pos > 0 or any(t.requires_grad for t in tree_tensors(sample))
+    leaf = tree_map(functools.partial(_leaf, want), x)
+    # a fresh non-leaf copy: in-place layers (ReLU(inplace=True)) may write into it
+    inp = tree_map(lambda t: t.clone(), leaf)
+    _sync(device)
+    start = time.perf_counter()
+    try:
+        out = work(inp)
+        _sync(device)
+        mid = time.perf_counter()
+        grads = [t for t in tree_tensors(out) if t.requires_grad]
+        if grads:
+            torch.autograd.backward(grads, [torch.ones_like(t) for t in grads])
+    except Exception as exc:
+        raise _failed(exc, sample, whole, pos, name, layer, x, "forward or backward") from exc
+    _sync(device)
+    return mid - start, time.perf_counter() - mid
+
+
+def _medians(f: List[float], b: List[float]) -> Tuple[float, float]:
+    return (statistics.median(f[1:]) if len(f) > 1 else 0.0, statistics.median(b[1:]) if len(b) > 1 else 0.0)
+
+
+def _round_robin(named: List[Tuple[str, nn.Module]], x: Any, device: torch.device, rounds: int, sample: Any,
+                 whole: Any, advance: Callable[[], None]) -> Tuple[Timings, List[int]]:
+    """Every layer copied to ``device`` at once; timing rounds go layer 0, 1, ..., n-1, again and again, so that a
+    slow stretch of the machine hits one repeat of every layer, not every repeat of a few neighbouring layers."""
+    works, inputs, outs = [], [], []
     for pos, (name, layer) in enumerate(named):
         work = copy.deepcopy(layer).to(device)
         work.train(layer.training)
         works.append(work)
         inputs.append(x)
-        try:
-            with torch.no_grad():
-                x = work(tree_map(lambda t: t.clone(), x))
-        except Exception as exc:
-            raise _failed(exc, sample, whole, pos, name, layer, inputs[-1], "forward") from exc
+        x = _first_pass(pos, name, layer, work, x, sample, whole)
         outs.append(_bytes(x))
         advance()
     fwd: List[List[float]] = [[] for _ in named]
     bwd: List[List[float]] = [[] for _ in named]
     for _ in range(rounds):
         for i, work in enumerate(works):
-            # the first layer gets no input gradient, as in the pipeline (the batch does not require grad)
-            want = i > 0 or any(t.requires_grad for t in tree_tensors(sample))
-            leaf = tree_map(functools.partial(_leaf, want), inputs[i])
-            # a fresh non-leaf copy: in-place layers (ReLU(inplace=True)) may write into it
-            inp = tree_map(lambda t: t.clone(), leaf)
-            _sync(device)
-            start = time.perf_counter()
-            try:
-                out = work(inp)
-                _sync(device)
-                mid = time.perf_counter()
-                grads = [t for t in tree_tensors(out) if t.requires_grad]
-                if grads:
-                    torch.autograd.backward(grads, [torch.ones_like(t) for t in grads])
-            except Exception as exc:
-                raise _failed(exc, sample, whole, i, named[i][0], named[i][1], inputs[i],
-                              "forward or backward") from exc
-            _sync(device)
-            fwd[i].append(mid - start)
-            bwd[i].append(time.perf_counter() - mid)
+            f, b = _timed(work, inputs[i], i, named[i][0], named[i][1], sample, whole, device)
+            fwd[i].append(f)
+            bwd[i].append(b)
             advance()
-    for i, (name, _) in enumerate(named):
-        f = statistics.median(fwd[i][1:]) if len(fwd[i]) > 1 else 0.0
-        b = statistics.median(bwd[i][1:]) if len(bwd[i]) > 1 else 0.0
-        costs.append(LayerCost(name, f, b, params[i], pbytes[i], outs[i]))
-    return costs
+    return [_medians(fwd[i], bwd[i]) for i in range(len(named))], outs
+
+
+def _one_at_a_time(named: List[Tuple[str, nn.Module]], x: Any, device: torch.device, rounds: int, sample: Any,
+                   whole: Any, advance: Callable[[], None]) -> Tuple[Timings, List[int]]:
+    """A model on the meta device: each layer materialized alone (random weights), timed, then freed, so the
+    profile never holds more than one layer and its input and output."""
+    fb, outs = [], []
+    for pos, (name, layer) in enumerate(named):
+        work = materialize_layer(copy.deepcopy(layer), name, seed=0, device=device)
+        work.train(layer.training)
+        out = _first_pass(pos, name, layer, work, x, sample, whole)
+        outs.append(_bytes(out))
+        advance()
+        f, b = [], []
+        for _ in range(rounds):
+            ff, bb = _timed(work, x, pos, name, layer, sample, whole, device)
+            f.append(ff)
+            b.append(bb)
+            advance()
+        fb.append(_medians(f, b))
+        del work
+        x = out
+    return fb, outs
