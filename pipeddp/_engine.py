@@ -64,6 +64,12 @@ class StepModule(nn.Module):
             raise RuntimeError(key_mismatch(type(self).__name__, missing, unexpected))
         return type(result)(missing, unexpected)
 
+    def tied_keys(self) -> List[str]:
+        """This process's keys that hold a later use of a tied weight (an output head tied to the embedding): the
+        places that take the first use's value at every step, and that Hugging Face checkpoints leave out."""
+        original = self.key_names.original
+        return sorted({original(name) for tie, _ in self._step.ties.entries for name in tie.names[1:]})
+
     @property
     def trace(self) -> Optional[Trace]:
         """The timeline being recorded (None when off); assign a ``Trace`` to start recording."""

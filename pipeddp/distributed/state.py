@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ..runtime.warn import warn
-from . import catalog, optim_state, sharded
+from . import catalog, optim_state, pretrained, sharded
 from . import checkpoint as files
 from .agreement import Agreement
 from .saving import Engine, Saver
@@ -75,7 +75,8 @@ class _Scope:
     own: Dict[str, Any]                              # this process's share, under the model's keys
     keys: Set[str]                                   # the whole model's keys (every process's share)
     whole: Dict[str, Any]                            # every process's entries as meta tensors (shape and dtype)
-    load: Callable[[Dict[str, Any]], Any]            # loads entries of this share
+    tied: Set[str]                                   # the whole model's later uses of tied weights
+    load: Callable[..., Any]                         # loads entries of this share (load_state_dict)
     rank: int
     world_size: int
 
@@ -85,15 +86,16 @@ def _scope(engine: Engine) -> _Scope:
     load names the same misfits, counted over the whole model, on every rank."""
     own = engine.local_state_dict()
     mine = {k: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None for k, v in own.items()}
-    specs = dict(mine)
+    specs, tied = dict(mine), set(engine.tied_keys())
     if engine.topology.world_size > 1 and engine.topology.mode == "stage":
         specs = {}  # in rank order: every rank lists the misfits alike
-        for part in engine.agreement.gather_to_all(mine):
+        for part, ties in engine.agreement.gather_to_all((mine, sorted(tied))):
             specs.update(part)
+            tied.update(ties)
     whole = {k: torch.empty(spec[0], dtype=spec[1], device="meta") for k, spec in specs.items() if spec is not None}
     keys: Set[str] = set(specs)
     # mypy: an Engine is an nn.Module at run time; the protocol cannot say so without a base class
-    return _Scope(engine, own, keys, whole, engine.load_state_dict, engine.topology.rank,  # type: ignore[arg-type]
+    return _Scope(engine, own, keys, whole, tied, engine.load_state_dict, engine.topology.rank,  # type: ignore[arg-type]
                   engine.topology.world_size)
 
 
@@ -130,6 +132,23 @@ def _load_file(scope: _Scope, payload: Dict[str, Any], path: str,
         if optimizer is not None:
             optim_state.load_named_optimizer_state(scope.module, optimizer, payload["optimizer"])
         scope.load({k: v for k, v in payload["model"].items() if k in scope.own})
+
+    return apply
+
+
+def _load_pretrained(scope: _Scope, path: str, optimizer: Optional[torch.optim.Optimizer]) -> Callable[[], None]:
+    """A Hugging Face directory (``pretrained``): checked whole from its index and headers, then only this
+    process's tensors are read; returns what copies them in."""
+    if optimizer is not None:
+        raise ValueError(f"{path} holds a model's weights only (Hugging Face safetensors); load it without an "
+                         "optimizer, which starts fresh")
+    where = pretrained.tensor_files(path)
+    files.check_model_keys(path, set(where) | scope.tied, scope.keys)
+    files.check_model_tensors(path, pretrained.read_specs(where), scope.whole)
+    values = pretrained.read_tensors(where, [k for k in scope.own if k in where])
+
+    def apply() -> None:
+        scope.load(values, strict=False)  # every key was checked above; tied places take their first use's value
 
     return apply
 
@@ -192,6 +211,8 @@ def _load_any(engine: Optional[Engine], scope: _Scope, path: str, optimizer: Opt
     """
 
     def prepare() -> Tuple[Callable[[], None], Dict[str, Any]]:
+        if pretrained.is_pretrained(path):
+            return _load_pretrained(scope, path, optimizer), {}
         if os.path.isdir(path):
             return _load_sharded(scope, path, optimizer, rng)
         contents = payload if payload is not None else files.load(path)

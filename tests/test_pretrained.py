@@ -1,0 +1,104 @@
+"""Pretrained weights from a Hugging Face directory (``save_pretrained``: safetensors, sharded with an index),
+read per stage: the engine then computes ``from_pretrained``'s logits and trains like it."""
+
+import copy
+import os
+
+import pytest
+import torch
+
+import pipeddp
+from hf_jobs import llama, tokens
+from pipeddp.tools.models import flatten_sequential
+
+pytest.importorskip("safetensors")
+
+
+def tiny_llama(seed: int, tied: bool):
+    model = llama(seed=seed, layers=3)
+    model.config.tie_word_embeddings = tied
+    if tied:  # the output head reads the embedding's weight
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+def saved_llama(path: str, tied: bool) -> None:
+    """A tiny Llama with weights of its own (the 'pretrained' one), saved in several shards."""
+    tiny_llama(7, tied).save_pretrained(path, max_shard_size="20KB")
+
+
+def reference(path: str, batch):
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(path, torch_dtype=torch.float64).eval()
+    with torch.no_grad():
+        return model(**batch, use_cache=False).logits
+
+
+def flat_llama(sample, tied):
+    return flatten_sequential(tiny_llama(0, tied), sample)  # other weights than the saved ones
+
+
+def stage_job(path: str, sample, batch, tied):
+    """Stage mode, 2 processes: each reads only its own tensors; the last stage's logits."""
+    import pipeddp.distributed.pretrained as pretrained
+
+    read = []
+    original = pretrained.read_tensors
+
+    def counting(where, keys):
+        keys = list(keys)
+        read.extend(keys)
+        return original(where, keys)
+
+    pretrained.read_tensors = counting
+    with pipeddp.HybridParallel(flat_llama(sample, tied), stages=2, mode="stage", chunks=2) as engine:
+        engine.load(path)
+        engine.eval()
+        with torch.no_grad():
+            out = engine(batch["input_ids"] if engine.is_first else None)
+        own = sorted(engine.local_state_dict())
+    return {"logits": out, "read": sorted(read), "own": own}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_sharded_hugging_face_directory_loads_per_stage(tmp_path, tied):
+    path = str(tmp_path / "llama")
+    saved_llama(path, tied)
+    assert os.path.isfile(os.path.join(path, "model.safetensors.index.json"))  # several shards
+    batch, _ = tokens(4, seed=3, padded=False)
+    want = reference(path, batch)
+    # one process
+    with pipeddp.Pipeline(flat_llama(batch, tied), ["cpu", "cpu"], chunks=2) as pipe:
+        pipe.load(path)
+        pipe.eval()
+        with torch.no_grad():
+            got = pipe(batch["input_ids"])
+    assert (got - want).abs().max().item() < 1e-10
+    # stage mode: each process reads exactly its own tensors, and the last one's logits are from_pretrained's
+    results = pipeddp.spawn(stage_job, 2, args=(path, batch, batch, tied), timeout=200)
+    first, last = results
+    assert set(first["read"]).isdisjoint(last["read"])
+    for res in results:
+        assert set(res["read"]) <= set(res["own"])
+    assert (last["logits"] - want).abs().max().item() < 1e-10
+
+
+def test_a_directory_of_another_model_is_refused_before_anything_changes(tmp_path):
+    path = str(tmp_path / "llama")
+    saved_llama(path, tied=False)
+    batch, _ = tokens(2, seed=3, padded=False)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    wider = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=48, intermediate_size=64, num_hidden_layers=3,
+                                         num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=32)).double()
+    with pipeddp.Pipeline(flatten_sequential(wider, batch), ["cpu", "cpu"], chunks=2) as pipe:
+        before = copy.deepcopy(pipe.state_dict())
+        with pytest.raises(ValueError, match="holds tensors that do not fit the model"):
+            pipe.load(path)
+        with pytest.raises(ValueError, match="weights only"):
+            pipe.load(path, torch.optim.SGD(pipe.parameters(), lr=0.1))
+        after = pipe.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
