@@ -308,6 +308,39 @@ def shards(args: argparse.Namespace, run: Run) -> Dict[str, Any]:
     return {"rows": rows, "targets": run.targets(checks)}
 
 
+def build_job(meta: bool, args: Any) -> Dict[str, Any]:
+    """Stage mode, one stage per process: the model built whole, or on the meta device; one SGD step. The peak RSS
+    over what the process held before building, against its own parameters and gradients."""
+    rank, before = init_job(args.timeout), proc_status()["VmRSS"] * 1024
+    with torch.device("meta" if meta else "cpu"):
+        model = nn.Sequential(*[nn.Linear(args.width, args.width) for _ in range(args.layers)])
+    engine = pipeddp.HybridParallel(model, stages=args.processes, mode="stage", chunks=2, balance="uniform")
+    opt = torch.optim.SGD(engine.parameters(), lr=1e-4)
+    x = y = torch.randn(args.batch, args.width)
+    engine.train_step(x if engine.is_first else None, y if engine.is_last else None, nn.functional.mse_loss)
+    opt.step()
+    own = 2 * sum(p.numel() * p.element_size() for p in engine.parameters())  # parameters and gradients
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    engine.close()
+    return {"rank": rank, "own": own, "peak_growth": peak}
+
+
+def builds(args: argparse.Namespace, run: Run) -> Dict[str, Any]:
+    """Whole-model building against meta building (issue: each process holds only its stages)."""
+    rows, checks = [], []
+    for meta in (False, True):
+        per_rank = pipeddp.spawn(build_job, args.processes, args=(meta, args), timeout=args.timeout)
+        for r in per_rank:
+            bound = 1.25 * r["own"] + 200 * MB
+            rows.append(["meta" if meta else "whole", r["rank"], r["own"] / MB, r["peak_growth"] / MB, bound / MB])
+            if meta:
+                checks.append([f"rank {r['rank']}: peak growth MB (meta)", r["peak_growth"] / MB,
+                               f"<= {bound / MB:.0f}", r["peak_growth"] <= bound])
+    run.table(f"stage mode, {args.processes} processes, {args.layers} x Linear({args.width}) float32: MB per rank",
+              ["built", "rank", "params + grads", "peak RSS growth", "1.25 x own + 200"], rows)
+    return {"rows": rows, "targets": run.targets(checks)}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = parser(__doc__, "Linear(256) x 4, 1 timed step, 1 round, R = 1 and 2 (--soak: 200 steps)", spawns=True,
                device=False)  # HybridParallel picks its devices
@@ -324,7 +357,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--warmup", type=int, default=50, help="--soak: steps before the first (start) sample")
     p.add_argument("--samples", type=int, default=11, help="--soak: samples from start to end, evenly spaced")
     p.add_argument("--rss-tolerance-mb", type=float, default=5.0, help="--soak: RSS growth that is no leak")
+    p.add_argument("--build", action="store_true", help="building whole against on the meta device, stage mode "
+                   "(default 32 x Linear(4096) on --processes 4; --quick 8 x Linear(512))")
+    p.add_argument("--processes", type=int, default=4, help="--build: processes (one stage each)")
     args = p.parse_args(argv)
+    if args.build:
+        args.width, args.layers, args.batch = (512, 8, 4) if args.quick else (args.width or 4096, args.layers or 32, 4)
+        run = Run("memory_build", args, "each build its own spawned gloo job; RSS from /proc and getrusage")
+        run.finish(**builds(args, run))
+        return 0
     defaults = ((256, 8, 64, 200 if args.quick else 2000) if args.soak  # width, layers, batch, steps
                 else (256, 4, 8, 1) if args.quick else (2048, 16, 8, 2))
     for key, value in zip(("width", "layers", "batch", "steps"), defaults):
