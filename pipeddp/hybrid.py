@@ -61,7 +61,8 @@ class HybridParallel(Checkpointable, StepModule):
         model: the ``nn.Sequential`` (built identically on every rank; DDP copies rank 0's weights to the others).
         stages: pipeline stages per replica.
         chunks, split_size, balance, sample, schedule, checkpoint, timeout, deferred_batch_norm, compile,
-            virtual_stages, max_activations: as in ``Pipeline`` (tied weights and autocast too, across processes in
+            virtual_stages, max_activations, seed: as in ``Pipeline`` (tied weights, autocast and a model built on
+            the meta device too, each process materializing only its own layers; across processes in
             stage mode). A measured balance is computed on rank 0 and sent to every rank. With
             ``virtual_stages=v`` the model has ``stages * v`` stages; device r of each replica (a
             thread in replica mode, a process in stage mode) holds stages r, r + stages, ...

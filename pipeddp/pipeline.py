@@ -101,6 +101,9 @@ class Pipeline(Checkpointable, StepModule):
             ``"auto"`` builds the order from the stages' measured costs (``docs/schedules.md``).
         max_activations: ``schedule="auto"`` only: the most micro-batches a device may hold at once
             (default 1F1B's); more lets the order hide more of the bubble.
+        seed: for a model built under ``torch.device("meta")``: each layer is materialized on its stage's
+            device and initialised from ``(seed, its name)``, the weights ``pipeddp.materialize(model, seed)``
+            gives in every layout (``docs/big_models.md``). Ignored for a model that already has its weights.
         virtual_stages: stages per device (default 2 for ``"interleaved"``, else 1): the
             model is cut into ``len(devices) * virtual_stages`` stages and device r holds
             stages r, r + len(devices), ...; ``balance`` then lists that many stages.
