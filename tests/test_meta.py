@@ -81,10 +81,10 @@ def test_a_pipeline_of_a_meta_model_trains_the_materialized_model(devices, virtu
     assert max_diff([got[k] for k in expect], expect.values()) < 1e-12
 
 
-def stage_job(seed, steps, tied):
-    """Stage mode: every process gets the whole model on meta and allocates only its own layers."""
+def stage_job(seed, steps, tied, stages=2, mode="stage", shard="none"):
+    """Every process gets the whole model on meta and allocates only its own layers (stage mode: its stage)."""
     model = build(tied)
-    engine = pipeddp.HybridParallel(model, stages=2, mode="stage", chunks=3, seed=seed)
+    engine = pipeddp.HybridParallel(model, stages=stages, mode=mode, chunks=3, seed=seed, shard=shard)
     mine = {id(p) for p in engine.parameters()}
     others_on_meta = all(p.is_meta for p in model.parameters() if id(p) not in mine)
     held = sum(p.numel() for p in engine.parameters())
@@ -102,15 +102,24 @@ def stage_job(seed, steps, tied):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("nprocs,tied", [(2, False), (4, False), (2, True)])
-def test_stage_mode_processes_hold_only_their_layers_and_train_the_materialized_model(nprocs, tied):
+@pytest.mark.parametrize("nprocs,stages,tied", [(2, 2, False), (4, 2, False), (4, 4, False), (2, 2, True)])
+def test_stage_mode_processes_hold_only_their_layers_and_train_the_materialized_model(nprocs, stages, tied):
+    """1 x 2, 2 x 2 (replicas x stages) and 1 x 4, a tie across processes too."""
     steps = batches(n=12, tied=tied)
     expect = plain(11, steps, tied)
     total = sum(p.numel() for p in pipeddp.materialize(build(tied), seed=0).parameters())
-    results = pipeddp.spawn(stage_job, nprocs, args=(11, steps, tied), timeout=150)
+    results = pipeddp.spawn(stage_job, nprocs, args=(11, steps, tied, stages), timeout=150)
     for res in results:
         assert res["others_on_meta"]  # the layers of other stages were never allocated here
         assert res["held"] < total
+        assert max_diff([res["state"][k] for k in expect], expect.values()) < 1e-12
+
+
+@pytest.mark.timeout(180)
+def test_a_meta_model_sharded_over_replicas_trains_the_materialized_model():
+    steps = batches(n=12)
+    expect = plain(11, steps)
+    for res in pipeddp.spawn(stage_job, 2, args=(11, steps, False, 2, "replica", "optimizer"), timeout=150):
         assert max_diff([res["state"][k] for k in expect], expect.values()) < 1e-12
 
 
