@@ -10,7 +10,7 @@ in ``runtime.settings`` so that the distributed builder can read it too).
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Dict, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -52,6 +52,7 @@ def check_settings(
     sample: Any = None,
     max_activations: Optional[int] = None,
     seed: int = 0,
+    init: Optional[Callable[[nn.Module], None]] = None,
 ) -> Settings:
     """Check everything that does not need a device or a process group; raise naming the fix.
 
@@ -62,7 +63,7 @@ def check_settings(
     ``threads``: intra-op threads per stage thread (None or an int >= 1). ``flags``: the
     constructor's on/off arguments by name, each must be a bool. ``balance`` (with ``sample``):
     a method name or one number of layers per stage. ``max_activations``: ``schedule="auto"``'s cap.
-    ``seed``: what a model built on the meta device is initialised from (an int >= 0).
+    ``seed``: what a model built on the meta device is initialised from (an int >= 0), ``init`` how (a callable).
 
     Everything here runs before any thread or process starts, so a mistake
     raises at once, naming the argument, instead of failing in a stage thread.
@@ -76,6 +77,8 @@ def check_settings(
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be an int >= 0 (what a model built on the meta device is initialised from), "
                          f"got {seed!r}")
+    if init is not None and not callable(init):
+        raise ValueError(f"init must be a callable init(module) for a model built on the meta device, got {init!r}")
     check_stage_count(stages, len(model))
     virtual = check_virtual_stages(virtual_stages, schedule)
     if balance is not None:
@@ -107,7 +110,7 @@ def check_settings(
         raise ValueError(f"compile must be True, False or a dict of torch.compile options, got {compile!r}")
     options = dict(compile) if isinstance(compile, dict) else ({} if compile else None)
     return Settings(chunks, split_size, schedule, checkpoint, float(seconds), options, virtual, max_activations,
-                    seed)
+                    seed, init)
 
 
 def check_balance_arg(balance: Union[str, Sequence[int]], sample: Any, devices: int, virtual: int,

@@ -61,7 +61,7 @@ class HybridParallel(Checkpointable, StepModule):
         model: the ``nn.Sequential`` (built identically on every rank; DDP copies rank 0's weights to the others).
         stages: pipeline stages per replica.
         chunks, split_size, balance, sample, schedule, checkpoint, timeout, deferred_batch_norm, compile,
-            virtual_stages, max_activations, seed: as in ``Pipeline`` (tied weights, autocast and a model built on
+            virtual_stages, max_activations, seed, init: as in ``Pipeline`` (tied weights, autocast and a model built on
             the meta device too, each process materializing only its own layers; across processes in
             stage mode). A measured balance is computed on rank 0 and sent to every rank. With
             ``virtual_stages=v`` the model has ``stages * v`` stages; device r of each replica (a
@@ -103,7 +103,8 @@ class HybridParallel(Checkpointable, StepModule):
                  threads: Optional[int] = None, skip_nonfinite: bool = False, deferred_batch_norm: bool = False,
                  compile: Union[bool, Dict[str, Any]] = False, virtual_stages: Optional[int] = None,
                  global_batch: Optional[int] = None, batch_size: Optional[int] = None,
-                 shard: str = "none", max_activations: Optional[int] = None, seed: int = 0) -> None:
+                 shard: str = "none", max_activations: Optional[int] = None, seed: int = 0,
+                 init: Optional[Callable[[nn.Module], None]] = None) -> None:
         super().__init__()
         self.topology = topo = current_topology(stages, mode, layout)
         self.global_batch_plan: Optional[GlobalBatch] = plan_global_batch(global_batch, batch_size, topo.replicas)
@@ -116,7 +117,7 @@ class HybridParallel(Checkpointable, StepModule):
                                                          "sync_batchnorm": sync_batchnorm,
                                                          "skip_nonfinite": skip_nonfinite},
                                                   balance=balance, sample=sample, max_activations=max_activations,
-                                                  seed=seed)
+                                                  seed=seed, init=init)
         self.key_names = Names.of(model)
         self._model_keys = [self.key_names.original(k) for k in model.state_dict()]
         self.skip_nonfinite = skip_nonfinite

@@ -104,6 +104,8 @@ class Pipeline(Checkpointable, StepModule):
         seed: for a model built under ``torch.device("meta")``: each layer is materialized on its stage's
             device and initialised from ``(seed, its name)``, the weights ``pipeddp.materialize(model, seed)``
             gives in every layout (``docs/big_models.md``). Ignored for a model that already has its weights.
+        init: how such a model's modules are initialised, ``init(module)`` (default: each module's own
+            ``reset_parameters()``), under the same per-module seeds.
         virtual_stages: stages per device (default 2 for ``"interleaved"``, else 1): the
             model is cut into ``len(devices) * virtual_stages`` stages and device r holds
             stages r, r + len(devices), ...; ``balance`` then lists that many stages.
@@ -155,6 +157,7 @@ class Pipeline(Checkpointable, StepModule):
         virtual_stages: Optional[int] = None,
         max_activations: Optional[int] = None,
         seed: int = 0,
+        init: Optional[Callable[[nn.Module], None]] = None,
     ) -> None:
         super().__init__()
         devs = pipeline_devices(devices, stages)
@@ -162,14 +165,15 @@ class Pipeline(Checkpointable, StepModule):
                                   checkpoint=checkpoint, timeout=timeout, compile=compile,
                                   virtual_stages=virtual_stages, threads=threads,
                                   flags={"trace": trace, "deferred_batch_norm": deferred_batch_norm},
-                                  balance=balance, sample=sample, max_activations=max_activations, seed=seed)
+                                  balance=balance, sample=sample, max_activations=max_activations, seed=seed,
+                                  init=init)
         self.key_names = Names.of(model)
         self.devices = devs
         n_stages = len(devs) * settings.virtual_stages
         self.partition: Partition = choose_partition(model, n_stages, balance, sample, settings, devs[0])
         self.balance: List[int] = list(self.partition.balance)
         local = build_stages(model, self.balance, [devs[row_of(s, len(devs))] for s in range(n_stages)],
-                             compile=settings.compile, seed=settings.seed)
+                             compile=settings.compile, seed=settings.seed, init=settings.init)
         register_layers(self, local)
         self._runner = ThreadRunner(local, threads=threads, timeout=settings.timeout, rows=len(devs),
                                     n_stages=n_stages)

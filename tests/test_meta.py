@@ -166,5 +166,22 @@ def test_what_a_meta_model_cannot_do_is_refused_naming_the_way_out():
     with pytest.raises(ValueError, match=r"cannot materialize 1 \(Scale\) from the meta device: it has no "
                                          r"reset_parameters\(\)"):
         pipeddp.materialize(model)
+    assert pipeddp.materialize(model, init=small_init)[1].s.abs().max() < 0.2  # an init= of one's own does it
     with pytest.raises(ValueError, match="seed must be an int >= 0"):
         pipeddp.Pipeline(build(), ["cpu", "cpu"], seed=-1)
+
+
+def small_init(module: nn.Module) -> None:
+    """An initialisation of one's own: every tensor a module owns drawn from N(0, 0.02)."""
+    for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
+        t.normal_(0.0, 0.02)
+
+
+def test_init_of_ones_own_replaces_reset_parameters_in_every_layout():
+    expect = pipeddp.materialize(build(), seed=5, init=small_init).state_dict()
+    assert all(v.std() < 0.05 for k, v in expect.items() if k.endswith("weight"))  # small_init's, not Linear's
+    with pipeddp.Pipeline(build(), ["cpu"] * 3, chunks=2, seed=5, init=small_init) as pipe:
+        got = pipe.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in expect.items())
+    with pytest.raises(ValueError, match="init must be a callable"):
+        pipeddp.Pipeline(build(), ["cpu", "cpu"], init="normal")

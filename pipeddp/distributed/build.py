@@ -85,7 +85,8 @@ def build_replica(owner: nn.Module, model: nn.Sequential, topology: Topology, se
     else:
         indices = list(range(topo.stage, n_stages, topo.stages))
         placed = [devs[0]] * len(indices)
-    local = build_stages(model, balance, placed, indices, compile=settings.compile, seed=settings.seed)
+    local = build_stages(model, balance, placed, indices, compile=settings.compile, seed=settings.seed,
+                         init=settings.init)
     register_layers(owner, local)
     runner: Runner
     if topo.mode == "replica":

@@ -29,12 +29,12 @@ has no ``reset_parameters``, is refused by name. Build those on a real device.
 from __future__ import annotations
 
 import hashlib
-from typing import Dict, Iterator, List, Tuple, Union
+from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
-__all__ = ["materialize", "materialize_layer", "is_meta", "layer_seed", "SharedPlaces"]
+__all__ = ["materialize", "materialize_layer", "check_init", "is_meta", "layer_seed", "SharedPlaces", "Init"]
 
 _CPU = torch.device("cpu")
 
@@ -55,47 +55,69 @@ def _tensors(module: nn.Module, *, recurse: bool) -> Iterator[torch.Tensor]:
     yield from module.buffers(recurse=recurse)
 
 
-def materialize_layer(layer: nn.Module, name: str, *, seed: int,
-                      device: Union[str, torch.device] = _CPU) -> nn.Module:
+Init = Callable[[nn.Module], None]
+
+
+def materialize_layer(layer: nn.Module, name: str, *, seed: int, device: Union[str, torch.device] = _CPU,
+                      init: Optional[Init] = None) -> nn.Module:
     """Give every meta tensor of ``layer`` (the model's module called ``name``) memory and its initial values.
 
-    Each module that owns meta tensors is initialised from ``layer_seed(seed, its qualified name)``; the module
-    is then moved to ``device``. Returns ``layer`` (changed in place).
+    Each module that owns meta tensors is initialised from ``layer_seed(seed, its qualified name)``, by
+    ``init(module)`` where given (a Hugging Face model's ``_init_weights``, say), else by its own
+    ``reset_parameters()``; the layer is then moved to ``device``. Returns ``layer`` (changed in place).
     """
-    owners: List[Tuple[str, nn.Module]] = [(n, m) for n, m in layer.named_modules(prefix=name)
-                                           if any(t.is_meta for t in _tensors(m, recurse=False))]
-    for _, m in owners:  # memory first: an initialisation may touch a child's tensors too
+    owners = _owners(layer, name, init)  # every module checked before any is changed
+    for _, m, _ in owners:  # memory first: an initialisation may touch a child's tensors too
         m.to_empty(device=_CPU, recurse=False)
-    for qualified, m in owners:
-        init = getattr(m, "reset_parameters", None) or getattr(m, "_reset_parameters", None)
-        if init is None:
-            raise ValueError(
-                f"cannot materialize {qualified} ({type(m).__name__}) from the meta device: it has no "
-                "reset_parameters() to initialise its parameters and buffers; give it one, or build the model on "
-                "a real device"
-            )
+    for qualified, _, run in owners:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(layer_seed(seed, qualified))
             with torch.no_grad():
-                init()
+                run()
     return layer.to(device)
 
 
-def materialize(model: nn.Module, device: Union[str, torch.device] = _CPU, *, seed: int = 0) -> nn.Module:
+def _owners(layer: nn.Module, name: str, init: Optional[Init]) -> List[Tuple[str, nn.Module, Callable[[], None]]]:
+    """The modules of ``layer`` that own meta tensors, with what initialises each; refuses one that nothing can."""
+    out = []
+    for qualified, m in layer.named_modules(prefix=name):
+        if not any(t.is_meta for t in _tensors(m, recurse=False)):
+            continue
+        own = getattr(m, "reset_parameters", None) or getattr(m, "_reset_parameters", None)
+        run: Optional[Callable[[], None]] = (lambda m=m: init(m)) if init is not None else own
+        if run is None:
+            raise ValueError(
+                f"cannot materialize {qualified} ({type(m).__name__}) from the meta device: it has no "
+                "reset_parameters() to initialise its parameters and buffers; give it one, pass init=, or build "
+                "the model on a real device"
+            )
+        out.append((qualified, m, run))
+    return out
+
+
+def check_init(layer: nn.Module, name: str, init: Optional[Init] = None) -> None:
+    """Refuse, changing nothing, a layer of which some module owning meta tensors has nothing to initialise it."""
+    _owners(layer, name, init)
+
+
+def materialize(model: nn.Module, device: Union[str, torch.device] = _CPU, *, seed: int = 0,
+                init: Optional[Init] = None) -> nn.Module:
     """``model`` (built on the meta device) with memory and initial values on ``device``, in place.
 
     The same weights an engine gives each of its stages from the same
     ``seed`` (see the module docstring): the plain model for reference, or to
-    train on one device. A module used at several places is initialised once,
+    train on one device (``init`` as in ``materialize_layer``). A module used at several places is initialised once,
     and a parameter held at several places (an embedding tied to the output
     head) stays one parameter, with the values of its first place.
     """
+    for name, child in model.named_children():  # refused before anything changes
+        check_init(child, name, init)
     shared = SharedPlaces(model)
     for name, child in model.named_children():
-        materialize_layer(child, name, seed=seed, device=device)
+        materialize_layer(child, name, seed=seed, device=device, init=init)
         shared.join()
     if any(t.is_meta for t in _tensors(model, recurse=False)):
-        materialize_layer(model, "", seed=seed, device=device)
+        materialize_layer(model, "", seed=seed, device=device, init=init)
         shared.join()
     return model.to(device)
 

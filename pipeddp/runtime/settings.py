@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Dict, Optional, Union
+from typing import Any, Callable, Dict, Optional, Union
 
 from .schedule.actions import ScheduleFn
 
@@ -33,6 +33,8 @@ class Settings:
     max_activations: Optional[int] = None
     #: the seed a model built on the meta device is initialised from, layer by layer (see ``materialize``)
     seed: int = 0
+    #: how such a model's modules are initialised (None: their own ``reset_parameters``)
+    init: Optional[Callable[[Any], None]] = None
 
     @property
     def timeout_delta(self) -> timedelta:

@@ -36,7 +36,7 @@ from torch import nn
 
 from .batchnorm import batch_norms, frozen_statistics
 from .compiled import Compiled
-from .materialize import SharedPlaces, is_meta, materialize_layer
+from .materialize import Init, SharedPlaces, check_init, is_meta, materialize_layer
 from .microbatch import tree_map, tree_tensors
 from .rng import Replay, checkpointing, recomputing
 from .spec import Grads, Saved, StepSpec
@@ -294,7 +294,7 @@ class Stage:
 
 def build_stages(model: nn.Sequential, balance: Sequence[int], devices: Sequence[torch.device],
                  indices: Optional[Sequence[int]] = None, *,
-                 compile: Optional[Dict[str, Any]] = None, seed: int = 0) -> List[Stage]:
+                 compile: Optional[Dict[str, Any]] = None, seed: int = 0, init: Optional[Init] = None) -> List[Stage]:
     """Cut ``model`` by ``balance`` and place stage ``indices[k]`` on ``devices[k]`` (default: every stage).
 
     A process that owns one stage of a longer pipeline builds only that one;
@@ -313,10 +313,13 @@ def build_stages(model: nn.Sequential, balance: Sequence[int], devices: Sequence
     origin = [first.setdefault(id(layer), name) for name, layer in layers_of(model)]  # per place: first name
     starts = [sum(balance[:s]) for s in range(len(balance))]
     stages = []
+    for s in indices if shared is not None else ():  # a layer nothing can initialise: refused before any changes
+        for pos in range(starts[s], starts[s] + balance[s]):
+            check_init(named[pos][1], origin[pos], init)
     for s, device in zip(indices, devices):
         for pos in range(starts[s], starts[s] + balance[s]):
             if shared is not None and is_meta(named[pos][1]):
-                materialize_layer(named[pos][1], origin[pos], seed=seed)
+                materialize_layer(named[pos][1], origin[pos], seed=seed, init=init)
                 shared.join()
         part = nn.Sequential(OrderedDict(named[starts[s]:starts[s] + balance[s]])).to(device)
         stages.append(Stage(s, part, device, last=s == len(balance) - 1, compile=compile))
