@@ -17,6 +17,10 @@ spawned with ``env={"PIPEDDP_P2P_RULES": "tags"}`` runs the ordinary tagged path
 
 Collectives are untouched (NCCL runs them on other communicators). Installed in every process that imports
 ``conftest`` (every spawned test job) and explicitly by the torchrun scripts under ``tests/``.
+
+``PIPEDDP_P2P_RULES=nccl-one`` runs all of a rank's operations, to every peer, on one stream: what a process
+group whose single sends and receives share its one communicator would do (torch does not today; pipeddp's
+transport orders each pair of ranks, and with 3 or more processes and virtual stages it can wait forever there).
 """
 
 from __future__ import annotations
@@ -39,8 +43,9 @@ _LOCK = threading.Lock()
 
 
 def active() -> bool:
-    """Whether point-to-point calls follow NCCL's rules now (``PIPEDDP_P2P_RULES``, default ``nccl``)."""
-    return os.environ.get("PIPEDDP_P2P_RULES", "nccl") == "nccl"
+    """Whether point-to-point calls follow NCCL's rules now (``PIPEDDP_P2P_RULES``, default ``nccl``; ``nccl-one``:
+    one stream for every peer of a rank, what a process group bound to a device may use for its P2P)."""
+    return os.environ.get("PIPEDDP_P2P_RULES", "nccl") in ("nccl", "nccl-one")
 
 
 class _Work:
@@ -83,7 +88,8 @@ class _PairStream:
 
 
 def _stream(group: Any, peer: int) -> _PairStream:
-    key = (id(group) if group is not None else 0, peer)
+    one = os.environ.get("PIPEDDP_P2P_RULES") == "nccl-one"
+    key = (id(group) if group is not None else 0, -1 if one else peer)
     with _LOCK:
         if key not in _STREAMS:
             _STREAMS[key] = _PairStream(peer)

@@ -3,7 +3,7 @@
 ::
 
     topology (torchrun's env) -> devices, backend -> the current CUDA device (this process's first)
-        -> process group (unless one exists; bound to that device on nccl) -> Agreement
+        -> process group (unless one exists) -> Agreement
         -> partition: measured on rank 0, the same on every rank
         -> stage groups (and pipeline groups in stage mode)
         -> [SyncBatchNorm] -> this process's stages, registered on the owner under the model's names
@@ -72,7 +72,7 @@ def build_replica(owner: nn.Module, model: nn.Sequential, topology: Topology, se
         torch.cuda.set_device(devs[0])
     owns_group = topo.world_size > 1 and not dist.is_initialized()
     if owns_group:
-        init_process_group(backend, settings.timeout_delta, device=devs[0] if backend == "nccl" else None)
+        init_process_group(backend, settings.timeout_delta)
     agreement = Agreement(topo, devs[0] if backend == "nccl" else torch.device("cpu"))
     cut = agreement.from_rank0(lambda: partition(devs[0]))
     balance = list(cut.balance)

@@ -105,11 +105,13 @@ def choose_backend(backend: Optional[str], devs: Sequence[torch.device], topo: T
     return chosen
 
 
-def init_process_group(backend: str, timeout: timedelta, device: Optional[torch.device] = None) -> None:
+def init_process_group(backend: str, timeout: timedelta) -> None:
     """``init_process_group`` from torchrun's (or ``spawn``'s) environment, safe across torchrun restarts.
 
-    ``device`` (nccl: this process's GPU) binds the group to it (``device_id``), so that every rank's
-    communicators, object collectives and barriers use its own GPU, never GPU 0 of every rank of a node.
+    The caller has made this process's GPU the current device (``torch.cuda.set_device``), which NCCL's
+    object collectives and barriers use. The group is not bound to it with ``device_id``: that eager
+    initialisation may make single point-to-point operations share the group's one communicator and stream,
+    where the stage-mode transport relies on torch's one communicator per pair of ranks (``p2p``).
 
     torchrun (``--max-restarts``) restarts every worker on the same store
     (the agent's, shared with the rendezvous); the keys the previous attempt's
@@ -118,15 +120,14 @@ def init_process_group(backend: str, timeout: timedelta, device: Optional[torch.
     keys are therefore put under a prefix of the restart attempt.
     """
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    bound: Dict[str, Any] = {"device_id": device} if device is not None else {}
     if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        dist.init_process_group(backend, timeout=timeout, **bound)
+        dist.init_process_group(backend, timeout=timeout)
         return
     rank, world, _, _ = env_world()
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world,
                           is_master=False, timeout=timeout)
     dist.init_process_group(backend, store=dist.PrefixStore(f"pipeddp/attempt-{attempt}", store), rank=rank,
-                            world_size=world, timeout=timeout, **bound)
+                            world_size=world, timeout=timeout)
 
 
 @dataclass

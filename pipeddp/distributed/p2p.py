@@ -8,7 +8,10 @@ gradients of several stages, told apart by the receiving stage.
 
 **Order, not tags, pairs messages.** NCCL ignores tags: between two ranks it
 pairs the n-th send with the n-th receive, and runs the operations of the pair
-one after another on one stream, both directions together. So both ends of a
+one after another on one stream, both directions together (torch's
+ProcessGroupNCCL gives every pair of ranks a communicator and stream of its own
+for single sends and receives; the process group is not bound to a device with
+``device_id``, which may make them share the group's one). So both ends of a
 channel issue their operations in one order, which both compute from the
 schedule before the step (``crossings``; ``begin`` hands it to the channel)::
 
