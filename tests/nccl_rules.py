@@ -19,8 +19,8 @@ Collectives are untouched (NCCL runs them on other communicators). Installed in 
 ``conftest`` (every spawned test job) and explicitly by the torchrun scripts under ``tests/``.
 
 ``PIPEDDP_P2P_RULES=nccl-one`` runs all of a rank's operations, to every peer, on one stream: what a process
-group whose single sends and receives share its one communicator would do (torch does not today; pipeddp's
-transport orders each pair of ranks, and with 3 or more processes and virtual stages it can wait forever there).
+group whose single sends and receives share its one communicator would do (torch gives each pair its own today;
+pipeddp's transport is right under both).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from typing import Dict, List, Set, Tuple
 
 import pytest
 
-from pipeddp.runtime.schedule import (Action, Kind, Message, Schedule, crossings, forward_only,
+from pipeddp.runtime.schedule import (Action, Kind, Message, Schedule, crossings, forward_only, in_order,
                                       get_schedule, normalize, row_of, stage_count)
 
 
@@ -108,3 +108,51 @@ def test_the_order_of_one_f_one_b_on_two_devices():
 
 def test_a_one_device_pipeline_of_virtual_stages_crosses_no_link():
     assert crossings(get_schedule("interleaved", 1, 4, 2)) == {}
+
+
+def walk_one_stream(schedule: Schedule) -> None:
+    """As ``walk``, but every device runs the operations of all its links on one stream, in ``in_order``'s order:
+    an operation completes only after every earlier one of both its ends."""
+    schedule = normalize(schedule)
+    rows, n_stages = len(schedule), stage_count(schedule)
+    order = in_order(schedule)
+    ops = {r: [m for m in order if r in (m.src, m.dst)] for r in range(rows)}
+    at = {(r, (m.kind, m.stage, m.mb)): i for r in ops for i, m in enumerate(ops[r])}
+    head = {r: 0 for r in range(rows)}  # operations completed, in order
+    produced: Set[Tuple[str, int, int]] = set()
+    pos = [0] * rows
+    while any(pos[r] < len(schedule[r]) for r in range(rows)):
+        progressed = False
+        for r in range(rows):  # complete what both ends have reached
+            while head[r] < len(ops[r]):
+                m = ops[r][head[r]]
+                key = (m.kind, m.stage, m.mb)
+                other = m.dst if m.src == r else m.src
+                if key in produced and head[other] < len(ops[other]) and ops[other][head[other]] == m:
+                    head[r] += 1
+                    head[other] += 1
+                    progressed = True
+                else:
+                    break
+        for r in range(rows):
+            if pos[r] >= len(schedule[r]):
+                continue
+            a = schedule[r][pos[r]]
+            need = incoming(a, n_stages)
+            if need is not None and (r, need) in at and head[r] <= at[(r, need)]:
+                continue
+            out = outgoing(a, rows, n_stages)
+            if out is not None and out[3] != r:
+                k = at[(r, out[:3])]
+                earlier_in = [i for i in range(k) if ops[r][i].dst == r]
+                if earlier_in and head[r] <= earlier_in[-1]:
+                    continue  # its header waits for every earlier receive
+                produced.add(out[:3])
+            pos[r] += 1
+            progressed = True
+        assert progressed, f"stuck at {[(r, schedule[r][pos[r]]) for r in range(rows) if pos[r] < len(schedule[r])]}"
+
+
+@pytest.mark.parametrize("name,p,m,v", [c for c in CASES if c[1] >= 3])
+def test_every_schedule_runs_with_one_stream_per_device(name, p, m, v):
+    walk_one_stream(get_schedule(name, p, m, v))

@@ -22,7 +22,10 @@ schedule before the step (``crossings``; ``begin`` hands it to the channel)::
 A send is issued when its action has produced it, after every receive that
 comes before it in the link's order has been posted; a receive is posted as
 early as the order and its shapes allow (``_advance``, on every call), so what
-a stage waits for is usually there already. Tags are still set (gloo honours
+a stage waits for is usually there already. A process with several links
+issues the operations of all of them in one order for the whole pipeline
+(``Ordering``, from ``in_order``), so it stays right even where every send and
+receive of a rank, to any peer, runs on one stream. Tags are still set (gloo honours
 them, and a message that went astray then waits instead of landing in the
 wrong buffer), but nothing depends on them.
 
@@ -47,7 +50,7 @@ import torch.distributed as dist
 from ..runtime.channels import describe
 from ..runtime.schedule.messages import Message
 
-__all__ = ["P2PChannel", "PeerError"]
+__all__ = ["P2PChannel", "PeerError", "Ordering"]
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
            torch.int8, torch.uint8, torch.bool, torch.complex64]
@@ -130,6 +133,42 @@ class _Posted:
         self.bufs: List[torch.Tensor] = []
 
 
+class Ordering:
+    """The order in which this process issues the operations of all its links (``in_order``), one after another.
+
+    With it, no channel posts a receive ahead of an operation that comes before
+    it on another link: the process stays right even where all its sends and
+    receives, to every peer, run on one stream.
+    """
+
+    def __init__(self, entries: Sequence[Tuple["P2PChannel", int]]) -> None:
+        self.entries = list(entries)  # (channel, index in its link's order)
+        self.next = 0
+
+    def catch_up(self, channel: "P2PChannel", upto: int) -> None:
+        """Post every receive that comes before ``channel``'s message ``upto`` (waiting for headers)."""
+        while self.next < len(self.entries) and self.entries[self.next] != (channel, upto):
+            ch, j = self.entries[self.next]
+            ch.post_next(j)
+            self.next += 1
+        if self.next == len(self.entries):
+            raise RuntimeError(f"pipeddp: rank {channel.rank}'s message {upto} to or from rank {channel.peer} is "
+                               "not in this step's order")
+
+    def issued(self) -> None:
+        """The operation the order stands at was issued (a send, or a receive posted)."""
+        self.next += 1
+
+    def advance(self) -> None:
+        """Post the receives that come next, as far as their shapes are known (never waits)."""
+        while self.next < len(self.entries):
+            ch, j = self.entries[self.next]
+            if ch._order[j].src == ch.stage or not ch._post(j, block=False):
+                return
+            ch._next = j + 1
+            self.next += 1
+
+
 class P2PChannel:
     """Messages to and from the stages held by ``peer`` (a global rank), both ways, in the link's order."""
 
@@ -150,11 +189,14 @@ class P2PChannel:
         self._meta: Dict[Tuple[int, int], Meta] = {}
         self._inflight: List[Tuple[Any, List[torch.Tensor]]] = []
         self._broken: Optional[str] = None
+        #: the order of all this process's links, where it has several (None: this link's order alone)
+        self.ordering: Optional[Ordering] = None
 
     # -- the step's order --------------------------------------------------------------------------
 
-    def begin(self, order: Sequence[Message]) -> None:
-        """Start a step whose messages on this link are ``order`` (``crossings`` of its schedule)."""
+    def begin(self, order: Sequence[Message], ordering: Optional[Ordering] = None) -> None:
+        """Start a step whose messages on this link are ``order`` (``crossings`` of its schedule); ``ordering``:
+        the order of all the process's links (its ``advance`` then posts ahead, once every channel has begun)."""
         if self._broken is not None:
             raise PeerError(
                 f"rank {self.rank} (stage {self.stage}) cannot exchange messages with rank {self.peer} (stage "
@@ -168,7 +210,9 @@ class P2PChannel:
         self._next = 0
         self._posted.clear()
         self._meta.clear()
-        self._advance()
+        self.ordering = ordering
+        if ordering is None:
+            self._advance()
 
     def _find(self, outgoing: bool, kind: str, stage: int, mb: int) -> int:
         i = self._index.get((outgoing, kind, stage, mb))
@@ -180,7 +224,10 @@ class P2PChannel:
         return i
 
     def _catch_up(self, upto: int) -> None:
-        """Post every receive that comes before message ``upto`` in the link's order (waiting for headers)."""
+        """Post every receive that comes before message ``upto`` in the link's order (waiting for headers); with an
+        ``ordering``, every one before it on any of the process's links."""
+        if self.ordering is not None:
+            self.ordering.catch_up(self, upto)
         while self._next < upto:
             m = self._order[self._next]
             if m.src == self.stage:
@@ -191,8 +238,20 @@ class P2PChannel:
             self._post(self._next, block=True)
             self._next += 1
 
+    def post_next(self, j: int) -> None:
+        """Post the receives of this link's next message, ``j`` (a send there means the step left its order)."""
+        if j != self._next or self._order[j].src == self.stage:
+            m = self._order[j]
+            raise RuntimeError(f"pipeddp: rank {self.rank} must first send {m.kind}{m.mb} of stage {m.stage}: the "
+                               "step does not run in the order of its schedule")
+        self._post(j, block=True)
+        self._next = j + 1
+
     def _advance(self) -> None:
         """Post the receives that come next in the link's order, as far as shapes are known (never waits)."""
+        if self.ordering is not None:
+            self.ordering.advance()
+            return
         while self._next < len(self._order) and self._order[self._next].src != self.stage \
                 and self._post(self._next, block=False):
             self._next += 1
@@ -247,6 +306,8 @@ class P2PChannel:
             self._catch_up(i)
             self._post(i, block=True)
             self._next = i + 1
+            if self.ordering is not None:
+                self.ordering.issued()
         posted = self._posted.pop(i)
         m = self._order[i]
         self._wait(posted.works, m)
@@ -288,6 +349,8 @@ class P2PChannel:
             work = dist.isend(t, self.peer, tag=_tag(m.kind, m.stage, m.mb, first_slot + k))
             self._inflight.append((work, [t]))
         self._next = i + 1
+        if self.ordering is not None:
+            self.ordering.issued()
         self._inflight = [(w, ts) for w, ts in self._inflight if not w.is_completed()]
         self._advance()
 

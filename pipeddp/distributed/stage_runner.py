@@ -31,11 +31,11 @@ import torch
 from ..runtime.channels import Channel, Inbox, LocalChannel
 from ..runtime.executor import Device, StageResults, group_rows, run_actions
 from ..runtime.schedule.actions import Action, Schedule, row_of
-from ..runtime.schedule.messages import Message, crossings
+from ..runtime.schedule.messages import Message, crossings, in_order
 from ..runtime.spec import Grads, StepSpec
 from ..runtime.stage import Stage
 from ..runtime.trace import Trace, timed
-from .p2p import P2PChannel
+from .p2p import Ordering, P2PChannel
 from .topology import Topology
 
 __all__ = ["ProcessRunner"]
@@ -54,6 +54,7 @@ class ProcessRunner:
         self.rank = rank
         self._plan: Optional[Schedule] = None
         self._crossings: Dict[Tuple[int, int], List[Message]] = {}
+        self._sequence: List[Tuple[int, int]] = []
 
     @classmethod
     def connect(cls, stages: Sequence[Stage], topology: Topology, *, n_stages: int, comm_device: torch.device,
@@ -89,15 +90,18 @@ class ProcessRunner:
         if plan is None:
             raise ValueError("a stage-mode step needs the whole schedule (plan=): both ends of every link between "
                              "processes derive the order of their messages from it")
-        orders = self._orders(plan)
+        orders, sequence = self._orders(plan)
         streams = self.device.first.streams
         if self._own is not None:
             self._own.reset()
         streams.enter()
         try:
             with streams.computing():  # receives posted here are ordered after the stage's compute stream
+                ordering = Ordering([(self._p2p[peer], k) for peer, k in sequence]) if len(self._p2p) > 1 else None
                 for peer_row, ch in self._p2p.items():
-                    ch.begin(orders.get((min(self.device.row, peer_row), max(self.device.row, peer_row)), []))
+                    ch.begin(orders.get(self._link(peer_row), []), ordering)
+                if ordering is not None:
+                    ordering.advance()
             results = [run_actions(self.device, actions, spec, links=self.links, inputs=inputs,
                                    output_grads=output_grads, trace=trace, rank=self.rank)]
             with timed(trace, self.device.first.index, "flush", 0, row=self.device.row, lane="comm"):
@@ -112,11 +116,23 @@ class ProcessRunner:
         finally:
             streams.leave()
 
-    def _orders(self, plan: Schedule) -> Dict[Tuple[int, int], List[Message]]:
-        """The messages of every link in ``plan``, in the order both ends issue them (computed once per plan)."""
+    def _link(self, peer_row: int) -> Tuple[int, int]:
+        return min(self.device.row, peer_row), max(self.device.row, peer_row)
+
+    def _orders(self, plan: Schedule) -> Tuple[Dict[Tuple[int, int], List[Message]], List[Tuple[int, int]]]:
+        """The messages of every link in ``plan``, in the order both ends issue them, and this process's
+        operations on all its links in one order: (peer row, index in that link's order). Once per plan."""
         if self._plan is not plan:  # (a process with every stage, the only one to run backward-only steps, has none)
-            self._plan, self._crossings = plan, crossings(plan) if self._p2p else {}
-        return self._crossings
+            links = crossings(plan) if self._p2p else {}
+            seen: Dict[int, int] = {}
+            sequence = []
+            for m in in_order(plan) if self._p2p else []:
+                if self.device.row in (m.src, m.dst):
+                    peer = m.dst if m.src == self.device.row else m.src
+                    sequence.append((peer, seen.get(peer, 0)))
+                    seen[peer] = seen.get(peer, 0) + 1
+            self._plan, self._crossings, self._sequence = plan, links, sequence
+        return self._crossings, self._sequence
 
     def close(self) -> None:
         """Nothing to stop: the stages run on the caller's thread."""

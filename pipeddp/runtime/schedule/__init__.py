@@ -34,7 +34,7 @@ from .builders import (
 )
 from .checks import format_schedule, validate
 from .costed import AutoSchedule, Costs
-from .messages import Message, crossings
+from .messages import Message, crossings, in_order
 from .registry import SCHEDULES, VIRTUAL, accepts_virtual_stages, get_schedule, schedule_name
 from .replay import Played, peak_held, play, ready_time
 
@@ -42,4 +42,4 @@ __all__ = ["Kind", "Action", "Schedule", "ScheduleFn", "Event", "row_of", "stage
            "releases", "normalize", "gpipe", "one_f_one_b", "list_schedule", "interleaved_limit", "interleaved",
            "zero_bubble", "forward_only", "backward_only", "SCHEDULES", "VIRTUAL", "schedule_name", "get_schedule",
            "accepts_virtual_stages", "AutoSchedule", "Costs", "validate", "format_schedule", "Played", "play",
-           "peak_held", "ready_time", "Message", "crossings"]
+           "peak_held", "ready_time", "Message", "crossings", "in_order"]

@@ -25,7 +25,7 @@ from typing import Dict, List, NamedTuple, Tuple
 from .actions import Kind, Schedule, normalize, row_of, stage_count
 from .replay import play
 
-__all__ = ["Message", "crossings"]
+__all__ = ["Message", "crossings", "in_order"]
 
 
 class Message(NamedTuple):
@@ -48,6 +48,18 @@ def crossings(schedule: Schedule) -> Dict[Tuple[int, int], List[Message]]:
     Messages between stages of one device (consecutive virtual stages on a
     one-row pipeline) cross no link and are left out.
     """
+    out: Dict[Tuple[int, int], List[Message]] = {}
+    for msg in in_order(schedule):
+        out.setdefault((min(msg.src, msg.dst), max(msg.src, msg.dst)), []).append(msg)
+    return out
+
+
+def in_order(schedule: Schedule) -> List[Message]:
+    """Every message between devices, in one order for the whole pipeline (each link's is its part of it).
+
+    A device that issues the operations of all its links in this order (one
+    stream for every peer) never waits for a peer that waits for it either.
+    """
     schedule = normalize(schedule)
     rows, n_stages = len(schedule), stage_count(schedule)
     timed: List[Tuple[float, int, Message]] = []
@@ -63,7 +75,4 @@ def crossings(schedule: Schedule) -> Dict[Tuple[int, int], List[Message]]:
             dst = row_of(to, rows)
             if dst != r:
                 timed.append((end, r, Message(r, dst, kind, to, a.mb)))
-    out: Dict[Tuple[int, int], List[Message]] = {}
-    for _end, _r, msg in sorted(timed, key=lambda t: (t[0], t[1])):
-        out.setdefault((min(msg.src, msg.dst), max(msg.src, msg.dst)), []).append(msg)
-    return out
+    return [msg for _end, _r, msg in sorted(timed, key=lambda t: (t[0], t[1]))]
