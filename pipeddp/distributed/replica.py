@@ -117,16 +117,16 @@ class Replica:
         self.agreement.enter("evaluate")
         was_training = model.training
         model.eval()
-        gathered = contextlib.ExitStack()  # with shard=: parameters gathered once, no collective per forward,
-        for sh in self.shards:             # since replicas may hold different numbers of batches
-            if sh is not None:
-                gathered.enter_context(sh.gathered())
-        self._gathered = bool(self.shards)
         sums: Dict[str, float] = {}
         counts: Dict[str, float] = {}  # of the metrics returned as (total, count)
         count = 0
         last = self.step.last.device if self.step.last is not None else None
+        gathered = contextlib.ExitStack()
         try:
+            for sh in self.shards:  # with shard=: parameters gathered once, no collective per forward, since
+                if sh is not None:  # replicas may hold different numbers of batches
+                    gathered.enter_context(sh.gathered())
+            self._gathered = any(sh is not None for sh in self.shards)
             for x, y in loader:
                 with torch.no_grad():
                     out = model(x)

@@ -58,7 +58,7 @@ class StepSpec:
     #: which kind of loss the step's loss_fn returns: a mean (False) or (total, count) (True); None before the first
     counted: Optional[bool] = None
 
-    def count(self, mb: int, loss: torch.Tensor, count: Optional[Union[int, float, torch.Tensor]]) -> None:
+    def count(self, mb: int, count: Optional[Union[int, float, torch.Tensor]]) -> None:
         """Record the kind of loss micro-batch ``mb`` returned (and its count): one kind for the whole step."""
         kind = count is not None
         if self.counted is not None and self.counted != kind:

@@ -139,10 +139,10 @@ class Stage:
         loss = spec.loss_fn(out, saved.target)
         if isinstance(loss, tuple) and len(loss) == 2:
             total, count = loss
-            spec.count(mb, _scalar(total, "the total of (total, count)"), count)
-            return total
-        spec.count(mb, _scalar(loss, "a scalar tensor (the mean loss of the micro-batch) or (total, count)"), None)
-        return loss * saved.weight
+            spec.count(mb, count)
+            return _scalar(total, "the total of (total, count) as a scalar tensor")
+        spec.count(mb, None)
+        return _scalar(loss, "a scalar tensor (the mean loss of the micro-batch) or (total, count)") * saved.weight
 
     # -- forward ----------------------------------------------------------------------------------------
 
