@@ -185,3 +185,12 @@ def test_init_of_ones_own_replaces_reset_parameters_in_every_layout():
     assert all(torch.equal(got[k], v) for k, v in expect.items())
     with pytest.raises(ValueError, match="init must be a callable"):
         pipeddp.Pipeline(build(), ["cpu", "cpu"], init="normal")
+
+
+def test_plan_measures_a_meta_model_too():
+    from pipeddp.tools.plan import fit_layers
+
+    model = build()
+    layers = fit_layers(model, lambda b: torch.randn(b, 12, dtype=torch.float64), sizes=(2, 4), repeat=1)
+    assert len(layers) == len(model) and layers[0].param_bytes == (12 * 16 + 16) * 8
+    assert all(p.is_meta for p in model.parameters())  # measured one layer at a time, the model still holds nothing
