@@ -31,7 +31,7 @@ from ..runtime.warn import warn
 from .shard import local_tensor
 from .topology import Topology
 
-__all__ = ["Agreement", "CollectiveError", "COLLECTIVES"]
+__all__ = ["Agreement", "CallCheck", "CollectiveError", "COLLECTIVES"]
 
 T = TypeVar("T")
 
@@ -43,42 +43,18 @@ class CollectiveError(RuntimeError):
     """The ranks did not enter the same collective call (or one never came)."""
 
 
-class Agreement:
-    """The collectives of one engine (``comm_device``: where gloo or nccl wants its tensors)."""
+class CallCheck:
+    """Which of the engine's collective calls each rank is in: checked by the first collective of every one.
 
-    def __init__(self, topology: Topology, comm_device: torch.device) -> None:
-        self.topology = topology
-        self.comm_device = comm_device
+    ``topology`` and ``comm_device`` are the agreement's (``Agreement`` is one).
+    """
+
+    topology: Topology
+    comm_device: torch.device
 
     @property
     def distributed(self) -> bool:
         return self.topology.world_size > 1
-
-    # -- rank 0's choice -----------------------------------------------------------------------------
-
-    def from_rank0(self, make: Callable[[], T]) -> T:
-        """``make()`` on rank 0, sent to every rank (the others do not call it).
-
-        If ``make`` raises on rank 0, every rank raises (rank 0 its own error),
-        instead of the others waiting for a value that never comes.
-        """
-        if not self.distributed:
-            return make()
-        box: List[Any] = [None, ""]
-        error: BaseException | None = None
-        if self.topology.rank == 0:
-            try:
-                box[0] = make()
-            except Exception as exc:  # noqa: BLE001 - re-raised below, after the others are told
-                error, box[1] = exc, f"{type(exc).__name__}: {exc}"
-        dist.broadcast_object_list(box, src=0)
-        if error is not None:
-            raise error
-        if box[1]:
-            raise RuntimeError(f"rank {self.topology.rank}: rank 0 failed: {box[1]}")
-        return box[0]
-
-    # -- batch sizes ---------------------------------------------------------------------------------
 
     def enter(self, call: str) -> None:
         """Every rank enters the collective ``call`` together (see ``_calls``); nothing else is exchanged."""
@@ -120,6 +96,41 @@ class Agreement:
             topo = self.topology
             where = f"rank {topo.rank}" + (f" (stage {topo.stage})" if topo.mode == "stage" else "")
             raise CollectiveError(f"{where} {what} ({exc})") from exc
+
+
+
+class Agreement(CallCheck):
+    """The collectives of one engine (``comm_device``: where gloo or nccl wants its tensors)."""
+
+    def __init__(self, topology: Topology, comm_device: torch.device) -> None:
+        self.topology = topology
+        self.comm_device = comm_device
+
+    # -- rank 0's choice -----------------------------------------------------------------------------
+
+    def from_rank0(self, make: Callable[[], T]) -> T:
+        """``make()`` on rank 0, sent to every rank (the others do not call it).
+
+        If ``make`` raises on rank 0, every rank raises (rank 0 its own error),
+        instead of the others waiting for a value that never comes.
+        """
+        if not self.distributed:
+            return make()
+        box: List[Any] = [None, ""]
+        error: BaseException | None = None
+        if self.topology.rank == 0:
+            try:
+                box[0] = make()
+            except Exception as exc:  # noqa: BLE001 - re-raised below, after the others are told
+                error, box[1] = exc, f"{type(exc).__name__}: {exc}"
+        dist.broadcast_object_list(box, src=0)
+        if error is not None:
+            raise error
+        if box[1]:
+            raise RuntimeError(f"rank {self.topology.rank}: rank 0 failed: {box[1]}")
+        return box[0]
+
+    # -- batch sizes ---------------------------------------------------------------------------------
 
     def _gather_sizes(self, x: Any, y: Any, group: Any, ranks: List[int],
                       call: str = "train_step") -> List[Tuple[int, int, str]]:
