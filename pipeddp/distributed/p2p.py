@@ -21,9 +21,9 @@ schedule before the step (``crossings``; ``begin`` hands it to the channel)::
 
 A send is issued when its action has produced it, after every receive that
 comes before it in the link's order has been posted; a receive is posted as
-early as the order and its shapes allow (``_advance``, on every call), so what
-a stage waits for is usually there already. A process with several links
-issues the operations of all of them in one order for the whole pipeline
+early as the order and its shapes allow (``Ordering.advance``, on every call),
+so what a stage waits for is usually there already. A process with several
+links issues the operations of all of them in one order for the whole pipeline
 (``Ordering``, from ``in_order``), so it stays right even where every send and
 receive of a rank, to any peer, runs on one stream. Tags are still set (gloo honours
 them, and a message that went astray then waits instead of landing in the
@@ -189,14 +189,15 @@ class P2PChannel:
         self._meta: Dict[Tuple[int, int], Meta] = {}
         self._inflight: List[Tuple[Any, List[torch.Tensor]]] = []
         self._broken: Optional[str] = None
-        #: the order of all this process's links, where it has several (None: this link's order alone)
-        self.ordering: Optional[Ordering] = None
+        #: the order in which this process issues its operations: of all its links, or of this one alone
+        self.ordering = Ordering([])
 
     # -- the step's order --------------------------------------------------------------------------
 
     def begin(self, order: Sequence[Message], ordering: Optional[Ordering] = None) -> None:
         """Start a step whose messages on this link are ``order`` (``crossings`` of its schedule); ``ordering``:
-        the order of all the process's links (its ``advance`` then posts ahead, once every channel has begun)."""
+        the order of all the process's links (its ``advance`` then posts ahead, once every channel has begun;
+        None: this link's order alone, posted ahead here)."""
         if self._broken is not None:
             raise PeerError(
                 f"rank {self.rank} (stage {self.stage}) cannot exchange messages with rank {self.peer} (stage "
@@ -210,9 +211,9 @@ class P2PChannel:
         self._next = 0
         self._posted.clear()
         self._meta.clear()
-        self.ordering = ordering
+        self.ordering = ordering if ordering is not None else Ordering([(self, i) for i in range(len(order))])
         if ordering is None:
-            self._advance()
+            self.ordering.advance()
 
     def _find(self, outgoing: bool, kind: str, stage: int, mb: int) -> int:
         i = self._index.get((outgoing, kind, stage, mb))
@@ -223,21 +224,6 @@ class P2PChannel:
                                "not send on this link")
         return i
 
-    def _catch_up(self, upto: int) -> None:
-        """Post every receive that comes before message ``upto`` in the link's order (waiting for headers); with an
-        ``ordering``, every one before it on any of the process's links."""
-        if self.ordering is not None:
-            self.ordering.catch_up(self, upto)
-        while self._next < upto:
-            m = self._order[self._next]
-            if m.src == self.stage:
-                later = self._order[upto]
-                raise RuntimeError(f"pipeddp: rank {self.rank} reached {later.kind}{later.mb} of stage {later.stage} "
-                                   f"before sending {m.kind}{m.mb} of stage {m.stage}: the step does not run in "
-                                   "the order of its schedule")
-            self._post(self._next, block=True)
-            self._next += 1
-
     def post_next(self, j: int) -> None:
         """Post the receives of this link's next message, ``j`` (a send there means the step left its order)."""
         if j != self._next or self._order[j].src == self.stage:
@@ -246,15 +232,6 @@ class P2PChannel:
                                "step does not run in the order of its schedule")
         self._post(j, block=True)
         self._next = j + 1
-
-    def _advance(self) -> None:
-        """Post the receives that come next in the link's order, as far as shapes are known (never waits)."""
-        if self.ordering is not None:
-            self.ordering.advance()
-            return
-        while self._next < len(self._order) and self._order[self._next].src != self.stage \
-                and self._post(self._next, block=False):
-            self._next += 1
 
     # -- receiving ---------------------------------------------------------------------------------
 
@@ -303,15 +280,14 @@ class P2PChannel:
         """``stage``'s input (``"F"``) or the gradient of its output (``"B"``) for micro-batch ``mb``."""
         i = self._find(False, kind, stage, mb)
         if i >= self._next:
-            self._catch_up(i)
+            self.ordering.catch_up(self, i)
             self._post(i, block=True)
             self._next = i + 1
-            if self.ordering is not None:
-                self.ordering.issued()
+            self.ordering.issued()
         posted = self._posted.pop(i)
         m = self._order[i]
         self._wait(posted.works, m)
-        self._advance()
+        self.ordering.advance()
         if kind == "F":
             if posted.meta is None:  # _post reads every activation's header before its tensors
                 raise RuntimeError(f"pipeddp: the header of micro-batch {mb} for stage {stage} was never read")
@@ -332,7 +308,7 @@ class P2PChannel:
             container, tensors = _flatten(value)  # refuses what cannot cross before anything is posted
             header = _encode(container, tensors)
             i = self._find(True, kind, stage, mb)
-            self._catch_up(i)
+            self.ordering.catch_up(self, i)
             self._meta[(stage, mb)] = _decode(header)
             out, first_slot = [header] + tensors, 0
         else:
@@ -343,16 +319,15 @@ class P2PChannel:
             for (dtype, shape), g in zip(metas, value):
                 if _wants_grad(dtype):
                     out.append(g if g is not None else torch.zeros(shape, dtype=dtype, device=self.device))
-            self._catch_up(i)
+            self.ordering.catch_up(self, i)
         m = self._order[i]
         for k, t in enumerate(t.detach().to(self.comm_device).contiguous() for t in out):
             work = dist.isend(t, self.peer, tag=_tag(m.kind, m.stage, m.mb, first_slot + k))
             self._inflight.append((work, [t]))
         self._next = i + 1
-        if self.ordering is not None:
-            self.ordering.issued()
+        self.ordering.issued()
         self._inflight = [(w, ts) for w, ts in self._inflight if not w.is_completed()]
-        self._advance()
+        self.ordering.advance()
 
     def flush(self) -> None:
         """Wait until every send of this channel has completed."""

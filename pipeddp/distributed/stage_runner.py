@@ -97,11 +97,10 @@ class ProcessRunner:
         streams.enter()
         try:
             with streams.computing():  # receives posted here are ordered after the stage's compute stream
-                ordering = Ordering([(self._p2p[peer], k) for peer, k in sequence]) if len(self._p2p) > 1 else None
+                ordering = Ordering([(self._p2p[peer], k) for peer, k in sequence])
                 for peer_row, ch in self._p2p.items():
                     ch.begin(orders.get(self._link(peer_row), []), ordering)
-                if ordering is not None:
-                    ordering.advance()
+                ordering.advance()
             results = [run_actions(self.device, actions, spec, links=self.links, inputs=inputs,
                                    output_grads=output_grads, trace=trace, rank=self.rank)]
             with timed(trace, self.device.first.index, "flush", 0, row=self.device.row, lane="comm"):
