@@ -240,10 +240,10 @@ class HybridParallel(Checkpointable, StepModule):
     def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
         """Load the entries of a full (or partial) state dict that belong to this process (all or nothing; with
         ``strict``, a key the whole model lacks is refused too)."""
-        if strict:
-            self.check_keys(state_dict)
         targets = super().state_dict()
-        entries = state.own_entries(state_dict, list(targets), strict=strict, rank=self.topology.rank)
+        if strict:
+            self.check_keys(state_dict, targets)  # missing and unknown keys alike, before anything is copied
+        entries = state.own_entries(state_dict, list(targets), strict=False, rank=self.topology.rank)
         entries = {k: shard_like(v, targets[k]) if k in targets else v for k, v in entries.items()}  # with shard=
         return super().load_state_dict(entries, strict=strict, assign=assign)
 

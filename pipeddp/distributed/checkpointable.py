@@ -60,17 +60,18 @@ class Checkpointable(nn.Module):
         key of the whole model, for the keys nobody holds); a misfit raises naming the first ones."""
         own = self.local_state_dict()
         if strict:
-            self.check_keys(state_dict)
+            self.check_keys(state_dict, own)
         saved = {k: v for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
         files.check_model_tensors("the state dict", files.specs(saved), own)
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
-    def check_keys(self, state_dict: Dict[str, Any]) -> None:
-        """Refuse, before anything is copied, a state dict that lacks a key this process holds or has a key the
-        whole model lacks (``model_keys``); the original model's names and the pipeline's are both taken."""
+    def check_keys(self, state_dict: Dict[str, Any], own: Dict[str, Any]) -> None:
+        """Refuse, before anything is copied, a state dict that lacks a key this process holds (``own``: its
+        ``local_state_dict()``) or has a key the whole model lacks (``model_keys``); the original model's names and
+        the pipeline's are both taken."""
         original = self.key_names.original
         given = {original(k) for k in state_dict}
-        missing = [k for k in self.local_state_dict() if k not in given]
+        missing = [k for k in own if k not in given]
         known = set(self.model_keys())
         unexpected = list(dict.fromkeys(original(k) for k in state_dict if original(k) not in known))
         if missing or unexpected:
