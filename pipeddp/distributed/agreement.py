@@ -98,7 +98,6 @@ class CallCheck:
             raise CollectiveError(f"{where} {what} ({exc})") from exc
 
 
-
 class Agreement(CallCheck):
     """The collectives of one engine (``comm_device``: where gloo or nccl wants its tensors)."""
 
