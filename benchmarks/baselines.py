@@ -144,12 +144,13 @@ class Step:
 def check_grads(steps: Sequence[Step], reference: Union[str, Callable[[Step], Grads]], label: str,
                 exempt: Sequence[str] = ()) -> Dict[str, Dict[str, float]]:
     """Run every step once (also its warm-up) and compare its gradients, merged on rank 0, with ``reference`` (one
-    of ``steps``, run first, or a function of the step); a difference above 1e-4 is printed, but for ``exempt``
-    (not expected to match, e.g. whole batch vs micro-batches under BatchNorm)."""
+    of ``steps``, run first, or a function of the step), in full float32 (``without_tf32``); a difference above
+    1e-4 is printed, but for ``exempt`` (not expected to match, e.g. whole batch vs micro-batches under BatchNorm)."""
     ref: Optional[Grads] = None
     out: Dict[str, Dict[str, float]] = {}
     for step in sorted(steps, key=lambda s: s.name != reference):
-        wall = common.barrier_timed(step.run)[0].wall
+        with common.without_tf32():
+            wall = common.barrier_timed(step.run)[0].wall
         parts = gather(step.grads())
         if parts is None:  # not rank 0
             continue

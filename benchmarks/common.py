@@ -7,6 +7,7 @@ ratios (benchmarks/README.md, "How a figure is timed"): ``interleaved`` in one p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -17,7 +18,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -54,6 +55,20 @@ def devices(n: int, first: int = 0) -> List[str]:
 def here() -> torch.device:
     """This process's device: the CPU, or its rank's GPU."""
     return torch.device(devices(1, dist.get_rank() if dist.is_initialized() else 0)[0])
+
+
+@contextlib.contextmanager
+def without_tf32() -> Iterator[None]:
+    """TF32 off for a gradient check. On Ampere and later GPUs torch runs convolutions in TF32 by default, whose
+    10-bit mantissa moves resnet50's gradients by ~1e-3 between any two orders of summation (an H200: 1e-3 between
+    accumulation and the pipeline with it, 2e-6 without), which would drown a real difference; timing keeps the
+    defaults."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def synced() -> float:

@@ -3,6 +3,8 @@
     python tests/cuda_checks.py one-gpu       # several stages on one GPU: streams, events, record_stream
     python tests/cuda_checks.py cut           # a GPU-to-CPU cut and a CPU-to-GPU cut
     python tests/cuda_checks.py autocast      # torch.autocast("cuda", bfloat16) reaches every stage
+    python tests/cuda_checks.py dropout       # dropout on GPU stages: the same masks under every schedule and recompute
+    python tests/cuda_checks.py syncs         # a training step makes no device-to-host sync (needs a GPU)
     python tests/cuda_checks.py two-gpus      # real cross-device stages (needs 2 GPUs)
     python tests/cuda_checks.py nccl          # stage mode, one process per GPU, over nccl (needs 2 GPUs)
 
@@ -126,6 +128,48 @@ def check_autocast() -> None:
     assert abs(loss.item() - ref_loss.item()) < 3e-2, (loss.item(), ref_loss.item())
 
 
+def check_dropout() -> None:
+    """Each stage seeds each micro-batch, so dropout draws the same masks whatever the schedule or recompute policy,
+    bit for bit, on CUDA generators as on the CPU's; and the masks are drawn (the gradients differ without them)."""
+    def grads(devices: Sequence[str], schedule: str, checkpoint: str, p: float = 0.3) -> List[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(12, 32), nn.Dropout(p), nn.ReLU(), nn.Linear(32, 32), nn.Dropout(p),
+                              nn.Tanh(), nn.Linear(32, 12))
+        x, y = batches(1, n=16)[0]
+        with pipeddp.Pipeline(model.double(), devices, chunks=4, schedule=schedule, checkpoint=checkpoint,
+                              balance=[3, 4]) as pipe:
+            torch.manual_seed(7)
+            for _ in range(2):
+                pipe.train_step(x, y, LOSS)
+            return [q.grad.detach().cpu().clone() for q in pipe.parameters()]
+
+    for devices in ([dev("cuda:0"), dev("cuda:0")], [dev("cuda:0"), "cpu"]):
+        base = grads(devices, "gpipe", "never")
+        for schedule, checkpoint in (("gpipe", "always"), ("1f1b", "never"), ("1f1b", "always"), ("1f1b", "always")):
+            got = grads(devices, schedule, checkpoint)
+            assert all(torch.equal(a, b) for a, b in zip(base, got)), (devices, schedule, checkpoint)
+        assert not all(torch.equal(a, b) for a, b in zip(base, grads(devices, "gpipe", "never", p=0.0)))
+
+
+def check_syncs() -> None:
+    """No device-to-host synchronisation inside a training step on GPU stages (the loss comes back as a tensor):
+    under ``set_sync_debug_mode("error")`` any synchronising call in any stage thread raises."""
+    assert not FAKE, "syncs needs a GPU"
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(64, 64), nn.Tanh())], nn.Linear(64, 10))
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    for schedule in ("gpipe", "1f1b"):
+        with pipeddp.Pipeline(model, ["cuda:0", "cuda:0"], chunks=4, schedule=schedule, balance="uniform") as pipe:
+            pipe.train_step(x, y, nn.functional.cross_entropy)  # the first step may sync (lazy init, profiling)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                loss = pipe.train_step(x, y, nn.functional.cross_entropy)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            assert isinstance(loss, torch.Tensor) and torch.isfinite(loss).item()
+
+
 def check_two_gpus() -> None:
     train_pipeline(["cuda:0", "cuda:1"])
     train_pipeline(["cuda:1", "cuda:0", "cpu"])
@@ -163,8 +207,8 @@ def check_nccl() -> None:
         assert_close(expect, state, "nccl stage mode")
 
 
-CHECKS = {"one-gpu": check_one_gpu, "cut": check_cut, "autocast": check_autocast, "two-gpus": check_two_gpus,
-          "nccl": check_nccl}
+CHECKS = {"one-gpu": check_one_gpu, "cut": check_cut, "autocast": check_autocast, "dropout": check_dropout,
+          "syncs": check_syncs, "two-gpus": check_two_gpus, "nccl": check_nccl}
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
