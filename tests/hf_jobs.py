@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from typing import Any, Dict, List, Tuple
@@ -29,14 +30,16 @@ def gpt2(seed: int = 0, layers: int = 2) -> nn.Module:
     return GPT2LMHeadModel(config).double()
 
 
-def llama(seed: int = 0, layers: int = 2) -> nn.Module:
+def llama(seed: int = 0, layers: int = 2, meta: bool = False) -> nn.Module:
+    """``meta``: built under ``torch.device("meta")`` (no memory; ``seed`` then plays no part)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
                          bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    return LlamaForCausalLM(config).double()
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        return LlamaForCausalLM(config).double()
 
 
 def vit(seed: int = 0) -> nn.Module:

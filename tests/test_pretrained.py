@@ -14,8 +14,8 @@ from pipeddp.tools.models import flatten_sequential
 pytest.importorskip("safetensors")
 
 
-def tiny_llama(seed: int, tied: bool):
-    model = llama(seed=seed, layers=3)
+def tiny_llama(seed: int, tied: bool, meta: bool = False):
+    model = llama(seed=seed, layers=3, meta=meta)
     model.config.tie_word_embeddings = tied
     if tied:  # the output head reads the embedding's weight
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -35,12 +35,14 @@ def reference(path: str, batch):
         return model(**batch, use_cache=False).logits
 
 
-def flat_llama(sample, tied):
-    return flatten_sequential(tiny_llama(0, tied), sample)  # other weights than the saved ones
+def flat_llama(sample, tied, meta=False):
+    """Other weights than the saved ones; ``meta``: built on the meta device, as a model too big for one process."""
+    return flatten_sequential(tiny_llama(0, tied, meta), sample)
 
 
 def stage_job(path: str, sample, batch, tied):
-    """Stage mode, 2 processes: each reads only its own tensors; the last stage's logits."""
+    """Stage mode, 2 processes, the model built on the meta device: each allocates and reads only its own tensors;
+    the last stage's logits."""
     import pipeddp.distributed.pretrained as pretrained
 
     read = []
@@ -52,13 +54,16 @@ def stage_job(path: str, sample, batch, tied):
         return original(where, keys)
 
     pretrained.read_tensors = counting
-    with pipeddp.HybridParallel(flat_llama(sample, tied), stages=2, mode="stage", chunks=2) as engine:
+    flat = flat_llama(sample, tied, meta=True)
+    with pipeddp.HybridParallel(flat, stages=2, mode="stage", chunks=2) as engine:
+        allocated = sorted(k for k, v in flat.state_dict().items() if not v.is_meta)
+        total = len(flat.state_dict())
         engine.load(path)
         engine.eval()
         with torch.no_grad():
             out = engine(batch["input_ids"] if engine.is_first else None)
         own = sorted(engine.local_state_dict())
-    return {"logits": out, "read": sorted(read), "own": own}
+    return {"logits": out, "read": sorted(read), "own": own, "allocated": allocated, "total": total}
 
 
 @pytest.mark.timeout(240)
@@ -82,6 +87,9 @@ def test_a_sharded_hugging_face_directory_loads_per_stage(tmp_path, tied):
     assert set(first["read"]).isdisjoint(last["read"])
     for res in results:
         assert set(res["read"]) <= set(res["own"])
+        assert 0 < len(res["allocated"]) < res["total"]  # its own layers only
+    both = set(first["allocated"]) & set(last["allocated"])  # only the tied weight, which both stages use
+    assert both == ({"embed.owned.model_embed_tokens.weight", "lm_head.weight"} if tied else set())
     assert (last["logits"] - want).abs().max().item() < 1e-10
 
 

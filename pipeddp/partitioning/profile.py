@@ -26,7 +26,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..runtime.materialize import is_meta, materialize_layer
+from ..runtime.materialize import Init, is_meta, materialize_layer, recorded_init
 from ..runtime.microbatch import batch_size, split, split_sizes, tree_map, tree_tensors
 from ..runtime.tied import layers_of
 
@@ -147,7 +147,7 @@ def profile_layers(
 
     x = tree_map(lambda t: t.detach().to(device), sample)
     if any(is_meta(layer) for _, layer in named):
-        fb, outs = _one_at_a_time(named, x, device, rounds, sample, whole, advance)
+        fb, outs = _one_at_a_time(named, x, device, rounds, sample, whole, advance, recorded_init(layers))
     else:
         fb, outs = _round_robin(named, x, device, rounds, sample, whole, advance)
     for i, (name, _) in enumerate(named):
@@ -219,12 +219,13 @@ def _round_robin(named: List[Tuple[str, nn.Module]], x: Any, device: torch.devic
 
 
 def _one_at_a_time(named: List[Tuple[str, nn.Module]], x: Any, device: torch.device, rounds: int, sample: Any,
-                   whole: Any, advance: Callable[[], None]) -> Tuple[Timings, List[int]]:
-    """A model on the meta device: each layer materialized alone (random weights), timed, then freed, so the
-    profile never holds more than one layer and its input and output."""
+                   whole: Any, advance: Callable[[], None], init: Optional[Init]) -> Tuple[Timings, List[int]]:
+    """A model on the meta device: each layer materialized alone (random weights; ``init``, a flattened model's
+    recorded initialisation, where there is one), timed, then freed, so the profile never holds more than one layer
+    and its input and output."""
     fb, outs = [], []
     for pos, (name, layer) in enumerate(named):
-        work = materialize_layer(copy.deepcopy(layer), name, seed=0, device=device)
+        work = materialize_layer(copy.deepcopy(layer), name, seed=0, device=device, init=init)
         work.train(layer.training)
         out = _first_pass(pos, name, layer, work, x, sample, whole)
         outs.append(_bytes(out))

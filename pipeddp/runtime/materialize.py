@@ -22,8 +22,11 @@ the values do not depend on the device either.
 
 Limits: a buffer that a module computes in ``__init__`` and never in
 ``reset_parameters`` (a rotary embedding's frequencies, say) has no values on
-the meta device to restore; such a module, and one that owns parameters but
-has no ``reset_parameters``, is refused by name. Build those on a real device.
+the meta device to restore; such a module (found by filling fresh memory with
+NaN before the initialisation and looking for any left), and one that owns
+parameters but has no ``reset_parameters``, is refused by name. Pass an
+``init=`` that sets them (a Hugging Face model's ``_init_weights`` does, and
+``flatten_sequential`` records it), or build those on a real device.
 """
 
 from __future__ import annotations
@@ -34,9 +37,13 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
-__all__ = ["materialize", "materialize_layer", "check_init", "is_meta", "layer_seed", "SharedPlaces", "Init"]
+from .names import Names, recorded
+
+__all__ = ["materialize", "materialize_layer", "check_init", "is_meta", "layer_seed", "SharedPlaces", "Init",
+           "record_init", "recorded_init", "original_names"]
 
 _CPU = torch.device("cpu")
+_INIT_ATTR = "_pipeddp_init"
 
 
 def is_meta(module: nn.Module) -> bool:
@@ -58,23 +65,77 @@ def _tensors(module: nn.Module, *, recurse: bool) -> Iterator[torch.Tensor]:
 Init = Callable[[nn.Module], None]
 
 
+def record_init(model: nn.Module, init: Optional[Init]) -> None:
+    """Remember on ``model`` (a flattened model) how the model it came from initialises its modules (a Hugging Face
+    model's ``_init_weights``): the engines and ``materialize`` use it where no ``init=`` is given."""
+    if init is not None:
+        object.__setattr__(model, _INIT_ATTR, init)
+
+
+def recorded_init(model: nn.Module) -> Optional[Init]:
+    """What ``record_init`` remembered on ``model``, else None."""
+    found = getattr(model, _INIT_ATTR, None)
+    return found if callable(found) else None
+
+
+def original_names(model: nn.Module) -> Callable[[str], str]:
+    """A module path of ``model`` to its name in the model it was flattened from (the name its seed comes from)."""
+    return Names(recorded(model)).original
+
+
 def materialize_layer(layer: nn.Module, name: str, *, seed: int, device: Union[str, torch.device] = _CPU,
-                      init: Optional[Init] = None) -> nn.Module:
+                      init: Optional[Init] = None, rename: Optional[Callable[[str], str]] = None) -> nn.Module:
     """Give every meta tensor of ``layer`` (the model's module called ``name``) memory and its initial values.
 
-    Each module that owns meta tensors is initialised from ``layer_seed(seed, its qualified name)``, by
+    Each module that owns meta tensors is initialised from ``layer_seed(seed, its qualified name)`` (the name
+    ``rename`` gives it: a flattened model's layers are seeded by their names in the original model), by
     ``init(module)`` where given (a Hugging Face model's ``_init_weights``, say), else by its own
     ``reset_parameters()``; the layer is then moved to ``device``. Returns ``layer`` (changed in place).
     """
     owners = _owners(layer, name, init)  # every module checked before any is changed
     for _, m, _ in owners:  # memory first: an initialisation may touch a child's tensors too
         m.to_empty(device=_CPU, recurse=False)
+        with torch.no_grad():
+            for t in _tensors(m, recurse=False):
+                _mark_unwritten(t)
     for qualified, _, run in owners:
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(layer_seed(seed, qualified))
+            torch.manual_seed(layer_seed(seed, rename(qualified) if rename is not None else qualified))
             with torch.no_grad():
                 run()
+    for qualified, m, _ in owners:
+        left = [key for key, t in list(m.named_parameters(recurse=False)) + list(m.named_buffers(recurse=False))
+                if _unwritten(t)]
+        if left:
+            layer.to("meta")  # no half-initialised layer stays behind
+            what = "init(module)" if init is not None else "its reset_parameters()"
+            raise ValueError(
+                f"cannot materialize {qualified} ({type(m).__name__}) from the meta device: {what} left "
+                f"{', '.join(left)} without values (a tensor computed in __init__ and never set again); "
+                "pass an init= that sets it, or build the model on a real device"
+            )
     return layer.to(device)
+
+
+#: integer types whose least value no initialisation writes (index buffers: positions, token types); 8-bit and
+#: unsigned types, like bool, may hold any value and are not checked
+_WIDE_INTS = (torch.int16, torch.int32, torch.int64)
+
+
+def _mark_unwritten(t: torch.Tensor) -> None:
+    """Fill freshly allocated memory with a value no initialisation writes (NaN; a wide integer type's least
+    value), so that a tensor the initialisation never sets is found instead of training from whatever the memory
+    held."""
+    if t.is_floating_point() or t.is_complex():
+        t.fill_(float("nan"))
+    elif t.dtype in _WIDE_INTS:
+        t.fill_(torch.iinfo(t.dtype).min)
+
+
+def _unwritten(t: torch.Tensor) -> bool:
+    if t.is_floating_point() or t.is_complex():
+        return bool(torch.isnan(t).any())
+    return t.dtype in _WIDE_INTS and bool((t == torch.iinfo(t.dtype).min).any())
 
 
 def _owners(layer: nn.Module, name: str, init: Optional[Init]) -> List[Tuple[str, nn.Module, Callable[[], None]]]:
@@ -106,18 +167,21 @@ def materialize(model: nn.Module, device: Union[str, torch.device] = _CPU, *, se
 
     The same weights an engine gives each of its stages from the same
     ``seed`` (see the module docstring): the plain model for reference, or to
-    train on one device (``init`` as in ``materialize_layer``). A module used at several places is initialised once,
-    and a parameter held at several places (an embedding tied to the output
-    head) stays one parameter, with the values of its first place.
+    train on one device (``init`` as in ``materialize_layer``; a flattened model's default is the one its original
+    model has, and its modules are seeded by their original names). A module used at several places is initialised
+    once, and a parameter held at several places (an embedding tied to the output head) stays one parameter, with
+    the values of its first place.
     """
+    init = init if init is not None else recorded_init(model)
+    rename = original_names(model)
     for name, child in model.named_children():  # refused before anything changes
         check_init(child, name, init)
     shared = SharedPlaces(model)
     for name, child in model.named_children():
-        materialize_layer(child, name, seed=seed, device=device, init=init)
+        materialize_layer(child, name, seed=seed, device=device, init=init, rename=rename)
         shared.join()
     if any(t.is_meta for t in _tensors(model, recurse=False)):
-        materialize_layer(model, "", seed=seed, device=device, init=init)
+        materialize_layer(model, "", seed=seed, device=device, init=init, rename=rename)
         shared.join()
     return model.to(device)
 

@@ -36,7 +36,7 @@ from torch import nn
 
 from .batchnorm import batch_norms, frozen_statistics
 from .compiled import Compiled
-from .materialize import Init, SharedPlaces, check_init, is_meta, materialize_layer
+from .materialize import Init, SharedPlaces, check_init, is_meta, materialize_layer, original_names, recorded_init
 from .microbatch import tree_map, tree_tensors
 from .rng import Replay, checkpointing, recomputing
 from .spec import Grads, Saved, StepSpec
@@ -308,6 +308,8 @@ def build_stages(model: nn.Sequential, balance: Sequence[int], devices: Sequence
     if len(indices) != len(devices):
         raise ValueError(f"{len(indices)} stages to place but {len(devices)} devices")
     shared = SharedPlaces(model) if is_meta(model) else None  # before any copy: a tie stays one parameter
+    init = init if init is not None else recorded_init(model)
+    rename = original_names(model)
     named = own_layers(model, balance)
     first: Dict[int, str] = {}
     origin = [first.setdefault(id(layer), name) for name, layer in layers_of(model)]  # per place: first name
@@ -319,7 +321,7 @@ def build_stages(model: nn.Sequential, balance: Sequence[int], devices: Sequence
     for s, device in zip(indices, devices):
         for pos in range(starts[s], starts[s] + balance[s]):
             if shared is not None and is_meta(named[pos][1]):
-                materialize_layer(named[pos][1], origin[pos], seed=seed, init=init)
+                materialize_layer(named[pos][1], origin[pos], seed=seed, init=init, rename=rename)
                 shared.join()
         part = nn.Sequential(OrderedDict(named[starts[s]:starts[s] + balance[s]])).to(device)
         stages.append(Stage(s, part, device, last=s == len(balance) - 1, compile=compile))

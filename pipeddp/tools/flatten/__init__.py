@@ -23,6 +23,7 @@ state are recorded for the engines (``runtime.names``).
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from typing import Any, Dict, List, Tuple
 
@@ -30,9 +31,11 @@ import torch
 from torch import nn
 
 from ...runtime import names as key_names
+from ...runtime.materialize import is_meta, record_init
 from ..transformer import EncoderCall, EncoderLayerCall
 from .chain import NotAChain, by_hand, chain_layers, configure_encoders, unique_names
 from .check import clone, differences
+from .lent import LentWeights
 from .stack import NotAStack, call_model, find_stack, model_output, stack_layers
 
 __all__ = ["flatten_sequential"]
@@ -101,6 +104,12 @@ def flatten_sequential(model: nn.Module, sample: Any, *, rtol: float = 1e-5, ato
       padded). No key-value cache is used (``use_cache=False``); the result
       computes the model's ``logits``. See docs/models.md.
 
+    A model built on the meta device (``with torch.device("meta"):``) is
+    flattened without being given its memory: each module is lent seeded values
+    only while it runs (``lent``), and the result stays on meta for an engine to
+    materialize stage by stage; a Hugging Face model's ``_init_weights`` is
+    recorded on it as the engines' default ``init``.
+
     Parameters are shared with the model, so a tied embedding and head stay
     one weight (pipeddp keeps its copies on other stages equal). The original
     names are recorded on the result: a ``Pipeline`` or ``HybridParallel``
@@ -124,7 +133,10 @@ def flatten_sequential(model: nn.Module, sample: Any, *, rtol: float = 1e-5, ato
         raise TypeError(f"flatten_sequential needs an nn.Module, got {type(model).__name__}")
     modes = [(m, m.training) for m in model.modules()]
     own = {id(m) for m, _ in modes}
+    init = getattr(model, "_init_weights", None) if is_meta(model) else None
+    lent = LentWeights(model, init) if is_meta(model) else contextlib.nullcontext()
     try:
+        lent.__enter__()
         model.eval()
         layers, calls, stacked = _layers(model, sample)
         if not layers:
@@ -145,7 +157,14 @@ def flatten_sequential(model: nn.Module, sample: Any, *, rtol: float = 1e-5, ato
                     hook.remove()
             configure_encoders(calls, seen)
             got = flat(clone(sample))
+    except RuntimeError as exc:
+        if isinstance(lent, LentWeights) and "meta" in str(exc):
+            raise ValueError(f"cannot flatten {type(model).__name__} built on the meta device: its forward used a "
+                             "tensor of a module it did not call (each module is given values only while it runs): "
+                             f"{exc}. Build the model on a real device to flatten it") from exc
+        raise
     finally:
+        lent.__exit__(None, None, None)
         for m, mode in modes:
             m.training = mode
     for layer in [flat] + [m for m in flat.modules() if id(m) not in own]:
@@ -164,4 +183,5 @@ def flatten_sequential(model: nn.Module, sample: Any, *, rtol: float = 1e-5, ato
         for suffix, original in origins.items():
             prefixes[f"{name}.{suffix}" if suffix else name] = original
     key_names.record(flat, prefixes)
+    record_init(flat, init if callable(init) else None)
     return flat

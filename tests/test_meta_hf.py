@@ -1,0 +1,130 @@
+"""Transformers models built on the meta device: ``flatten_sequential`` opens them without giving them their memory,
+and an engine materializes each stage with the model's own initialisation, seeded by the original names, so
+training equals the whole model materialized on one device (float64)."""
+
+import pytest
+import torch
+from torch import nn
+
+import pipeddp
+from conftest import max_diff
+from hf_jobs import VOCAB, T, llama
+from pipeddp.tools.models import flatten_sequential
+
+pytest.importorskip("transformers")
+
+
+def gpt2_meta() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=3, n_head=2, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    with torch.device("meta"):
+        return GPT2LMHeadModel(config).double()  # its head is tied to the token embedding
+
+
+def bert_meta() -> nn.Module:
+    from transformers import BertConfig, BertForMaskedLM
+
+    config = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0)
+    with torch.device("meta"):
+        return BertForMaskedLM(config).double()  # position and token-type buffers computed in __init__
+
+
+def llama_meta(tied: bool) -> nn.Module:
+    model = llama(layers=3, meta=True)
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+BUILDERS = {"llama": lambda: llama_meta(False), "llama-tied": lambda: llama_meta(True), "gpt2": gpt2_meta,
+            "bert": bert_meta}
+
+
+def loss_fn(logits, y):
+    logits = getattr(logits, "logits", logits)
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+
+
+def data(steps=2, n=4):
+    g = torch.Generator().manual_seed(11)
+    return [(torch.randint(1, VOCAB, (n, T), generator=g), torch.randint(0, VOCAB, (n, T), generator=g))
+            for _ in range(steps)]
+
+
+def on_meta(model: nn.Module) -> bool:
+    return all(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_a_meta_built_transformers_model_flattens_without_memory_and_trains_the_materialized_model(name):
+    steps = data()
+    model = BUILDERS[name]()
+    flat = flatten_sequential(model, steps[0][0])
+    assert on_meta(model) and on_meta(flat)  # nothing lent while flattening outlives it
+    reference = BUILDERS[name]()
+    pipeddp.materialize(reference, seed=5, init=reference._init_weights)
+    assert not any(t.is_meta for t in reference.state_dict().values())
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for x, y in steps:
+        opt.zero_grad()
+        loss_fn(reference(x), y).backward()
+        opt.step()
+    # the engine's default init is the model's own (recorded by flatten); its seeds come from the original names
+    with pipeddp.Pipeline(flat, ["cpu", "cpu"], chunks=2, seed=5, balance="params") as pipe:
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        for x, y in steps:
+            opt.zero_grad()
+            pipe.train_step(x, y, loss_fn)
+            opt.step()
+        got = pipe.state_dict()
+    want = reference.state_dict()
+    assert sorted(got) == sorted(want)
+    assert max_diff([got[k] for k in want], list(want.values())) < 1e-10
+
+
+def test_balance_time_profiles_a_meta_built_transformers_model_with_its_own_init():
+    """The profile materializes one layer at a time with the recorded init (Llama's RMSNorm has no
+    reset_parameters), then the engine builds from the seed: the logits are the materialized model's."""
+    x, _ = data(1)[0]
+    flat = flatten_sequential(llama_meta(False), x)
+    reference = llama_meta(False)
+    pipeddp.materialize(reference, seed=3, init=reference._init_weights)
+    with pipeddp.Pipeline(flat, ["cpu", "cpu"], chunks=2, seed=3, balance="time", sample=x) as pipe:
+        assert len(pipe.balance) == 2 and sum(pipe.balance) == len(flat)
+        pipe.eval()
+        with torch.no_grad():
+            got = pipe(x)
+    with torch.no_grad():
+        want = reference.eval()(x).logits
+    assert (got - want).abs().max().item() < 1e-10
+
+
+class Rotary(nn.Module):
+    """A buffer computed in ``__init__`` that ``reset_parameters`` does not set again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("freq", torch.arange(4.0))
+
+    def reset_parameters(self) -> None:
+        pass
+
+    def forward(self, x):
+        return self.lin(x) * self.freq
+
+
+def test_a_tensor_that_the_initialisation_never_sets_is_refused_and_left_on_meta():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), Rotary())
+    with pytest.raises(ValueError, match=r"1 \(Rotary\).*left freq without values"):
+        pipeddp.materialize(model, seed=0)
+    assert model[1].freq.is_meta
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), Rotary())
+    with pytest.raises(ValueError, match="left freq without values"):
+        pipeddp.Pipeline(model, ["cpu", "cpu"], balance=[1, 1], seed=0)
