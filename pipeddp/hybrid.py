@@ -45,6 +45,7 @@ from .distributed.checkpointable import Checkpointable
 from .distributed.ddp import CommHook
 from .distributed.elastic import DataPosition, GlobalBatch, plan_global_batch
 from .distributed.groups import current_topology
+from .distributed.mesh import mesh_topology
 from .distributed.shard import check_shard, shard_like, split_backward, whole_tensors
 from .partitioning.report import Partition
 from .runtime.devices import DeviceLike
@@ -91,6 +92,10 @@ class HybridParallel(Checkpointable, StepModule):
             default: the whole replica batch in one pass.
         shard: ``"none"`` (DDP), ``"optimizer"`` or ``"full"``: each stage's optimizer state, gradients and
             parameters split over its replicas with FSDP2; see ``distributed/shard.py`` and docs/sharding.md.
+        mesh: a ``DeviceMesh`` of the job's (two dimensions named ``"dp"`` and ``"pp"``, or such a slice of a larger
+            one) to place the engine on, in stage mode, instead of taking the whole world from the environment:
+            the engine's groups and collectives then involve the mesh's ranks alone, beside another parallelism
+            over the rest of the world. See ``distributed/mesh.py``.
     """
 
     def __init__(self, model: nn.Sequential, *, stages: int, chunks: Optional[int] = None,
@@ -104,9 +109,10 @@ class HybridParallel(Checkpointable, StepModule):
                  compile: Union[bool, Dict[str, Any]] = False, virtual_stages: Optional[int] = None,
                  global_batch: Optional[int] = None, batch_size: Optional[int] = None,
                  shard: str = "none", max_activations: Optional[int] = None, seed: int = 0,
-                 init: Optional[Callable[[nn.Module], None]] = None) -> None:
+                 init: Optional[Callable[[nn.Module], None]] = None, mesh: Optional[Any] = None) -> None:
         super().__init__()
-        self.topology = topo = current_topology(stages, mode, layout)
+        self.topology = topo = current_topology(stages, mode, layout) if mesh is None \
+            else mesh_topology(mesh, stages, mode)
         self.global_batch_plan: Optional[GlobalBatch] = plan_global_batch(global_batch, batch_size, topo.replicas)
         #: the epoch and samples of it consumed; checkpoints record it, resume restores it, loaders follow it
         self.position = DataPosition()
@@ -135,7 +141,8 @@ class HybridParallel(Checkpointable, StepModule):
         self.balance: List[int] = list(self.partition.balance)
         self._step, self._ddps = wired.step, wired.ddps
         self._finalizer = weakref.finalize(self, wired.runner.close)  # threads, never the group, at collection
-        self._saver = saving.Saver(topo, settings.timeout_delta)
+        self.topology = wired.topology  # on a mesh: with the job's own group now
+        self._saver = saving.Saver(self.topology, settings.timeout_delta)
 
     # -- structure ---------------------------------------------------------------------------------
 

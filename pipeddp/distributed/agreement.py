@@ -59,7 +59,7 @@ class CallCheck:
     def enter(self, call: str) -> None:
         """Every rank enters the collective ``call`` together (see ``_calls``); nothing else is exchanged."""
         if self.distributed:
-            self._calls(call, [0, 0, 0], None, list(range(self.topology.world_size)))
+            self._calls(call, [0, 0, 0], self.topology.group, self.topology.job_ranks)
 
     def _calls(self, call: str, payload: List[int], group: Any, ranks: List[int]) -> List[List[int]]:
         """Every rank's ``payload`` (three ints), gathered with the name of the collective call each rank is in.
@@ -117,12 +117,12 @@ class Agreement(CallCheck):
             return make()
         box: List[Any] = [None, ""]
         error: BaseException | None = None
-        if self.topology.rank == 0:
+        if self.topology.is_root:
             try:
                 box[0] = make()
             except Exception as exc:  # noqa: BLE001 - re-raised below, after the others are told
                 error, box[1] = exc, f"{type(exc).__name__}: {exc}"
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=self.topology.root, group=self.topology.group)
         if error is not None:
             raise error
         if box[1]:
@@ -162,8 +162,9 @@ class Agreement(CallCheck):
         when ``need_y``; every replica the same number of samples.
         """
         topo = self.topology
+        group = topo.group if group is None else group
         ranks = dist.get_process_group_ranks(group) if (group is not None and self.distributed) \
-            else list(range(topo.world_size))
+            else topo.job_ranks
         infos = self._gather_sizes(x, y, group, ranks, call)
         for r, (_, _, err) in zip(ranks, infos):
             if err:
@@ -227,7 +228,7 @@ class Agreement(CallCheck):
             everyone = [torch.zeros_like(mine) for _ in range(self.topology.world_size)]
             with self._waiting("waited for every rank's loss at the end of a step: a rank stalled or died in its "
                                "step, or skipped train_step (a collective: call it on every rank)"):
-                dist.all_gather(everyone, mine)
+                dist.all_gather(everyone, mine, group=self.topology.group)
         else:
             everyone = [mine]
         total = sum(t[0].item() for t in everyone)
@@ -235,8 +236,9 @@ class Agreement(CallCheck):
         n = sum(t[3].item() for t in everyone) if counted else None
         loss = torch.tensor(total / self.topology.replicas if n is None else (total / n if n else float("nan")),
                             dtype=torch.float64)
-        losses = [r for r, t in enumerate(everyone) if t[1].item() > 0]
-        grads_bad = [r for r, t in enumerate(everyone) if t[2].item() > 0]
+        ranks = self.topology.job_ranks if self.distributed else [self.topology.rank]
+        losses = [r for r, t in zip(ranks, everyone) if t[1].item() > 0]
+        grads_bad = [r for r, t in zip(ranks, everyone) if t[2].item() > 0]
         if overflow_to_scaler and grads_bad:
             if grads:
                 grads[0].fill_(float("inf"))  # any layout; the scaler only needs to find one inf
@@ -286,7 +288,7 @@ class Agreement(CallCheck):
                     problem = (f"stage {st.index}: parameter {rename(name)!r} differs between replicas "
                                f"(ranks {odd} disagree with rank {ranks[0]})")
         problems: List[Any] = [None] * self.topology.world_size
-        dist.all_gather_object(problems, problem)
+        dist.all_gather_object(problems, problem, group=self.topology.group)
         first = next((p for p in problems if p), "")
         if first:
             raise RuntimeError(first)
@@ -302,7 +304,7 @@ class Agreement(CallCheck):
         parts: List[Any] = [(count, sums, counts or {})]
         if self.distributed:
             parts = [None] * self.topology.world_size
-            dist.all_gather_object(parts, (count, sums, counts or {}))
+            dist.all_gather_object(parts, (count, sums, counts or {}), group=self.topology.group)
         total = sum(c for c, _, _ in parts)
         merged: Dict[str, float] = {}
         denominators: Dict[str, float] = {}
@@ -320,6 +322,6 @@ class Agreement(CallCheck):
         if not self.distributed:
             return [value]
         parts: List[Any] = [None] * self.topology.world_size
-        dist.all_gather_object(parts, value)
+        dist.all_gather_object(parts, value, group=self.topology.group)
         return parts
 

@@ -2,8 +2,8 @@
 
 ::
 
-    topology (torchrun's env) -> devices, backend -> the current CUDA device (this process's first)
-        -> process group (unless one exists) -> Agreement
+    topology (torchrun's env, or the user's mesh) -> devices, backend -> the current CUDA device (this process's
+        first) -> process group (unless one exists; a mesh's job: a group of its ranks) -> Agreement
         -> partition: measured on rank 0, the same on every rank
         -> stage groups (and pipeline groups in stage mode)
         -> [SyncBatchNorm] -> this process's stages, registered on the owner under the model's names
@@ -40,7 +40,7 @@ from ..runtime.tied import find_ties
 from ..runtime.trace import Trace
 from .agreement import Agreement
 from .ddp import CommHook, attach_stages, check_ddp_kwargs, with_sync_batchnorm
-from .groups import Groups, choose_backend, init_process_group, local_devices, make_groups
+from .groups import Groups, choose_backend, init_process_group, local_devices, make_groups, with_job_group
 from .replica import Replica
 from .shard import StageShard, attach_shards
 from .stage_runner import ProcessRunner
@@ -73,6 +73,7 @@ def build_replica(owner: nn.Module, model: nn.Sequential, topology: Topology, se
     owns_group = topo.world_size > 1 and not dist.is_initialized()
     if owns_group:
         init_process_group(backend, settings.timeout_delta)
+    topo = with_job_group(topo, settings.timeout_delta)  # placed on a mesh: the job's collectives on its own ranks
     agreement = Agreement(topo, devs[0] if backend == "nccl" else torch.device("cpu"))
     cut = agreement.from_rank0(lambda: partition(devs[0]))
     balance = list(cut.balance)

@@ -16,7 +16,7 @@ collective::
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any, Dict, List, Optional, Sequence, Union
 
@@ -27,7 +27,8 @@ from ..runtime.devices import DeviceLike, resolve_devices
 from ..runtime.warn import warn
 from .topology import Topology, env_world
 
-__all__ = ["Groups", "current_topology", "local_devices", "choose_backend", "init_process_group", "make_groups"]
+__all__ = ["Groups", "current_topology", "local_devices", "choose_backend", "init_process_group", "make_groups",
+           "subgroup", "with_job_group"]
 
 
 def current_topology(stages: int, mode: str, layout: str) -> Topology:
@@ -143,6 +144,28 @@ class Groups:
     pipeline: Any = None
 
 
+def subgroup(topo: Topology, ranks: Optional[Sequence[int]], backend: Optional[str], timeout: timedelta) -> Any:
+    """A process group of ``ranks`` (None: the job's), called on every rank of the job in the same order.
+
+    torch wants every rank of the world in ``new_group``; a job placed on a mesh may share its world with ranks
+    of another parallelism that never call it, so there the members create it alone
+    (``use_local_synchronization``) and any other rank gets None.
+    """
+    if topo.table is None:
+        return dist.new_group(None if ranks is None else list(ranks), timeout=timeout, backend=backend)
+    members = sorted(topo.job_ranks if ranks is None else ranks)
+    if topo.rank not in members:
+        return None
+    return dist.new_group(members, timeout=timeout, backend=backend, use_local_synchronization=True)
+
+
+def with_job_group(topo: Topology, timeout: timedelta) -> Topology:
+    """``topo`` with a process group of its own for the job's collectives where it is placed on a mesh."""
+    if topo.table is None or topo.group is not None or topo.world_size == 1:
+        return topo
+    return replace(topo, group=subgroup(topo, None, None, timeout))
+
+
 def make_groups(topo: Topology, backend: str, timeout: timedelta, virtual_stages: int = 1) -> Groups:
     """Stage groups (and pipeline groups in stage mode), created on every rank in the same order.
 
@@ -152,10 +175,10 @@ def make_groups(topo: Topology, backend: str, timeout: timedelta, virtual_stages
     if topo.world_size == 1:
         return groups
     for s in range(topo.stages * virtual_stages):
-        groups.stage[s] = dist.new_group(topo.stage_ranks(s % topo.stages), timeout=timeout, backend=backend)
+        groups.stage[s] = subgroup(topo, topo.stage_ranks(s % topo.stages), backend, timeout)
     if topo.mode == "stage":
         for r in range(topo.replicas):
-            g = dist.new_group(topo.pipeline_ranks(r), timeout=timeout, backend=backend)
+            g = subgroup(topo, topo.pipeline_ranks(r), backend, timeout)
             if r == topo.replica:
                 groups.pipeline = g
     return groups

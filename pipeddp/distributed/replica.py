@@ -148,7 +148,8 @@ class Replica:
     def norm_scope(self) -> Tuple[List[nn.Parameter], torch.device, Optional[Combine]]:
         """For clipping: in stage mode the norm is joined over this replica's processes (replicas agree after DDP)."""
         if self.shards:  # every rank holds disjoint shards: the norm is summed over the whole job
-            return self.ties.copies(), self.agreement.comm_device, partial(self.agreement.join_norm, group=None)
+            return self.ties.copies(), self.agreement.comm_device, partial(self.agreement.join_norm,
+                                                                        group=self.topology.group)
         if self.topology.mode == "replica" or not self.agreement.distributed:
             return [], self.agreement.comm_device, None
         return self.ties.copies(), self.agreement.comm_device, partial(self.agreement.join_norm,

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from . import catalog, optim_state, sharded
 from . import checkpoint as files
 from .agreement import Agreement
+from .groups import subgroup
 from .shard import whole_tensors
 from .topology import Topology
 
@@ -80,7 +81,7 @@ class Saver:
     def group(self) -> Any:
         """The saving group (None in a one-process job): a collective the first time."""
         if self.topology.world_size > 1 and self._group is None:
-            self._group = dist.new_group(backend="gloo", timeout=self.timeout)
+            self._group = subgroup(self.topology, None, "gloo", self.timeout)
         return self._group
 
     def track(self, future: Future, path: str, directory: Optional[str], keep: int) -> None:
@@ -96,7 +97,7 @@ class Saver:
         except BaseException as exc:  # DCP raises CheckpointException, a BaseException
             raise RuntimeError(f"rank {self.topology.rank}: the asynchronous save of {pending.path} failed: "
                                f"{files.first_line(exc)}") from exc
-        if self.topology.rank == 0:
+        if self.topology.is_root:
             _finished(pending.path, pending.directory, pending.keep)
         return pending.path
 
@@ -131,8 +132,8 @@ def _whole_on_rank0(engine: Engine, local: Any, merge: Callable[[List[Any]], Any
     topo = engine.topology
     if topo.mode == "replica" or topo.world_size == 1:
         return local
-    parts: Optional[List[Any]] = [None] * topo.world_size if topo.rank == 0 else None
-    dist.gather_object(local if topo.replica == 0 else None, parts, dst=0)
+    parts: Optional[List[Any]] = [None] * topo.world_size if topo.is_root else None
+    dist.gather_object(local if topo.replica == 0 else None, parts, dst=topo.root, group=topo.group)
     return merge([p for p in parts if p is not None]) if parts is not None else None
 
 
@@ -155,7 +156,7 @@ def _payload(engine: Engine, optimizer: Optional[torch.optim.Optimizer],
         opt = _whole_on_rank0(engine, optim_state.named_optimizer_state(engine, optimizer),  # type: ignore[arg-type]
                               optim_state.merge_optimizer_states)
     rngs = engine.agreement.gather_to_all(files.rng_state())
-    if engine.topology.rank != 0:
+    if not engine.topology.is_root:
         return None
     return {"format": files.FORMAT, "model": model, "optimizer": opt, "extra": extra, "rng": rngs,
             "meta": _meta(engine, optimizer)}
@@ -187,12 +188,12 @@ def _save_sharded(engine: Engine, path: str, optimizer: Optional[torch.optim.Opt
     if optimizer is not None:
         # mypy: an Engine is an nn.Module at run time; the protocol cannot say so without a base class
         state["optimizer"] = optim_state.flat_optimizer_state(engine, optimizer)  # type: ignore[arg-type]
-    if topo.rank == 0:
+    if topo.is_root:
         state["pipeddp"] = ({"format": files.FORMAT, "extra": extra, "meta": _meta(engine, optimizer)},)
     future = sharded.write(state, path, group=group, async_save=async_save)
     if future is not None and saver is not None:
         saver.track(future, path, directory, keep)
-    elif topo.rank == 0:
+    elif topo.is_root:
         _finished(path, directory, keep)
 
 

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..runtime.tied import LocalTies, Tie, local
+from .groups import subgroup
 from .topology import Topology
 
 __all__ = ["TieExchange"]
@@ -50,7 +51,7 @@ class TieExchange:
                 ranks = sorted({topology.rank_of(r, s % rows) for s in tie.stages})
                 if len(ranks) < 2:
                     continue
-                group = dist.new_group(ranks, timeout=timeout, backend=backend)
+                group = subgroup(topology, ranks, backend, timeout)
                 if topology.rank in ranks:
                     self.items.append((mine[tie], group, topology.rank_of(r, tie.owner % rows)))
                     self._groups[tie] = group

@@ -17,13 +17,18 @@ Two ways to map the grid onto processes::
 
 Without torchrun's variables the job is one process (world size 1), so the
 same script runs as ``python train.py`` and ``torchrun ... train.py``.
+
+    mesh=: a job placed on a 2-D ``DeviceMesh`` of the user's (``mesh.py``):
+        the mesh says which global rank holds each (replica, stage) (``table``),
+        and the job's collectives run on a group of its own ranks (``group``), so
+        other ranks of the world (another parallelism's) are never waited for.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import List
+from typing import Any, Dict, List, Optional, Tuple
 
 __all__ = ["Topology", "env_world"]
 
@@ -69,6 +74,10 @@ class Topology:
     stages: int
     mode: str = "replica"
     layout: str = "pipeline"
+    #: placed on a mesh (stage mode): ``table[replica][stage]`` is the global rank holding it; None: by ``layout``
+    table: Optional[Tuple[Tuple[int, ...], ...]] = None
+    #: the process group of the job's ranks for its own collectives; None: the whole world
+    group: Any = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -88,8 +97,32 @@ class Topology:
     def replicas(self) -> int:
         return self.world_size if self.mode == "replica" else self.world_size // self.stages
 
+    @property
+    def _places(self) -> Dict[int, Tuple[int, int]]:
+        """A mesh job's ``{global rank: (replica, stage)}``."""
+        assert self.table is not None
+        return {rank: (r, s) for r, row in enumerate(self.table) for s, rank in enumerate(row)}
+
+    @property
+    def job_ranks(self) -> List[int]:
+        """The global ranks of the job, in the order of its collectives' results (a group orders its ranks)."""
+        if self.table is None:
+            return list(range(self.world_size))
+        return sorted(rank for row in self.table for rank in row)
+
+    @property
+    def root(self) -> int:
+        """The global rank that speaks for the job (profiles, writes headers): the first of ``job_ranks``."""
+        return self.job_ranks[0]
+
+    @property
+    def is_root(self) -> bool:
+        return self.rank == self.root
+
     def rank_of(self, replica: int, stage: int) -> int:
         """The process holding ``stage`` of ``replica``."""
+        if self.table is not None:
+            return self.table[replica][stage]
         if self.mode == "replica":
             return replica
         if self.layout == "pipeline":
@@ -100,12 +133,16 @@ class Topology:
         """The replica that ``rank`` belongs to."""
         if self.mode == "replica":
             return rank
+        if self.table is not None:
+            return self._places[rank][0]
         return rank // self.stages if self.layout == "pipeline" else rank % self.replicas
 
     def stage_of(self, rank: int) -> int:
         """The stage ``rank`` holds (stage mode only; in replica mode every process holds all stages)."""
         if self.mode == "replica":
             raise AttributeError("in mode='replica' every process holds all stages")
+        if self.table is not None:
+            return self._places[rank][1]
         return rank % self.stages if self.layout == "pipeline" else rank // self.replicas
 
     @property
