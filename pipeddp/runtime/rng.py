@@ -36,6 +36,17 @@ does not own cannot be held back: a user thread that draws from the CPU
 generator during a step with dropout under recompute breaks the replay, as it
 breaks ``torch.utils.checkpoint``'s (torch has no per-thread default generator).
 
+Why not a generator per stage, which would let CPU stages with dropout run
+without waiting for each other's lock? torch's ops draw from the default
+generator unless given one, and a layer that checkpoints itself
+(``torch.utils.checkpoint``, as Hugging Face's gradient checkpointing does)
+stashes and restores the *default* generator's state to replay its forward:
+routing the stage's draws elsewhere (a dispatch mode handing each random op a
+stage generator) would make that replay draw other numbers than the forward,
+silently. So two CPU stages that both draw take turns on the CPU generator's
+lock for the length of a forward; stages that draw nothing never wait, nor
+do GPU stages on different devices (each draws from its device's generator).
+
 ``is_recomputing()`` tells a layer that its forward is a replay (to skip
 side effects such as updating statistics); ``is_checkpointing()`` that its
 forward is the first one of a micro-batch whose activations will be dropped
