@@ -17,7 +17,7 @@ The public face is small:
   ``Action``, ``format_schedule``: schedules as data.
 """
 
-from .distributed import data
+from . import data
 from .distributed.agreement import CollectiveError
 from .distributed.launch import spawn
 from .distributed.p2p import PeerError

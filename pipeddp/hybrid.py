@@ -22,7 +22,7 @@ The class is the public face; the work is done below it::
 
     HybridParallel --build_replica--> Replica (distributed.replica): agreement, step, groups, DDP
          |  train_step / forward / evaluate --> Replica --> Step (runtime.step): passes, schedule, runner
-         |  checkpoints, data position --> distributed.state
+         |  checkpoints, data position --> checkpoints.state
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ from torch import nn
 
 from ._engine import Combine, StepModule
 from ._settings import check_settings, choose_partition
-from .distributed import saving, state
+from .checkpoints import saving, state
+from .checkpoints.checkpointable import Checkpointable
 from .distributed.build import build_replica
-from .distributed.checkpointable import Checkpointable
 from .distributed.ddp import CommHook
 from .distributed.elastic import DataPosition, GlobalBatch, plan_global_batch
 from .distributed.groups import current_topology

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import weakref
 from datetime import timedelta
+from functools import partial
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
@@ -29,22 +30,17 @@ from torch import nn
 
 from ._engine import StepModule
 from ._settings import check_settings, choose_partition
-from .distributed.agreement import Agreement
-from .distributed.checkpointable import Checkpointable
+from .checkpoints.checkpointable import Checkpointable
+from .checkpoints.saving import Saver
+from .distributed.build import build_replica
 from .distributed.groups import local_devices
-from .distributed.saving import Saver
 from .distributed.topology import Topology
 from .partitioning.report import Partition
 from .runtime.devices import DeviceLike, resolve_devices
 from .runtime.executor import ThreadRunner
 from .runtime.microbatch import batch_size, tree_tensors
 from .runtime.names import Names
-from .runtime.refine import attach_auto
-from .runtime.schedule.actions import ScheduleFn, row_of
-from .runtime.stage import build_stages, register_layers
-from .runtime.step import Step
-from .runtime.tied import find_ties
-from .runtime.trace import Trace
+from .runtime.schedule.actions import ScheduleFn
 
 __all__ = ["Pipeline"]
 
@@ -133,7 +129,7 @@ class Pipeline(Checkpointable, StepModule):
 
     Checkpoints: ``save``, ``save_checkpoint``, ``wait_for_save``, ``load`` and
     ``resume`` write and read the formats of ``HybridParallel`` (one file, or
-    sharded), by the same code (``pipeddp.distributed.checkpointable``), so
+    sharded), by the same code (``pipeddp.checkpoints.checkpointable``), so
     each class loads the other's checkpoints.
     """
 
@@ -170,24 +166,18 @@ class Pipeline(Checkpointable, StepModule):
         self.key_names = Names.of(model)
         self.devices = devs
         n_stages = len(devs) * settings.virtual_stages
-        self.partition: Partition = choose_partition(model, n_stages, balance, sample, settings, devs[0])
+        # one builder for both engines: a Pipeline is a one-process, one-replica job in replica mode
+        wired = build_replica(self, model, Topology(0, 1, 0, 1, len(devs)), settings,
+                              partition=partial(choose_partition, model, n_stages, balance, sample, settings),
+                              devices=devs, threads=threads, trace=trace, deferred_batch_norm=deferred_batch_norm)
+        self.partition: Partition = wired.partition
         self.balance: List[int] = list(self.partition.balance)
-        local = build_stages(model, self.balance, [devs[row_of(s, len(devs))] for s in range(n_stages)],
-                             compile=settings.compile, seed=settings.seed, init=settings.init)
-        register_layers(self, local)
-        self._runner = ThreadRunner(local, threads=threads, timeout=settings.timeout, rows=len(devs),
-                                    n_stages=n_stages)
-        self._step = Step(local, n_stages, self._runner, chunks=settings.chunks, split_size=settings.split_size,
-                          schedule=settings.schedule, checkpoint=settings.checkpoint,
-                          ties=find_ties(model, self.balance), deferred_batch_norm=deferred_batch_norm,
-                          virtual_stages=settings.virtual_stages)
-        attach_auto(self._step, self.partition.layers, self.balance, settings.max_activations)
+        assert isinstance(wired.runner, ThreadRunner)  # replica mode: the stages run on this process's threads
+        self._runner, self._step = wired.runner, wired.step
         self._finalizer = weakref.finalize(self, self._runner.close)
         self.settings = settings
-        self.trace = Trace() if trace else None
         #: one process, one replica: what checkpoints record of the layout, and what their functions take
-        self.topology = Topology(0, 1, 0, 1, len(devs))
-        self.agreement = Agreement(self.topology, torch.device("cpu"))
+        self.topology, self.agreement = wired.topology, wired.agreement
         self._saver = Saver(self.topology, settings.timeout_delta)
 
     # -- structure ---------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 import pipeddp
 from conftest import make_mlp
 from hybrid_jobs import global_batches, init, train
-from pipeddp.distributed import optim_state, sharded
+from pipeddp.checkpoints import optim_state, sharded
 
 LR = 0.01
 #: what a data loader might keep in ``extra``: nested dicts, an empty one, int keys, a list, a tensor

@@ -17,8 +17,8 @@ from torch import nn
 
 import pipeddp
 from conftest import data, max_diff
-from pipeddp.distributed import catalog
-from pipeddp.distributed import checkpoint as ckpt
+from pipeddp.checkpoints import catalog
+from pipeddp.checkpoints import checkpoint as ckpt
 
 LOSS = nn.functional.mse_loss
 

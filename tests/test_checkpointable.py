@@ -1,4 +1,4 @@
-"""distributed/checkpointable.py: Pipeline and HybridParallel save, load and resume alike, and loading is all or
+"""checkpoints/checkpointable.py: Pipeline and HybridParallel save, load and resume alike, and loading is all or
 nothing. Each comparison is against the plain model trained on one device (float64)."""
 
 import copy

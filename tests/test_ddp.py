@@ -10,8 +10,9 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from conftest import data, make_mlp, max_diff
-from pipeddp.distributed.ddp import COMM_HOOKS, attach_ddp, check_ddp_kwargs
+from pipeddp.distributed.ddp import COMM_HOOKS, DDPSync, attach_ddp, check_ddp_kwargs
 from pipeddp.runtime.executor import ThreadRunner
+from pipeddp.runtime.gradsync import NO_SYNC
 from pipeddp.runtime.microbatch import split, split_sizes
 from pipeddp.runtime.schedule import Action, one_f_one_b, zero_bubble
 from pipeddp.runtime.stage import Stage, StepSpec, build_stages
@@ -87,7 +88,7 @@ def test_the_all_reduce_runs_once_per_bucket_in_the_last_backward(one_rank_group
     rec = Recorder(stages, groups)
     # tiny buckets: several per stage (from the second step on, after DDP has rebuilt them in backward order)
     ddps = [attach_ddp(st, g, ddp_kwargs={"bucket_cap_mb": 0.001}, comm_hook=rec.hook) for st, g in zip(stages, groups)]
-    assert all(d is not None for d in ddps) and all(st.sync_roots is not None for st in stages)
+    assert all(d is not None for d in ddps) and all(isinstance(st.grad_sync, DDPSync) for st in stages)
     rows = schedule(2, 4)
     # the last action that accumulates weight gradients: a B, or with a split backward a W
     last_backward = [[a for a in row if a.kind in ("B", "W")][-1].mb for row in rows]
@@ -152,11 +153,11 @@ def test_no_all_reduce_in_a_step_without_sync(one_rank_group):
 def test_a_stage_without_trainable_parameters_gets_no_ddp(one_rank_group):
     group = dist.new_group([0])
     plain = Stage(1, nn.Sequential(nn.ReLU(), nn.Tanh()), CPU, last=False)
-    assert attach_ddp(plain, group) is None and plain.sync_roots is None
+    assert attach_ddp(plain, group) is None and plain.grad_sync is NO_SYNC
     frozen = nn.Sequential(nn.Linear(3, 3))
     frozen.requires_grad_(False)
     stage = Stage(2, frozen, CPU, last=False)
-    assert attach_ddp(stage, group) is None and stage.sync_roots is None
+    assert attach_ddp(stage, group) is None and stage.grad_sync is NO_SYNC
 
 
 def test_check_ddp_kwargs_refusals():

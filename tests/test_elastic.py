@@ -11,7 +11,7 @@ from torch import nn
 import pipeddp
 from conftest import make_mlp, max_diff
 from elastic_jobs import LOSS, fixed_global_batch_job, global_batches, indivisible_job, tied_model, tied_stage_job
-from pipeddp.distributed.data import ElasticSampler
+from pipeddp.data import ElasticSampler
 from pipeddp.distributed.elastic import DataPosition, plan_global_batch
 
 

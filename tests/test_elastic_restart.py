@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import elastic_job as job
-from pipeddp.distributed.data import ElasticSampler
+from pipeddp.data import ElasticSampler
 from pipeddp.distributed.elastic import DataPosition
 
 JOB = Path(__file__).resolve().parent / "elastic_job.py"

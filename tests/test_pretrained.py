@@ -43,7 +43,7 @@ def flat_llama(sample, tied, meta=False):
 def stage_job(path: str, sample, batch, tied):
     """Stage mode, 2 processes, the model built on the meta device: each allocates and reads only its own tensors;
     the last stage's logits."""
-    import pipeddp.distributed.pretrained as pretrained
+    import pipeddp.checkpoints.pretrained as pretrained
 
     read = []
     original = pretrained.read_tensors

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 import pipeddp
-from pipeddp.distributed import catalog
-from pipeddp.distributed import checkpoint as ckpt
+from pipeddp.checkpoints import catalog
+from pipeddp.checkpoints import checkpoint as ckpt
 from pipeddp.distributed.launch import free_port
 
 HERE = Path(__file__).resolve().parent

@@ -15,8 +15,8 @@ from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 import pipeddp
 from conftest import data, make_mlp
 from hybrid_jobs import LOSS, global_batches
-from pipeddp.distributed import catalog, checkpoint as ckpt, sharded
-from pipeddp.distributed.optim_state import named_optimizer_state
+from pipeddp.checkpoints import catalog, checkpoint as ckpt, sharded
+from pipeddp.checkpoints.optim_state import named_optimizer_state
 from pipeddp.tools.cli import main as cli
 from sharded_jobs import (EXTRA, LR, adam, async_overlap_job, killed_writer_job, load_and_train_job, refusals_job,
                           narrow_model, other_model, replica_mode_job, save_both_job)

@@ -1,4 +1,4 @@
-"""``distributed.state``: the whole model's state dict from the processes' shares, and loading one's own entries."""
+"""``checkpoints.state``: the whole model's state dict from the processes' shares, and loading one's own entries."""
 
 import copy
 
@@ -8,7 +8,7 @@ from torch import nn
 
 import pipeddp
 from conftest import data, make_mlp, reference_training
-from pipeddp.distributed.state import gather_state_dict, own_entries
+from pipeddp.checkpoints.state import gather_state_dict, own_entries
 from pipeddp.distributed.topology import Topology
 
 LOSS = nn.functional.mse_loss

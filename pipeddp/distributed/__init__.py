@@ -1,4 +1,4 @@
-"""The distributed layer: replicas of the pipeline in several processes.
+"""The parallel engine: replicas of the pipeline in several processes.
 
 ::
 
@@ -11,14 +11,11 @@
     ddp            DDP per stage, armed for the stage's last backward of the step
     ties           tied weights whose uses sit in different processes: all-reduce, broadcast
     agreement      what the ranks must agree on: batch sizes, the loss, non-finite steps, identical replicas
-    data           DataLoaders sharded by replica; the elastic sampler that resumes an epoch in any layout
     elastic        a fixed global batch over any replica count (accumulation passes), the data position
     launch         ``spawn``: a local multi-process job with torchrun's environment
-    checkpointable save, save_checkpoint, wait_for_save, load, resume: one implementation for both public classes
-    saving         writing checkpoints: one file gathered on rank 0, or sharded, in the background if asked
-    state          the whole model's state dict across processes, and loading checkpoints (all or nothing)
-    checkpoint     the checkpoint file: plain values, atomic writes, safe loading
-    sharded        the sharded checkpoint: a DCP directory every process writes its share of, read safely
-    catalog        a directory of checkpoints: step names, the newest complete one, pruning
-    optim_state    an optimizer's state by parameter name, and its class
+    mesh           a job placed on the user's DeviceMesh (``mesh=``), beside another parallelism
+    shard          FSDP2 over each stage's replicas (``shard=``)
+
+Checkpoints, which are made of this layer's shares, live above it in ``pipeddp.checkpoints``; the data loaders
+sharded by replica in ``pipeddp.data``.
 """

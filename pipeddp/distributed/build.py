@@ -61,20 +61,22 @@ def build_replica(owner: nn.Module, model: nn.Sequential, topology: Topology, se
     ``partition(device)`` cuts the model (``stages x virtual_stages`` stages);
     it runs on rank 0 only, on its first device, and every rank takes its
     result. The other arguments are ``HybridParallel``'s (``shard`` already
-    checked by ``shard.check_shard``).
+    checked by ``shard.check_shard``). A ``Pipeline`` is built here too: a
+    job of one process and one replica in replica mode, where every
+    collective is a local call and no process group is made.
     """
     check_ddp_kwargs(ddp_kwargs, comm_hook)
     topo, virtual = topology, settings.virtual_stages
     n_stages = topo.stages * virtual
     devs = local_devices(topo, devices)
     backend = choose_backend(backend, devs, topo)
-    if devs[0].type == "cuda":  # before the first collective: NCCL's object collectives use the current device
-        torch.cuda.set_device(devs[0])
+    if devs[0].type == "cuda" and topo.world_size > 1:  # before the first collective: NCCL's object
+        torch.cuda.set_device(devs[0])                   # collectives use the current device
     owns_group = topo.world_size > 1 and not dist.is_initialized()
     if owns_group:
         init_process_group(backend, settings.timeout_delta)
     topo = with_job_group(topo, settings.timeout_delta)  # placed on a mesh: the job's collectives on its own ranks
-    agreement = Agreement(topo, devs[0] if backend == "nccl" else torch.device("cpu"))
+    agreement = Agreement(topo, devs[0] if backend == "nccl" and topo.world_size > 1 else torch.device("cpu"))
     cut = agreement.from_rank0(lambda: partition(devs[0]))
     balance = list(cut.balance)
     groups = make_groups(topo, backend, settings.timeout_delta, virtual)

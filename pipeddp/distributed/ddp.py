@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ..runtime.gradsync import GradSync
 from ..runtime.stage import Stage
 from ..runtime.trace import Span, Trace
 
@@ -146,12 +147,20 @@ def attach_ddp(stage: Stage, group: Any, *, ddp_kwargs: Optional[Dict[str, Any]]
         state, fn = _hook(comm_hook, group) if isinstance(comm_hook, str) else (group, comm_hook)
         ddp.register_comm_hook(state, _traced(fn, trace, stage.index) if trace is not None else fn)
 
-    def sync_roots(roots: List[torch.Tensor]) -> List[torch.Tensor]:
-        with torch.enable_grad():  # DDP arms its reducer only when grad mode is on
-            return list(ddp(_ARM, roots))
-
-    stage.sync_roots = sync_roots
+    stage.grad_sync = DDPSync(ddp)
     return ddp
+
+
+class DDPSync(GradSync):
+    """DDP's reduction at the stage's last weight action: the roots go through one forward of the wrapper, which
+    arms the reducer, so the backward that follows all-reduces every bucket once."""
+
+    def __init__(self, ddp: DistributedDataParallel) -> None:
+        self.ddp = ddp
+
+    def arm(self, roots: List[torch.Tensor]) -> List[torch.Tensor]:
+        with torch.enable_grad():  # DDP arms its reducer only when grad mode is on
+            return list(self.ddp(_ARM, roots))
 
 
 def attach_stages(stages: Sequence[Stage], groups: Dict[int, Any], *, ddp_kwargs: Optional[Dict[str, Any]] = None,

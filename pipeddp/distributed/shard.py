@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..runtime.gradsync import GradSync
 from ..runtime.stage import Stage
 from ..runtime.trace import Span, Trace
 
@@ -76,8 +77,9 @@ def _api() -> Any:
     return fully_shard
 
 
-class StageShard:
-    """One stage's FSDP2 wrapping and its once-per-step reduction (``reduce``, called after its last B or W)."""
+class StageShard(GradSync):
+    """One stage's FSDP2 wrapping and its once-per-step reduction: the stage's gradient sync, whose ``finish``
+    (after its last B or W) reduce-scatters."""
 
     def __init__(self, stage: Stage, group: Any, mode: str, trace: Optional[Trace] = None) -> None:
         from torch.distributed.device_mesh import DeviceMesh
@@ -111,7 +113,7 @@ class StageShard:
                     m.set_custom_all_gather(GlooAllGather())  # type: ignore[arg-type]
                     m.set_custom_reduce_scatter(GlooReduceScatter())  # type: ignore[arg-type]
         self.micro_batch_settings()
-        stage.after_sync = self.reduce
+        stage.grad_sync = self
 
     def micro_batch_settings(self) -> None:
         """FSDP's own sync off for every micro-batch; params kept whole through the step unless ``"full"``."""
@@ -120,7 +122,7 @@ class StageShard:
         root.set_is_last_backward(False)
         root.set_reshard_after_backward(self.mode == "full")
 
-    def reduce(self) -> None:
+    def finish(self) -> None:
         """Reduce-scatter the accumulated gradients into the sharded ``.grad`` once, reshard, and wait for it."""
         root = self.root
         start = time.perf_counter()

@@ -36,6 +36,7 @@ from torch import nn
 
 from .batchnorm import batch_norms, frozen_statistics
 from .compiled import Compiled
+from .gradsync import NO_SYNC, GradSync
 from .materialize import Init, SharedPlaces, check_init, is_meta, materialize_layer, original_names, recorded_init
 from .microbatch import tree_map, tree_tensors
 from .rng import Replay, checkpointing, recomputing
@@ -97,10 +98,8 @@ class Stage:
         self.clone_input = _may_write_its_input(module)
         self.replay = Replay(device)
         self.batch_norms = batch_norms(module)
-        #: Set by the data-parallel engine: wraps backward roots so DDP reduces once (see ddp.py).
-        self.sync_roots: Optional[Callable[[List[torch.Tensor]], List[torch.Tensor]]] = None
-        #: Set by a sharding engine: its one reduction of the step, run right after the stage's last B or W.
-        self.after_sync: Optional[Callable[[], None]] = None
+        #: how gradients meet the other replicas' at the stage's last weight action (DDP, FSDP2; ``gradsync``)
+        self.grad_sync: GradSync = NO_SYNC
 
     # -- helpers -----------------------------------------------------------------------------------
 
@@ -226,10 +225,10 @@ class Stage:
         return [(t, g) for t, g in zip(tensors, grads) if t.requires_grad and g is not None]
 
     def _arm(self, pairs: List[Pair]) -> List[Pair]:
-        """Pass the roots through the data-parallel engine's arming call (see ``distributed/ddp.py``)."""
-        if self.sync_roots is None:
+        """Pass the roots through the gradient sync's ``arm`` (see ``gradsync``)."""
+        if self.grad_sync is NO_SYNC:
             return pairs
-        synced = self.sync_roots([t for t, _ in pairs])
+        synced = self.grad_sync.arm([t for t, _ in pairs])
         return [(t, g) for t, (_, g) in zip(synced, pairs)]
 
     @staticmethod
@@ -252,8 +251,8 @@ class Stage:
                 pairs = self._arm(pairs)
             if pairs:
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs] if grads is not None else None)
-            if sync and self.after_sync is not None:
-                self.after_sync()
+            if sync:
+                self.grad_sync.finish()
         return self._input_grads(saved)
 
     def backward_input(self, mb: int, grads: Optional[Grads], spec: StepSpec) -> Grads:
@@ -287,8 +286,8 @@ class Stage:
             if sync and saved.roots is not None:
                 self._arm([(t, None) for t in tree_tensors(saved.roots) if t.requires_grad])
             saved.weight_grads.run()
-            if sync and self.after_sync is not None:
-                self.after_sync()
+            if sync:
+                self.grad_sync.finish()
         saved.weight_grads = None
 
 

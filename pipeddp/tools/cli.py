@@ -226,7 +226,7 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
 
 
 def _convert(args: argparse.Namespace, console: Console) -> int:
-    from ..distributed.sharded import to_file
+    from ..checkpoints.sharded import to_file
 
     meta = to_file(args.directory, args.out)
     console.print(escape(f"wrote {args.out} (format pipeddp/2) from {args.directory}, saved by {meta['stages']} "

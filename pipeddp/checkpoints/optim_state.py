@@ -25,8 +25,8 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
+from ..distributed.shard import is_sharded
 from ..runtime.names import names_of
-from .shard import is_sharded
 
 __all__ = ["named_optimizer_state", "merge_optimizer_states", "load_named_optimizer_state", "flat_optimizer_state",
            "load_flat_optimizer_state", "unflatten_optimizer_state", "optimizer_class", "check_optimizer",

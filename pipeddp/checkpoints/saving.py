@@ -23,12 +23,12 @@ from typing import Any, Callable, Dict, List, Optional, Protocol
 import torch
 import torch.distributed as dist
 
+from ..distributed.agreement import Agreement
+from ..distributed.groups import subgroup
+from ..distributed.shard import whole_tensors
+from ..distributed.topology import Topology
 from . import catalog, optim_state, sharded
 from . import checkpoint as files
-from .agreement import Agreement
-from .groups import subgroup
-from .shard import whole_tensors
-from .topology import Topology
 
 __all__ = ["Engine", "Saver", "save", "save_checkpoint"]
 

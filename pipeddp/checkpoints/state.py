@@ -31,13 +31,13 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 import torch
 from torch import nn
 
+from ..distributed.agreement import Agreement
+from ..distributed.shard import is_sharded
+from ..distributed.topology import Topology
 from ..runtime.warn import warn
 from . import catalog, optim_state, pretrained, sharded
 from . import checkpoint as files
-from .agreement import Agreement
 from .saving import Engine, Saver
-from .shard import is_sharded
-from .topology import Topology
 
 __all__ = ["gather_state_dict", "own_entries", "load", "resume"]
 

@@ -45,9 +45,9 @@ from typing import Any, Iterator, List, Optional, cast
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
-from ..runtime.prefetch import Placement, Prefetcher, check_prefetch
-from .elastic import DataPosition
-from .topology import Topology
+from .distributed.elastic import DataPosition
+from .distributed.topology import Topology
+from .runtime.prefetch import Placement, Prefetcher, check_prefetch
 
 __all__ = ["loader", "ShardSampler", "ReplicaLoader", "ElasticSampler", "ElasticLoader"]
 

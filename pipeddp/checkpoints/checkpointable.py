@@ -20,13 +20,13 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import nn
 
+from ..distributed.agreement import Agreement
+from ..distributed.elastic import POSITION_KEY, DataPosition, GlobalBatch
+from ..distributed.topology import Topology
 from ..runtime.names import Names, key_mismatch
 from ..runtime.warn import warn
 from . import checkpoint as files
 from . import saving, state
-from .agreement import Agreement
-from .elastic import POSITION_KEY, DataPosition, GlobalBatch
-from .topology import Topology
 
 __all__ = ["Checkpointable"]
 
