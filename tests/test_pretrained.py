@@ -35,14 +35,29 @@ def reference(path: str, batch):
         return model(**batch, use_cache=False).logits
 
 
+def lm_loss(logits, targets):
+    logits = getattr(logits, "logits", logits)
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def stepped(path: str, batch, targets):
+    """``from_pretrained``'s model after one SGD step on ``batch``: its state dict."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(path, torch_dtype=torch.float64)
+    lm_loss(model(**batch, use_cache=False), targets).backward()
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    return model.state_dict()
+
+
 def flat_llama(sample, tied, meta=False):
     """Other weights than the saved ones; ``meta``: built on the meta device, as a model too big for one process."""
     return flatten_sequential(tiny_llama(0, tied, meta), sample)
 
 
-def stage_job(path: str, sample, batch, tied):
+def stage_job(path: str, sample, batch, tied, targets=None):
     """Stage mode, 2 processes, the model built on the meta device: each allocates and reads only its own tensors;
-    the last stage's logits."""
+    the last stage's logits, and the whole model after one SGD step on ``(batch, targets)``."""
     import pipeddp.checkpoints.pretrained as pretrained
 
     read = []
@@ -63,7 +78,13 @@ def stage_job(path: str, sample, batch, tied):
         with torch.no_grad():
             out = engine(batch["input_ids"] if engine.is_first else None)
         own = sorted(engine.local_state_dict())
-    return {"logits": out, "read": sorted(read), "own": own, "allocated": allocated, "total": total}
+        engine.train()
+        opt = torch.optim.SGD(engine.parameters(), lr=0.5)
+        engine.train_step(batch["input_ids"] if engine.is_first else None, targets if engine.is_last else None,
+                          lm_loss)
+        opt.step()
+        after = engine.state_dict()
+    return {"logits": out, "read": sorted(read), "own": own, "allocated": allocated, "total": total, "after": after}
 
 
 @pytest.mark.timeout(240)
@@ -72,7 +93,7 @@ def test_a_sharded_hugging_face_directory_loads_per_stage(tmp_path, tied):
     path = str(tmp_path / "llama")
     saved_llama(path, tied)
     assert os.path.isfile(os.path.join(path, "model.safetensors.index.json"))  # several shards
-    batch, _ = tokens(4, seed=3, padded=False)
+    batch, targets = tokens(4, seed=3, padded=False)
     want = reference(path, batch)
     # one process
     with pipeddp.Pipeline(flat_llama(batch, tied), ["cpu", "cpu"], chunks=2) as pipe:
@@ -82,7 +103,7 @@ def test_a_sharded_hugging_face_directory_loads_per_stage(tmp_path, tied):
             got = pipe(batch["input_ids"])
     assert (got - want).abs().max().item() < 1e-10
     # stage mode: each process reads exactly its own tensors, and the last one's logits are from_pretrained's
-    results = pipeddp.spawn(stage_job, 2, args=(path, batch, batch, tied), timeout=200)
+    results = pipeddp.spawn(stage_job, 2, args=(path, batch, batch, tied, targets), timeout=200)
     first, last = results
     assert set(first["read"]).isdisjoint(last["read"])
     for res in results:
@@ -91,6 +112,12 @@ def test_a_sharded_hugging_face_directory_loads_per_stage(tmp_path, tied):
     both = set(first["allocated"]) & set(last["allocated"])  # only the tied weight, which both stages use
     assert both == ({"embed.owned.model_embed_tokens.weight", "lm_head.weight"} if tied else set())
     assert (last["logits"] - want).abs().max().item() < 1e-10
+    # and one optimizer step later it is from_pretrained's model after the same step
+    expected = stepped(path, batch, targets)
+    for res in results:
+        got = res["after"]
+        assert sorted(got) == sorted(expected)
+        assert max((got[k] - expected[k]).abs().max().item() for k in got) < 1e-10
 
 
 def test_a_directory_of_another_model_is_refused_before_anything_changes(tmp_path):
