@@ -42,6 +42,18 @@ def llama(seed: int = 0, layers: int = 2, meta: bool = False) -> nn.Module:
         return LlamaForCausalLM(config).double()
 
 
+def gemma2(seed: int = 0, layers: int = 4) -> nn.Module:
+    """Alternate layers take a sliding-window and a full causal mask (both computed before the first block)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=3,
+                          max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                          attn_implementation="eager")
+    return Gemma2ForCausalLM(config).double()
+
+
 def vit(seed: int = 0) -> nn.Module:
     import timm
 
@@ -50,7 +62,7 @@ def vit(seed: int = 0) -> nn.Module:
                              embed_dim=32, num_heads=2, num_classes=5).double()
 
 
-MODELS = {"gpt2": gpt2, "llama": llama, "vit": vit}
+MODELS = {"gpt2": gpt2, "llama": llama, "gemma2": gemma2, "vit": vit}
 
 
 def tokens(n: int, seed: int, padded: bool) -> Tuple[Dict[str, torch.Tensor], torch.Tensor]:

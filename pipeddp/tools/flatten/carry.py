@@ -16,7 +16,11 @@ A ``Template`` is the recorded call of one block with markers in place of
 the values that travel: ``HIDDEN`` and ``Carried(i)`` (the i-th extra);
 everything else (``None``, ``False``, a layer index) is a constant of that
 block's call. The extras are the tensors the model gave its first block, in
-the order of the call. An extra that is a tensor for the sample may be None
+the order of the call, then those that only later blocks take but that the
+model computed before its first block (Gemma2's sliding-window mask beside the
+full one its first block takes): where the model's forward holds them when it
+calls its first block (a local, or a key or index within one) is recorded,
+and the first layer takes them from there. An extra that is a tensor for the sample may be None
 for another batch (transformers builds no mask for a batch without padding):
 it then travels as an empty ``int64`` tensor, so that a stage's output stays a
 flat tuple of tensors that processes can exchange, and is None again for the
@@ -25,7 +29,7 @@ block.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -131,9 +135,10 @@ def _kind(value: Any) -> str:
     return "None" if value is None else type(value).__name__
 
 
-def take(template: Template, call: Call, count: int) -> Any:
-    """What the first layer passes on from the first block's call: ``hidden`` or ``(hidden, *extras)``."""
-    found: Dict[Any, Any] = {}
+def take(template: Template, call: Call, count: int, elsewhere: Optional[Dict[int, Any]] = None) -> Any:
+    """What the first layer passes on from the first block's call: ``hidden`` or ``(hidden, *extras)``;
+    ``elsewhere``: the extras that the first block is not given (later blocks' masks), found beside its call."""
+    found: Dict[Any, Any] = dict(elsewhere or {})
     _walk(template[0], tuple(call[0]), "args", found)
     _walk(template[1], dict(call[1]), "kwargs", found)
     hidden = found["hidden"]

@@ -36,7 +36,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..functional import INPUT, Functional
 from .carry import HIDDEN, leaves, template_of
-from .stack_layers import BlockCall, StackInput, install_stop, split_call
+from .stack_layers import BlockCall, Source, StackInput, find_source, install_stop, model_frame, split_call
 
 __all__ = ["NotAStack", "find_stack", "stack_layers", "model_output", "call_model"]
 
@@ -125,6 +125,8 @@ class _Run(TorchFunctionMode):
         self.between: List[str] = []
         self.tail: List[_Event] = []
         self._open: List[Optional[_Event]] = []
+        #: the locals of the model's code where it calls the first block (where later blocks' values may wait)
+        self.first_scope: Dict[str, Any] = {}
 
     def _top(self) -> bool:
         return all(id(m) in self.around for m in self.stack)
@@ -136,6 +138,9 @@ class _Run(TorchFunctionMode):
             self.calls[i] = (args, kwargs, _caller())
             self.order.append(i)
             self.phase = "blocks"
+            if i == 0:
+                frame = model_frame()
+                self.first_scope = dict(frame.f_locals) if frame is not None else {}
         elif self._top() and id(module) not in self.around:
             path = self.paths[id(module)]
             if self.phase == "before":
@@ -205,8 +210,10 @@ def _pick(out: Any, nxt: Any) -> Optional[int]:
 
 
 def _blocks(run: _Run, path: str, count: int, name: str) -> Tuple[List[Tuple[Tuple[Any, ...], Dict[str, Any]]],
-                                                                  List[Any], Dict[int, int], Optional[int]]:
-    """Check the blocks were called one after another on each other's output; the templates' inputs."""
+                                                                  List[Any], Dict[int, int], Optional[int],
+                                                                  Dict[int, Source]]:
+    """Check the blocks were called one after another on each other's output; the templates' inputs, and where
+    the model holds the extras that only later blocks take (by extra index)."""
     if run.order != list(range(count)):
         raise NotAStack(f"{name}.forward calls the blocks of {path} in the order {run.order}, not each once in "
                         "order")
@@ -220,6 +227,7 @@ def _blocks(run: _Run, path: str, count: int, name: str) -> Tuple[List[Tuple[Tup
     hidden = firsts[0]
     place = _hidden_place((args0, kwargs0), hidden)
     extras: Dict[int, int] = {}
+    sources: Dict[int, Source] = {}
     for t in firsts[1:]:
         if t is not hidden:
             extras.setdefault(id(t), len(extras))
@@ -236,11 +244,14 @@ def _blocks(run: _Run, path: str, count: int, name: str) -> Tuple[List[Tuple[Tup
         hiddens.append(got)
         for at, leaf in leaves(list(args), "args") + leaves(dict(kwargs), "kwargs"):
             if isinstance(leaf, torch.Tensor) and leaf is not got and id(leaf) not in extras:
-                raise NotAStack(f"{path}.{i} is given a tensor at {at} ({where}) that the model did not give its "
-                                f"first block: each block may take only the previous block's output and what the "
-                                "model computed for all of them before the first")
+                source = find_source(run.first_scope, leaf)
+                if source is None:
+                    raise NotAStack(f"{path}.{i} is given a tensor at {at} ({where}) that the model neither gave its "
+                                    "first block nor held when it called it: each block may take only the previous "
+                                    "block's output and what the model computed for all of them before the first")
+                sources[extras.setdefault(id(leaf), len(extras))] = source
     calls = [(run.calls[i][0], run.calls[i][1]) for i in range(count)]
-    return calls, hiddens, extras, pick
+    return calls, hiddens, extras, pick, sources
 
 
 def _tail(run: _Run, start: Any, final: Any, name: str) -> List[Tuple[str, nn.Module, Dict[str, str]]]:
@@ -329,7 +340,7 @@ def stack_layers(model: nn.Module, sample: Any, path: str, stack: nn.Module) -> 
         run, out = _record(model, blocks, around, sample)
     if 0 not in run.calls:
         raise NotAStack(f"{name}.forward did not call {path}.0 on the sample")
-    calls, hiddens, extras, pick = _blocks(run, path, count, name)
+    calls, hiddens, extras, pick, sources = _blocks(run, path, count, name)
     last = run.outs[count - 1]
     start = last if pick is None else last[pick]
     if not isinstance(start, torch.Tensor):
@@ -348,7 +359,7 @@ def stack_layers(model: nn.Module, sample: Any, path: str, stack: nn.Module) -> 
     install_stop(blocks[0])
     first = StackInput(model, blocks[0], f"{path}.0", around_mods,
                        {p.replace(".", "_"): model.get_submodule(p) for p in owned}, kept,
-                       template_of(calls[0], hiddens[0], extras), len(extras), _fixed(model))
+                       template_of(calls[0], hiddens[0], extras), len(extras), _fixed(model), sources)
     layers: List[Layer] = [("embed", first, names)]
     for i, block in enumerate(blocks):
         template = template_of(calls[i], hiddens[i], extras)

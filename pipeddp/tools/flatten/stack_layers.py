@@ -23,30 +23,95 @@ passes the extras on.
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
+from types import FrameType
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import torch
 from torch import nn
 
 from .carry import Template, fill, take
 
-__all__ = ["StackInput", "BlockCall", "install_stop", "split_call"]
+__all__ = ["StackInput", "BlockCall", "install_stop", "split_call", "model_frame", "find_source", "resolve",
+           "Source"]
 
 _ARMED = threading.local()
 
 
 class _Reached(BaseException):
-    """The model reached its first block: the call's arguments, and the end of ``StackInput``'s run."""
+    """The model reached its first block: the call's arguments, the values found where the model holds them for
+    later blocks (``sources``), and the end of ``StackInput``'s run."""
 
-    def __init__(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+    def __init__(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], found: List[Any]) -> None:
         super().__init__()
         self.call = (args, kwargs)
+        self.found = found
+
+
+_SKIP = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+
+
+def model_frame(depth: int = 1) -> Optional[FrameType]:
+    """The frame of the model's code that is calling a module: the first one outside torch and pipeddp, and not a
+    ``__call__`` (transformers' checkpointing layers wrap the call in one)."""
+    frame: Optional[FrameType] = sys._getframe(depth + 1)
+    while frame is not None and (frame.f_code.co_filename.startswith(_SKIP) or frame.f_code.co_name == "__call__"):
+        frame = frame.f_back
+    return frame
+
+
+Source = Tuple[Any, ...]
+
+
+def find_source(scope: Dict[str, Any], target: Any, depth: int = 3) -> Optional[Source]:
+    """Where ``target`` sits among a frame's locals: a path of a name, then keys and indices through dicts, lists
+    and tuples (``("causal_mask_mapping", "sliding_attention")``); None where it is not held there."""
+    def search(value: Any, path: Source, left: int) -> Optional[Source]:
+        if value is target:
+            return path
+        if left == 0:
+            return None
+        if isinstance(value, dict):
+            items: Any = value.items()
+        elif isinstance(value, (list, tuple)) and not isinstance(value, torch.Tensor):
+            items = enumerate(value)
+        else:
+            return None
+        for key, v in items:
+            hit = search(v, path + (key,), left - 1)
+            if hit is not None:
+                return hit
+        return None
+
+    for name, value in scope.items():
+        if name != "self":
+            hit = search(value, (name,), depth)
+            if hit is not None:
+                return hit
+    return None
+
+
+def resolve(scope: Dict[str, Any], source: Source) -> Any:
+    """The value at ``source`` (from ``find_source``) among a frame's locals; None where it is missing."""
+    value: Any = scope
+    for key in source:
+        try:
+            value = value[key]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return value
 
 
 def _stop_at_first_block(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
-    """Forward pre-hook of a stack's first block: ends the model's forward there in a thread that armed it."""
+    """Forward pre-hook of a stack's first block: ends the model's forward there in a thread that armed it,
+    taking along the values later blocks need that the model holds in its forward's locals."""
     if getattr(_ARMED, "block", None) is module:
-        raise _Reached(args, kwargs)
+        sources: List[Source] = getattr(_ARMED, "sources", [])
+        frame = model_frame() if sources else None
+        scope = dict(frame.f_locals) if frame is not None else {}
+        raise _Reached(args, kwargs, [resolve(scope, source) for source in sources])
 
 
 def install_stop(block: nn.Module) -> None:
@@ -85,7 +150,8 @@ class StackInput(nn.Module):
 
     def __init__(self, model: nn.Module, first: nn.Module, first_path: str, around: Sequence[nn.Module],
                  owned: Dict[str, nn.Module], kept: List[Tuple[str, nn.Module, str, bool, bool]],
-                 template: Template, count: int, fixed: Dict[str, Any]) -> None:
+                 template: Template, count: int, fixed: Dict[str, Any],
+                 sources: Optional[Dict[int, Source]] = None) -> None:
         super().__init__()
         object.__setattr__(self, "_model", model)  # not registered: its blocks and head are other layers'
         object.__setattr__(self, "_first", first)
@@ -105,6 +171,8 @@ class StackInput(nn.Module):
         self.template = template
         self.count = count
         self.fixed = dict(fixed)
+        #: extras that later blocks take and the first does not: where the model's forward holds them
+        self.sources = dict(sources or {})
 
     # mypy: nn.Module.forward is variadic; a stage layer takes its one carried value
     def forward(self, batch: Any) -> Any:  # type: ignore[override]
@@ -114,18 +182,18 @@ class StackInput(nn.Module):
             if name in self.kept._buffers:  # a buffer moved with this layer (.to) is a new tensor: hand it over
                 owner._buffers[attr] = self.kept._buffers[name]
         args, kwargs = split_call(batch, self.fixed)
-        before = getattr(_ARMED, "block", None)
-        _ARMED.block = self._first
+        before = getattr(_ARMED, "block", None), getattr(_ARMED, "sources", [])
+        _ARMED.block, _ARMED.sources = self._first, list(self.sources.values())
         try:
             self._model(*args, **kwargs)
         except _Reached as stop:
-            call = stop.call
+            call, found = stop.call, dict(zip(self.sources, stop.found))
         else:
             raise RuntimeError(f"{type(self._model).__name__}.forward returned without calling {self.first_path} "
                                "for this batch, though it did for the sample it was flattened with")
         finally:
-            _ARMED.block = before
-        return take(self.template, call, self.count)
+            _ARMED.block, _ARMED.sources = before
+        return take(self.template, call, self.count, found)
 
     def extra_repr(self) -> str:
         return f"{type(self._model).__name__}.forward up to {self.first_path}, passing on {1 + self.count} value(s)"
