@@ -54,6 +54,17 @@ def gemma2(seed: int = 0, layers: int = 4) -> nn.Module:
     return Gemma2ForCausalLM(config).double()
 
 
+def albert(seed: int = 0, layers: int = 3) -> nn.Module:
+    """One layer group shared by all its blocks: the model calls the same module ``layers`` times."""
+    from transformers import AlbertConfig, AlbertForMaskedLM
+
+    torch.manual_seed(seed)
+    config = AlbertConfig(vocab_size=VOCAB, embedding_size=16, hidden_size=32, num_hidden_layers=layers,
+                          num_attention_heads=2, intermediate_size=64, max_position_embeddings=16,
+                          hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=0)
+    return AlbertForMaskedLM(config).double()
+
+
 def vit(seed: int = 0) -> nn.Module:
     import timm
 
@@ -62,7 +73,7 @@ def vit(seed: int = 0) -> nn.Module:
                              embed_dim=32, num_heads=2, num_classes=5).double()
 
 
-MODELS = {"gpt2": gpt2, "llama": llama, "gemma2": gemma2, "vit": vit}
+MODELS = {"gpt2": gpt2, "llama": llama, "gemma2": gemma2, "albert": albert, "vit": vit}
 
 
 def tokens(n: int, seed: int, padded: bool) -> Tuple[Dict[str, torch.Tensor], torch.Tensor]:

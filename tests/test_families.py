@@ -1,6 +1,7 @@
 """Model families whose blocks take more than the first block is given, opened by ``flatten_sequential``'s one
 mechanism (record what each block receives, carry it between blocks), against the original models in float64:
-per-layer masks (Gemma2: alternate layers take a sliding-window and a full causal mask)."""
+per-layer masks (Gemma2: alternate layers take a sliding-window and a full causal mask), and a layer shared by
+several blocks (ALBERT calls its one layer group at every block)."""
 
 from __future__ import annotations
 
@@ -61,3 +62,37 @@ def test_per_layer_masks_gemma2_equals_the_original(padded):
                 assert torch.equal(other.state_dict()[key], value), key
             pipe.load_state_dict(fresh("gemma2").state_dict(), strict=True)
             torch.testing.assert_close(pipe(x), logits(fresh("gemma2"), x), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_layer_shared_by_every_block_albert_equals_the_original(padded):
+    reference = MODELS["albert"]()
+    sample, _ = batch("albert", 4, 0, padded)
+    x, y = batch("albert", 6, 1, padded)
+    want = logits(reference, x)
+    loss = loss_fn(want, y)
+    loss.backward()
+    group = "albert_encoder_albert_layer_groups_0"
+    for stages, balance in ((2, [2, 4]), (4, [1, 1, 1, 3])) if padded else ((2, [2, 3]), (4, [1, 1, 1, 2])):
+        model = MODELS["albert"]()
+        flat = flatten_sequential(model, sample)
+        places = [group, f"{group}_1", f"{group}_2"]
+        # one layer at three places (the mask travels with the hidden state where the sample has one)
+        assert list(flat._modules) == ["embed", *places, *(["hidden"] if padded else []), "predictions"]
+        assert flat[1] is flat[2] is flat[3]
+        with pipeddp.Pipeline(flat, ["cpu"] * stages, chunks=CHUNKS, balance=balance) as pipe:
+            assert abs(pipe.train_step(x, y, loss_fn).item() - loss.item()) < 1e-12
+            assert (pipe(x) - want).abs().max().item() < 1e-12
+            grads = {name: p.grad for name, p in pipe.named_parameters()}
+            names = pipe.key_names
+            # every copy of the shared group (one per stage it is used in) holds the whole weight's gradient: the
+            # uses' gradients are summed over the stages
+            for name, p in reference.named_parameters():
+                got = next(g for n, g in grads.items() if names.original(n) == name)
+                assert (got - p.grad).abs().max().item() < 1e-12, (stages, name)
+            other = fresh("albert")
+            other.load_state_dict(pipe.state_dict(), strict=True)
+            for key, value in model.state_dict().items():
+                assert torch.equal(other.state_dict()[key], value), key
+            pipe.load_state_dict(fresh("albert").state_dict(), strict=True)
+            torch.testing.assert_close(pipe(x), logits(fresh("albert"), x), rtol=0, atol=1e-12)

@@ -50,18 +50,24 @@ class NotAStack(Exception):
 
 
 def find_stack(model: nn.Module) -> Optional[Tuple[str, nn.Module]]:
-    """The model's repeated blocks: the ``ModuleList``/``Sequential`` of >= 2 blocks of one class with most weights."""
+    """The model's repeated blocks: the ``ModuleList``/``Sequential`` of >= 2 blocks of one class with most weights;
+    else one of a single block with most weights, which the forward may call several times (ALBERT's one layer
+    group, shared by all its blocks; ``stack_layers`` counts the calls)."""
     best: Optional[Tuple[str, nn.Module, int]] = None
+    single: Optional[Tuple[str, nn.Module, int]] = None
     for path, m in model.named_modules():
-        if type(m) not in (nn.ModuleList, nn.Sequential) or len(m) < 2:
+        if type(m) not in (nn.ModuleList, nn.Sequential) or len(m) < 1:
             continue
         kinds = {type(c) for c in m}
         if len(kinds) != 1 or next(iter(kinds)) in (nn.ModuleList, nn.Sequential):
             continue
         size = sum(p.numel() for p in m.parameters())
-        if size and (best is None or size > best[2]):
+        if len(m) >= 2 and size and (best is None or size > best[2]):
             best = (path, m, size)
-    return None if best is None else (best[0], best[1])
+        if len(m) == 1 and size and (single is None or size > single[2]):
+            single = (path, m, size)
+    found = best or single
+    return None if found is None else (found[0], found[1])
 
 
 def model_output(out: Any) -> Any:
@@ -111,10 +117,13 @@ class _Event:
 class _Run(TorchFunctionMode):
     """One run of the model on the sample, recorded by module hooks and a torch function mode."""
 
-    def __init__(self, model: nn.Module, blocks: List[nn.Module], around: Set[int]) -> None:
+    def __init__(self, model: nn.Module, blocks: List[nn.Module], around: Set[int], total: int) -> None:
         super().__init__()
         self.paths = {id(m): p for p, m in model.named_modules(remove_duplicate=False)}
         self.index = {id(b): i for i, b in enumerate(blocks)}
+        #: how many block calls the forward makes (more than the blocks where one block is called several times)
+        self.total = total
+        self._block_calls: List[Optional[int]] = []
         self.around = around
         self.phase = "before"
         self.stack: List[nn.Module] = []
@@ -133,12 +142,13 @@ class _Run(TorchFunctionMode):
 
     def pre(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         event = None
-        if id(module) in self.index:
-            i = self.index[id(module)]
-            self.calls[i] = (args, kwargs, _caller())
-            self.order.append(i)
+        call: Optional[int] = None
+        if id(module) in self.index and self._top():
+            call = len(self.order)  # the block calls are numbered in the order they come
+            self.calls[call] = (args, kwargs, _caller())
+            self.order.append(self.index[id(module)])
             self.phase = "blocks"
-            if i == 0:
+            if call == 0:
                 frame = model_frame()
                 self.first_scope = dict(frame.f_locals) if frame is not None else {}
         elif self._top() and id(module) not in self.around:
@@ -152,16 +162,17 @@ class _Run(TorchFunctionMode):
                 self.tail.append(event)
         self.stack.append(module)
         self._open.append(event)
+        self._block_calls.append(call)
 
     def post(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any) -> None:
         self.stack.pop()
         event = self._open.pop()
         if event is not None:
             event.out = out
-        if id(module) in self.index:
-            i = self.index[id(module)]
-            self.outs[i] = out
-            if i == len(self.index) - 1:
+        call = self._block_calls.pop()
+        if call is not None:
+            self.outs[call] = out
+            if call == self.total - 1:
                 self.phase = "after"
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -176,8 +187,35 @@ class _Run(TorchFunctionMode):
         return out
 
 
-def _record(model: nn.Module, blocks: List[nn.Module], around: Set[int], sample: Any) -> Tuple[_Run, Any]:
-    run = _Run(model, blocks, around)
+def _count_calls(model: nn.Module, blocks: List[nn.Module], sample: Any) -> int:
+    """How many times the model's forward calls its blocks on ``sample`` (a block shared by several places counts
+    each call)."""
+    count = [0]
+    ids = {id(b) for b in blocks}
+    depth = [0]
+
+    def pre(module: nn.Module, args: Any) -> None:
+        if id(module) in ids:
+            count[0] += depth[0] == 0
+            depth[0] += 1
+
+    def post(module: nn.Module, args: Any, out: Any) -> None:
+        if id(module) in ids:
+            depth[0] -= 1
+
+    hooks = [h for b in {id(b): b for b in blocks}.values()
+             for h in (b.register_forward_pre_hook(pre), b.register_forward_hook(post, always_call=True))]
+    try:
+        call_model(model, sample)
+    finally:
+        for h in hooks:
+            h.remove()
+    return count[0]
+
+
+def _record(model: nn.Module, blocks: List[nn.Module], around: Set[int], sample: Any,
+            total: int) -> Tuple[_Run, Any]:
+    run = _Run(model, blocks, around, total)
     hooks = []
     for m in {id(m): m for m in model.modules()}.values():
         hooks.append(m.register_forward_pre_hook(run.pre, with_kwargs=True))
@@ -212,9 +250,11 @@ def _pick(out: Any, nxt: Any) -> Optional[int]:
 def _blocks(run: _Run, path: str, count: int, name: str) -> Tuple[List[Tuple[Tuple[Any, ...], Dict[str, Any]]],
                                                                   List[Any], Dict[int, int], Optional[int],
                                                                   Dict[int, Source]]:
-    """Check the blocks were called one after another on each other's output; the templates' inputs, and where
-    the model holds the extras that only later blocks take (by extra index)."""
-    if run.order != list(range(count)):
+    """Check the blocks were called one after another on each other's output (``count`` calls: each block once in
+    order, or one block ``count`` times); the templates' inputs, and where the model holds the extras that only
+    later blocks take (by extra index)."""
+    shared = len(run.index) == 1
+    if run.order != ([0] * count if shared else list(range(count))):
         raise NotAStack(f"{name}.forward calls the blocks of {path} in the order {run.order}, not each once in "
                         "order")
     if run.between:
@@ -335,9 +375,9 @@ def stack_layers(model: nn.Module, sample: Any, path: str, stack: nn.Module) -> 
     around = {id(m) for m in around_mods}
     # mypy: nn.Module._modules is typed Optional for deleted children; a block list has none
     blocks: List[nn.Module] = list(stack._modules.values())  # type: ignore[arg-type]
-    count = len(blocks)
     with torch.no_grad():
-        run, out = _record(model, blocks, around, sample)
+        count = len(blocks) if len(blocks) > 1 else _count_calls(model, blocks, sample)
+        run, out = _record(model, blocks, around, sample, count)
     if 0 not in run.calls:
         raise NotAStack(f"{name}.forward did not call {path}.0 on the sample")
     calls, hiddens, extras, pick, sources = _blocks(run, path, count, name)
@@ -361,6 +401,8 @@ def stack_layers(model: nn.Module, sample: Any, path: str, stack: nn.Module) -> 
                        {p.replace(".", "_"): model.get_submodule(p) for p in owned}, kept,
                        template_of(calls[0], hiddens[0], extras), len(extras), _fixed(model), sources)
     layers: List[Layer] = [("embed", first, names)]
+    if len(blocks) == 1:
+        return layers + _shared(path, blocks[0], count, calls, hiddens, extras, pick) + tail
     for i, block in enumerate(blocks):
         template = template_of(calls[i], hiddens[i], extras)
         if not extras and pick is None and template == ((HIDDEN,), {}):
@@ -369,6 +411,22 @@ def stack_layers(model: nn.Module, sample: Any, path: str, stack: nn.Module) -> 
             layers.append((f"{path}.{i}", BlockCall(block, template, len(extras), pick, i == count - 1),
                            {"block": f"{path}.{i}"}))
     return layers + tail
+
+
+def _shared(path: str, block: nn.Module, count: int, calls: List[Tuple[Tuple[Any, ...], Dict[str, Any]]],
+            hiddens: List[Any], extras: Dict[int, int], pick: Optional[int]) -> List[Layer]:
+    """One block called ``count`` times: the same layer at ``count`` places (a module used at several places, as
+    pipeddp runs any: tied copies where the places fall in different stages), then the hidden state alone."""
+    templates = [template_of(calls[i], hiddens[i], extras) for i in range(count)]
+    if any(repr(t) != repr(templates[0]) for t in templates[1:]):
+        raise NotAStack(f"{path}.0 is called {count} times with other arguments besides the hidden state each time "
+                        f"({templates[0]!r}, then {next(t for t in templates if repr(t) != repr(templates[0]))!r}): "
+                        "one layer at several places runs one call")
+    if not extras and pick is None and templates[0] == ((HIDDEN,), {}):
+        return [(f"{path}.0", block, {"": f"{path}.0"})] * count
+    layer = BlockCall(block, templates[0], len(extras), pick, last=False)
+    places: List[Layer] = [(f"{path}.0", layer, {"block": f"{path}.0"})] * count
+    return places + ([("hidden", Functional(operator.getitem, INPUT, 0), {})] if extras else [])
 
 
 def _owned(model: nn.Module, before: List[str], used: Set[str], around: Set[int]) -> List[str]:
