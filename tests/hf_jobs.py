@@ -65,6 +65,16 @@ def albert(seed: int = 0, layers: int = 3) -> nn.Module:
     return AlbertForMaskedLM(config).double()
 
 
+def t5(seed: int = 0) -> nn.Module:
+    """An encoder-decoder: the decoder's first block computes the position bias that every later block is given."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    config = T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=3,
+                      num_heads=4, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    return T5ForConditionalGeneration(config).double()
+
+
 def vit(seed: int = 0) -> nn.Module:
     import timm
 
@@ -73,7 +83,7 @@ def vit(seed: int = 0) -> nn.Module:
                              embed_dim=32, num_heads=2, num_classes=5).double()
 
 
-MODELS = {"gpt2": gpt2, "llama": llama, "gemma2": gemma2, "albert": albert, "vit": vit}
+MODELS = {"gpt2": gpt2, "llama": llama, "gemma2": gemma2, "albert": albert, "t5": t5, "vit": vit}
 
 
 def tokens(n: int, seed: int, padded: bool) -> Tuple[Dict[str, torch.Tensor], torch.Tensor]:

@@ -1,7 +1,8 @@
 """Model families whose blocks take more than the first block is given, opened by ``flatten_sequential``'s one
 mechanism (record what each block receives, carry it between blocks), against the original models in float64:
-per-layer masks (Gemma2: alternate layers take a sliding-window and a full causal mask), and a layer shared by
-several blocks (ALBERT calls its one layer group at every block)."""
+per-layer masks (Gemma2: alternate layers take a sliding-window and a full causal mask), a layer shared by
+several blocks (ALBERT calls its one layer group at every block), and an encoder-decoder whose first decoder block
+computes what the later ones are given (T5's position bias)."""
 
 from __future__ import annotations
 
@@ -98,3 +99,48 @@ def test_a_layer_shared_by_every_block_albert_equals_the_original(padded):
                 assert torch.equal(other.state_dict()[key], value), key
             pipe.load_state_dict(fresh("albert").state_dict(), strict=True)
             torch.testing.assert_close(pipe(x), logits(fresh("albert"), x), rtol=0, atol=1e-12)
+
+
+def seq2seq(n, seed, padded):
+    """T5's batch: the encoder's tokens (padded: every other row loses its last two), the decoder's, and targets."""
+    x, y = batch("t5", n, seed, padded)
+    g = torch.Generator().manual_seed(seed + 50)
+    x["decoder_input_ids"] = torch.randint(2, 40, (n, 5), generator=g)
+    if padded:
+        x["decoder_attention_mask"] = torch.ones(n, 5, dtype=torch.long)
+    return x, torch.randint(0, 40, (n, 5), generator=g)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_an_encoder_decoder_t5_carries_the_first_blocks_position_bias(padded):
+    reference = MODELS["t5"]()
+    sample, _ = seq2seq(4, 0, padded)
+    x, y = seq2seq(6, 1, padded)
+    want = logits(reference, x)
+    loss = loss_fn(want, y)
+    loss.backward()
+    for stages, balance in ((2, [2, 6]), (4, [1, 1, 1, 5])):
+        model = MODELS["t5"]()
+        flat = flatten_sequential(model, sample)
+        # the encoder runs inside the first layer; the decoder's blocks are layers of their own
+        assert list(flat._modules)[:4] == ["embed", "decoder_block_0", "decoder_block_1", "decoder_block_2"]
+        assert flat.decoder_block_0.makes and not flat.decoder_block_1.makes  # the position biases, made once
+        with pipeddp.Pipeline(flat, ["cpu"] * stages, chunks=CHUNKS, balance=balance) as pipe:
+            assert abs(pipe.train_step(x, y, loss_fn).item() - loss.item()) < 1e-12
+            assert (pipe(x) - want).abs().max().item() < 1e-12
+            names = pipe.key_names
+            grads = {names.original(n): p.grad for n, p in pipe.named_parameters()}
+            aliases = {}  # T5's shared embedding has a name in the encoder, the decoder and the model
+            for name, p in reference.named_parameters(remove_duplicate=False):
+                aliases.setdefault(id(p), (p, []))[1].append(name)
+            for p, names_of_p in aliases.values():
+                found = [grads[n] for n in names_of_p if n in grads]
+                assert found, names_of_p
+                for g in found:
+                    assert (g - p.grad).abs().max().item() < 1e-12, (stages, names_of_p)
+            other = fresh("t5")
+            other.load_state_dict(pipe.state_dict(), strict=True)
+            for key, value in model.state_dict().items():
+                assert torch.equal(other.state_dict()[key], value), key
+            pipe.load_state_dict(fresh("t5").state_dict(), strict=True)
+            torch.testing.assert_close(pipe(x), logits(fresh("t5"), x), rtol=0, atol=1e-12)

@@ -146,7 +146,7 @@ def take(template: Template, call: Call, count: int, elsewhere: Optional[Dict[in
         return hidden
     extras = []
     for i in range(count):
-        v = found[i]
+        v = found.get(i)  # None too for a value a later block computes: its place travels empty until then
         extras.append(v if v is not None else torch.empty(0, dtype=torch.int64, device=hidden.device))
     return (hidden, *extras)
 

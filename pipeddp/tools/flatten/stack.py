@@ -249,7 +249,7 @@ def _pick(out: Any, nxt: Any) -> Optional[int]:
 
 def _blocks(run: _Run, path: str, count: int, name: str) -> Tuple[List[Tuple[Tuple[Any, ...], Dict[str, Any]]],
                                                                   List[Any], Dict[int, int], Optional[int],
-                                                                  Dict[int, Source]]:
+                                                                  Dict[int, Source], Dict[int, Tuple[int, int]]]:
     """Check the blocks were called one after another on each other's output (``count`` calls: each block once in
     order, or one block ``count`` times); the templates' inputs, and where the model holds the extras that only
     later blocks take (by extra index)."""
@@ -268,6 +268,7 @@ def _blocks(run: _Run, path: str, count: int, name: str) -> Tuple[List[Tuple[Tup
     place = _hidden_place((args0, kwargs0), hidden)
     extras: Dict[int, int] = {}
     sources: Dict[int, Source] = {}
+    produced: Dict[int, Tuple[int, int]] = {}  # extra index -> (block call, index in its output)
     for t in firsts[1:]:
         if t is not hidden:
             extras.setdefault(id(t), len(extras))
@@ -285,13 +286,32 @@ def _blocks(run: _Run, path: str, count: int, name: str) -> Tuple[List[Tuple[Tup
         for at, leaf in leaves(list(args), "args") + leaves(dict(kwargs), "kwargs"):
             if isinstance(leaf, torch.Tensor) and leaf is not got and id(leaf) not in extras:
                 source = find_source(run.first_scope, leaf)
-                if source is None:
+                made = _made_by(run, leaf, i)
+                if source is None and made is None:
                     raise NotAStack(f"{path}.{i} is given a tensor at {at} ({where}) that the model neither gave its "
-                                    "first block nor held when it called it: each block may take only the previous "
-                                    "block's output and what the model computed for all of them before the first")
-                sources[extras.setdefault(id(leaf), len(extras))] = source
+                                    "first block nor held when it called it, and no earlier block returned: each "
+                                    "block may take only the previous block's output, what the model computed for "
+                                    "all of them before the first, and what an earlier block returned")
+                index = extras.setdefault(id(leaf), len(extras))
+                if source is not None:
+                    sources[index] = source
+                else:
+                    assert made is not None
+                    produced[index] = made
     calls = [(run.calls[i][0], run.calls[i][1]) for i in range(count)]
-    return calls, hiddens, extras, pick, sources
+    return calls, hiddens, extras, pick, sources, produced
+
+
+def _made_by(run: _Run, leaf: torch.Tensor, before: int) -> Optional[Tuple[int, int]]:
+    """``(block call, index in its output)`` of the earliest block before ``before`` that returned ``leaf`` beside
+    its hidden state (T5's first block computes the position bias that every later block is given)."""
+    for j in range(before):
+        out = run.outs[j]
+        if isinstance(out, (tuple, list)):
+            for k, v in enumerate(out):
+                if v is leaf:
+                    return j, k
+    return None
 
 
 def _tail(run: _Run, start: Any, final: Any, name: str) -> List[Tuple[str, nn.Module, Dict[str, str]]]:
@@ -380,7 +400,7 @@ def stack_layers(model: nn.Module, sample: Any, path: str, stack: nn.Module) -> 
         run, out = _record(model, blocks, around, sample, count)
     if 0 not in run.calls:
         raise NotAStack(f"{name}.forward did not call {path}.0 on the sample")
-    calls, hiddens, extras, pick, sources = _blocks(run, path, count, name)
+    calls, hiddens, extras, pick, sources, produced = _blocks(run, path, count, name)
     last = run.outs[count - 1]
     start = last if pick is None else last[pick]
     if not isinstance(start, torch.Tensor):
@@ -402,13 +422,17 @@ def stack_layers(model: nn.Module, sample: Any, path: str, stack: nn.Module) -> 
                        template_of(calls[0], hiddens[0], extras), len(extras), _fixed(model), sources)
     layers: List[Layer] = [("embed", first, names)]
     if len(blocks) == 1:
+        if produced:
+            raise NotAStack(f"{path}.0 is called {count} times and gives a later call what an earlier one returned: "
+                            "one layer at several places runs one call")
         return layers + _shared(path, blocks[0], count, calls, hiddens, extras, pick) + tail
     for i, block in enumerate(blocks):
         template = template_of(calls[i], hiddens[i], extras)
+        makes = {e: k for e, (j, k) in produced.items() if j == i}
         if not extras and pick is None and template == ((HIDDEN,), {}):
             layers.append((f"{path}.{i}", block, {"": f"{path}.{i}"}))
         else:
-            layers.append((f"{path}.{i}", BlockCall(block, template, len(extras), pick, i == count - 1),
+            layers.append((f"{path}.{i}", BlockCall(block, template, len(extras), pick, i == count - 1, makes),
                            {"block": f"{path}.{i}"}))
     return layers + tail
 

@@ -18,7 +18,8 @@ without being registered, so a stage holds, moves and saves only what it
 runs.
 
 ``BlockCall`` calls one block as the model called it (``carry.fill``) and
-passes the extras on.
+passes the extras on, with those it computes for later blocks (T5's first
+block returns the position bias every later block is given) in their places.
 """
 
 from __future__ import annotations
@@ -206,13 +207,16 @@ class BlockCall(nn.Module):
     the output); ``last``: the last block passes the hidden state alone.
     """
 
-    def __init__(self, block: nn.Module, template: Template, count: int, pick: Optional[int], last: bool) -> None:
+    def __init__(self, block: nn.Module, template: Template, count: int, pick: Optional[int], last: bool,
+                 makes: Optional[Dict[int, int]] = None) -> None:
         super().__init__()
         self.block = block
         self.template = template
         self.count = count
         self.pick = pick
         self.last = last
+        #: carried values this block computes for later blocks: extra index -> index in the block's output
+        self.makes = dict(makes or {})
 
     # mypy: nn.Module.forward is variadic; a stage layer takes its one carried value
     def forward(self, carried: Any) -> Any:  # type: ignore[override]
@@ -222,6 +226,11 @@ class BlockCall(nn.Module):
             hidden, extras = carried, ()
         args, kwargs = fill(self.template, hidden, extras)
         out = self.block(*args, **kwargs)
+        if self.makes:
+            made = list(extras)
+            for e, k in self.makes.items():
+                made[e] = out[k]
+            extras = tuple(made)
         if self.pick is not None:
             out = out[self.pick]
         return out if self.last or not self.count else (out, *extras)
