@@ -144,3 +144,17 @@ def test_an_encoder_decoder_t5_carries_the_first_blocks_position_bias(padded):
                 assert torch.equal(other.state_dict()[key], value), key
             pipe.load_state_dict(fresh("t5").state_dict(), strict=True)
             torch.testing.assert_close(pipe(x), logits(fresh("t5"), x), rtol=0, atol=1e-12)
+
+
+def test_a_head_that_reads_the_input_is_refused_with_the_real_reason_first():
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    model = GPT2ForSequenceClassification(GPT2Config(vocab_size=40, n_positions=16, n_embd=32, n_layer=2, n_head=2,
+                                                     num_labels=3, pad_token_id=0, bos_token_id=0,
+                                                     eos_token_id=0)).double()
+    x, _ = batch("gpt2", 4, 0, True)
+    with pytest.raises(ValueError) as info:
+        flatten_sequential(model, x)
+    message = str(info.value)
+    assert message.index("a value computed from the model's input") < message.index("torch.fx")
+    assert "write the head as a layer by hand" in message

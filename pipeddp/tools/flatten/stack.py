@@ -136,6 +136,8 @@ class _Run(TorchFunctionMode):
         self._open: List[Optional[_Event]] = []
         #: the locals of the model's code where it calls the first block (where later blocks' values may wait)
         self.first_scope: Dict[str, Any] = {}
+        #: the model's input tensors, and what the steps after the last block compute from them
+        self.from_input: Set[int] = set()
 
     def _top(self) -> bool:
         return all(id(m) in self.around for m in self.stack)
@@ -180,6 +182,8 @@ class _Run(TorchFunctionMode):
         if self.phase != "after" or not self._top():
             return out
         given = {id(v) for _, v in leaves(list(args), "") + leaves(dict(kwargs or {}), "")}
+        if given & self.from_input:  # computed from the model's input after the last block (a head's pooling)
+            self.from_input.update(id(v) for _, v in leaves(out, "") if isinstance(v, torch.Tensor))
         if any(isinstance(v, torch.Tensor) and id(v) not in given for _, v in leaves(out, "")):  # not x.to(x.device)
             event = _Event(func, getattr(func, "__name__", str(func)), tuple(args), dict(kwargs or {}), _caller())
             event.out = out
@@ -216,6 +220,7 @@ def _count_calls(model: nn.Module, blocks: List[nn.Module], sample: Any) -> int:
 def _record(model: nn.Module, blocks: List[nn.Module], around: Set[int], sample: Any,
             total: int) -> Tuple[_Run, Any]:
     run = _Run(model, blocks, around, total)
+    run.from_input = {id(v) for _, v in leaves(sample, "") if isinstance(v, torch.Tensor)}
     hooks = []
     for m in {id(m): m for m in model.modules()}.values():
         hooks.append(m.register_forward_pre_hook(run.pre, with_kwargs=True))
@@ -339,6 +344,11 @@ def _tail(run: _Run, start: Any, final: Any, name: str) -> List[Tuple[str, nn.Mo
         inputs = [(w, v) for w, v in leaves(list(event.args), "args") + leaves(dict(event.kwargs), "kwargs")
                   if isinstance(v, torch.Tensor)]
         distinct = {id(v): v for _, v in inputs}
+        if len(distinct) > 1 and any(id(v) in run.from_input for v in distinct.values()):
+            raise NotAStack(f"{event.path} ({event.where}) after the last block combines the last block's output "
+                            "with a value computed from the model's input (as the *ForSequenceClassification heads "
+                            "pick each row's last non-padding token from input_ids), which is not opened: write the "
+                            "head as a layer by hand, carrying what it needs through the blocks (docs/models.md)")
         if len(distinct) != 1:
             what = "no tensor" if not distinct else " and ".join(w for w, _ in inputs)
             raise NotAStack(f"{event.path} ({event.where}) after the last block takes {what}: each step after the "
