@@ -75,7 +75,7 @@ class CallCheck:
         with self._waiting(f"entered {call}, a collective, and not every rank came: each must call {call} too, "
                            "together (not under `if rank == 0:`); or a rank stalled or died"):
             dist.all_gather(gathered, t, group=group)
-        rows = [[int(v) for v in g.tolist()] for g in gathered]
+        rows = [[int(v) for v in row] for row in torch.stack(gathered).tolist()]  # one device-to-host copy
         calls = [COLLECTIVES[row[0]] if 0 <= row[0] < len(COLLECTIVES) else "?" for row in rows]
         if len(set(calls)) > 1:
             listing = ", ".join(f"rank {r} {c}" for r, c in zip(ranks, calls))
@@ -195,10 +195,13 @@ class Agreement(CallCheck):
 
     # -- the loss and non-finite steps -----------------------------------------------------------------
 
-    def finish_step(self, local_loss: float, params: Iterable[nn.Parameter], *, skip_nonfinite: bool,
+    def finish_step(self, local_loss: Optional[torch.Tensor], params: Iterable[nn.Parameter], *, skip_nonfinite: bool,
                     skipped: int, overflow_to_scaler: bool = False,
                     count: Optional[float] = None) -> Tuple[torch.Tensor, bool, Optional[float]]:
         """Average the loss over replicas (one collective); vote on non-finite gradients.
+
+        ``local_loss``: this rank's loss, a tensor (None where it runs no last stage); it, the vote and the count
+        travel in one tensor and come to the host in one copy, after the gather.
 
         ``count``: where the loss_fn returned ``(total, count)``, ``local_loss``
         is this rank's sum of totals and ``count`` its sum of counts; the loss is
@@ -216,14 +219,16 @@ class Agreement(CallCheck):
         """
         params = list(params)
         grads = [p.grad for p in params if p.grad is not None]
-        bad_loss = bad_grads = 0.0
-        if skip_nonfinite:
-            bad_loss = 0.0 if math.isfinite(local_loss) else 1.0
+        dev, f64 = self.comm_device, torch.float64
+        # every value stays a tensor on the device until the one copy of the gathered table: no sync before it
+        loss = local_loss.detach().reshape(()).to(dev, f64) if local_loss is not None else torch.zeros((), dtype=f64,
+                                                                                                      device=dev)
+        bad_grads = torch.zeros((), dtype=f64, device=dev)
         if (skip_nonfinite or overflow_to_scaler) and grads:
-            bad_grads = 0.0 if bool(torch.stack([torch.isfinite(local_tensor(g)).all() for g in grads]).all()) \
-                else 1.0  # a sharded gradient votes with its own shard; the vote below joins every rank
-        mine = torch.tensor([local_loss, bad_loss, bad_grads, count or 0.0, count is not None],
-                            dtype=torch.float64, device=self.comm_device)
+            finite = torch.stack([torch.isfinite(local_tensor(g)).all().to(dev) for g in grads]).all()
+            bad_grads = (~finite).to(f64)  # a sharded gradient votes with its own shard; the gather joins every rank
+        rest = torch.tensor([count or 0.0, count is not None], dtype=f64, device=dev)
+        mine = torch.cat([loss.reshape(1), bad_grads.reshape(1), rest])
         if self.distributed:
             everyone = [torch.zeros_like(mine) for _ in range(self.topology.world_size)]
             with self._waiting("waited for every rank's loss at the end of a step: a rank stalled or died in its "
@@ -231,14 +236,15 @@ class Agreement(CallCheck):
                 dist.all_gather(everyone, mine, group=self.topology.group)
         else:
             everyone = [mine]
-        total = sum(t[0].item() for t in everyone)
-        counted = any(t[4].item() > 0 for t in everyone)
-        n = sum(t[3].item() for t in everyone) if counted else None
+        table = torch.stack(everyone).tolist()  # every rank's row (loss, bad grads, count, counted), one copy
+        total = sum(t[0] for t in table)
+        counted = any(t[3] > 0 for t in table)
+        n = sum(t[2] for t in table) if counted else None
         loss = torch.tensor(total / self.topology.replicas if n is None else (total / n if n else float("nan")),
                             dtype=torch.float64)
         ranks = self.topology.job_ranks if self.distributed else [self.topology.rank]
-        losses = [r for r, t in zip(ranks, everyone) if t[1].item() > 0]
-        grads_bad = [r for r, t in zip(ranks, everyone) if t[2].item() > 0]
+        losses = [r for r, t in zip(ranks, table) if skip_nonfinite and not math.isfinite(t[0])]
+        grads_bad = [r for r, t in zip(ranks, table) if t[1] > 0]
         if overflow_to_scaler and grads_bad:
             if grads:
                 grads[0].fill_(float("inf"))  # any layout; the scaler only needs to find one inf

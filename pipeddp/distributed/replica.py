@@ -82,7 +82,7 @@ class Replica:
         loss = self.step.train_passes(x, y, loss_fn, n, plan.accumulation if plan is not None else 1,
                                       loss_scale=scaler.scale if scaler is not None else None)
         with self._agreeing():
-            mean, skipped, count = self.agreement.finish_step(0.0 if loss is None else loss.item(), params,
+            mean, skipped, count = self.agreement.finish_step(loss, params,
                                                               skip_nonfinite=skip_nonfinite,
                                                               skipped=self.skipped_steps,
                                                               overflow_to_scaler=scaler is not None,
