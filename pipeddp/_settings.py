@@ -156,4 +156,4 @@ def choose_partition(model: nn.Sequential, stages: int, balance: Union[None, str
     pieces = settings.chunks or 1
     if sample is not None and settings.split_size is not None:
         pieces = max(1, -(-batch_size(sample, name="sample") // settings.split_size))
-    return partition(model, stages, method=balance, sample=sample, chunks=pieces, device=device)
+    return partition(model, stages, method=balance, sample=sample, chunks=pieces, device=device, init=settings.init)

@@ -187,6 +187,30 @@ def test_init_of_ones_own_replaces_reset_parameters_in_every_layout():
         pipeddp.Pipeline(build(), ["cpu", "cpu"], init="normal")
 
 
+def test_balance_time_on_a_meta_model_profiles_with_the_engines_init():
+    class Scale(nn.Module):  # owns a parameter, no reset_parameters: only init= can initialise it
+        def __init__(self):
+            super().__init__()
+            self.s = nn.Parameter(torch.ones(12, dtype=torch.float64))
+
+        def forward(self, x):
+            return x * self.s
+
+    def meta():
+        with torch.device("meta"):
+            return nn.Sequential(nn.Linear(12, 12, dtype=torch.float64), Scale(), nn.Tanh(),
+                                 nn.Linear(12, 12, dtype=torch.float64), Scale())
+
+    x = torch.randn(8, 12, dtype=torch.float64)
+    with pipeddp.Pipeline(meta(), ["cpu", "cpu"], chunks=2, balance="time", sample=x, seed=3,
+                          init=small_init) as pipe:
+        pipe.eval()
+        with torch.no_grad():
+            got = pipe(x)
+    want = pipeddp.materialize(meta(), seed=3, init=small_init).eval()(x)
+    assert (got - want).abs().max().item() < 1e-12
+
+
 def test_plan_measures_a_meta_model_too():
     from pipeddp.tools.plan import fit_layers
 

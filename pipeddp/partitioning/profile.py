@@ -114,6 +114,7 @@ def profile_layers(
     timed: bool = True,
     progress: Optional[Callable[[int, int], None]] = None,
     whole: Optional[Any] = None,
+    init: Optional[Init] = None,
 ) -> List[LayerCost]:
     """Cost of every layer of ``layers`` (see module docstring).
 
@@ -123,7 +124,9 @@ def profile_layers(
     profiling neither moves the user's model nor touches its gradients.
     ``progress(done, total)`` is called after every layer run, so that a
     command line can show how far a profile of many seconds has come.
-    ``whole``: the batch ``sample`` was cut from, named in the error if a layer fails.
+    ``whole``: the batch ``sample`` was cut from, named in the error if a layer fails. ``init``: how a layer on
+    the meta device is initialised for its turn (default: the flattened model's recorded one, else each module's
+    ``reset_parameters``).
     """
     named = layers_of(layers)  # every position: a module used twice is profiled twice
     costs: List[LayerCost] = []
@@ -147,7 +150,8 @@ def profile_layers(
 
     x = tree_map(lambda t: t.detach().to(device), sample)
     if any(is_meta(layer) for _, layer in named):
-        fb, outs = _one_at_a_time(named, x, device, rounds, sample, whole, advance, recorded_init(layers))
+        fb, outs = _one_at_a_time(named, x, device, rounds, sample, whole, advance,
+                                   init if init is not None else recorded_init(layers))
     else:
         fb, outs = _round_robin(named, x, device, rounds, sample, whole, advance)
     for i, (name, _) in enumerate(named):

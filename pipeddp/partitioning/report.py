@@ -199,6 +199,7 @@ def partition(
     link_bandwidth: Optional[float] = None,
     repeat: int = 3,
     progress: Optional[Callable[[int, int], None]] = None,
+    init: Optional[Callable[[nn.Module], None]] = None,
 ) -> Partition:
     """Cut ``model`` into ``stages`` balanced contiguous stages.
 
@@ -209,7 +210,8 @@ def partition(
     layers) or an explicit list of layers per stage. ``link_bandwidth``
     (bytes/s) prices sending an activation between stages under ``"time"``;
     0 cost when it is None and the stages share a device type of CPU.
-    ``progress(done, total)`` reports the profile's progress (see ``profile_layers``).
+    ``progress(done, total)`` reports the profile's progress (see ``profile_layers``). ``init``: how a
+    model on the meta device is initialised while each layer is profiled (as the engines' ``init=``).
     """
     check_model(model)
     n = len(model)
@@ -228,7 +230,7 @@ def partition(
         )
     mb = sample_microbatch(sample, chunks) if sample is not None else None
     layers = profile_layers(model, mb, device=torch.device(device) if device is not None else None,
-                            repeat=repeat, timed=method == "time", progress=progress, whole=sample)
+                            repeat=repeat, timed=method == "time", progress=progress, whole=sample, init=init)
     comm = [0.0] * n
     if method == "time":
         costs = [c.time for c in layers]
