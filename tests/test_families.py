@@ -19,6 +19,17 @@ from hf_jobs import MODELS, batch, fresh, logits, loss_fn  # noqa: E402
 CHUNKS = 3
 
 
+def loads_both_ways(pipe, model, kind, x):
+    """The pipeline's weights load into a fresh original model (strict), and a fresh original's into the pipeline,
+    which then computes that model's logits."""
+    other = fresh(kind)
+    other.load_state_dict(pipe.state_dict(), strict=True)
+    for key, value in model.state_dict().items():
+        assert torch.equal(other.state_dict()[key], value), key
+    pipe.load_state_dict(fresh(kind).state_dict(), strict=True)
+    torch.testing.assert_close(pipe(x), logits(fresh(kind), x), rtol=0, atol=1e-12)
+
+
 def over_micro_batches(model, x, y, chunks=CHUNKS):
     """The original model's gradients over the pipeline's micro-batches (equal rows, each loss weighted n_i/N)."""
     n = y.shape[0]
@@ -57,12 +68,7 @@ def test_per_layer_masks_gemma2_equals_the_original(padded):
                 # float32's rounding of the whole batch's sums
                 assert (got - micro[name]).abs().max().item() < 1e-12, (stages, name)
                 assert (got - whole[name]).abs().max().item() < 1e-7, (stages, name)
-            other = fresh("gemma2")
-            other.load_state_dict(pipe.state_dict(), strict=True)
-            for key, value in model.state_dict().items():
-                assert torch.equal(other.state_dict()[key], value), key
-            pipe.load_state_dict(fresh("gemma2").state_dict(), strict=True)
-            torch.testing.assert_close(pipe(x), logits(fresh("gemma2"), x), rtol=0, atol=1e-12)
+            loads_both_ways(pipe, model, "gemma2", x)
 
 
 @pytest.mark.parametrize("padded", [False, True])
@@ -93,12 +99,7 @@ def test_a_layer_shared_by_every_block_albert_equals_the_original(padded):
                 assert copies, name
                 for got in copies:
                     assert (got - p.grad).abs().max().item() < 1e-12, (stages, name)
-            other = fresh("albert")
-            other.load_state_dict(pipe.state_dict(), strict=True)
-            for key, value in model.state_dict().items():
-                assert torch.equal(other.state_dict()[key], value), key
-            pipe.load_state_dict(fresh("albert").state_dict(), strict=True)
-            torch.testing.assert_close(pipe(x), logits(fresh("albert"), x), rtol=0, atol=1e-12)
+            loads_both_ways(pipe, model, "albert", x)
 
 
 def seq2seq(n, seed, padded):
@@ -138,12 +139,7 @@ def test_an_encoder_decoder_t5_carries_the_first_blocks_position_bias(padded):
                 assert found, names_of_p
                 for g in found:
                     assert (g - p.grad).abs().max().item() < 1e-12, (stages, names_of_p)
-            other = fresh("t5")
-            other.load_state_dict(pipe.state_dict(), strict=True)
-            for key, value in model.state_dict().items():
-                assert torch.equal(other.state_dict()[key], value), key
-            pipe.load_state_dict(fresh("t5").state_dict(), strict=True)
-            torch.testing.assert_close(pipe(x), logits(fresh("t5"), x), rtol=0, atol=1e-12)
+            loads_both_ways(pipe, model, "t5", x)
 
 
 def test_a_head_that_reads_the_input_is_refused_with_the_real_reason_first():
