@@ -249,3 +249,113 @@ def test_the_recompute_replays_its_masks_while_the_prefetch_thread_draws():
     replays = [mask for again, mask in recorder.calls if again]
     assert len(first) == len(replays) == 120  # 30 steps x 4 micro-batches
     assert sum(not torch.equal(a, b) for a, b in zip(first, replays)) == 0
+
+
+class DrawProbe(nn.Module):
+    """Dropout, and where this thread's random ops drew from while it ran: the stage's own generator (a dispatch
+    mode hands it to them) or the process's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.own = []
+
+    def forward(self, x):
+        from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+        from pipeddp.runtime import rng
+
+        mode = _get_current_dispatch_mode()
+        self.own.append(isinstance(mode, rng._OwnDraws))
+        return F.dropout(x, 0.5, training=self.training)
+
+
+def test_cpu_stages_with_dropout_draw_from_their_own_generators_without_the_lock():
+    """After the first forward (which finds what a stage draws), a CPU stage's draws go to a generator of its own,
+    so two stages with dropout never take turns on the process generator's lock."""
+    probes = [DrawProbe(), DrawProbe()]
+    model = nn.Sequential(nn.Linear(8, 8), probes[0], nn.Linear(8, 8), probes[1]).double()
+    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)
+    with pipeddp.Pipeline(model, ["cpu", "cpu"], chunks=4, balance=[2, 2], checkpoint="always") as pipe:
+        for _ in range(3):
+            pipe.train_step(x, y, LOSS)
+    for probe in probes:
+        # the first forward, which finds what the stage draws, under the process's generator; every later one,
+        # replays included, under the stage's own
+        assert len(probe.own) == 24 and probe.own[0] is False and all(probe.own[1:])
+
+
+@pytest.mark.timeout(120)
+def test_a_thread_drawing_from_the_process_generator_does_not_shift_a_stage_s_masks():
+    """A thread pipeddp does not own draws from the CPU generator all through the steps: every replay still sees
+    its first forward's mask (the step's base seed is drawn from that generator, so the thread moves the masks
+    themselves, as ``torch.manual_seed`` does, but no longer splits a micro-batch from its replay)."""
+    import threading
+
+    recorder = Recorder()
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), recorder, nn.Linear(16, 16)).double()
+    stop, draws = threading.Event(), [0]
+
+    def draw():
+        while not stop.is_set():
+            torch.rand(64)
+            draws[0] += 1
+
+    noise = threading.Thread(target=draw, daemon=True)
+    noise.start()
+    try:
+        with pipeddp.Pipeline(model, ["cpu", "cpu"], chunks=4, checkpoint="always", balance=[2, 2]) as pipe:
+            for _ in range(30):
+                x = torch.randn(8, 16, dtype=torch.float64)
+                pipe.train_step(x, x, LOSS)
+    finally:
+        stop.set()
+        noise.join()
+    first = [mask for again, mask in recorder.calls if not again]
+    replays = [mask for again, mask in recorder.calls if again]
+    assert draws[0] > 100 and len(first) == len(replays) == 120
+    # all but the stage's very first forward, which finds what it draws under the process's generator (the
+    # thread may shift that one, as it would torch.utils.checkpoint's)
+    assert sum(not torch.equal(a, b) for a, b in zip(first[1:], replays[1:])) == 0
+
+
+class SelfCheckpointed(nn.Module):
+    """A layer that checkpoints itself with torch.utils.checkpoint (which stashes the process's generator state to
+    replay the layer in backward), or the same layer run plainly."""
+
+    def __init__(self, itself: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.itself = itself
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        def run(t):
+            return F.dropout(self.lin(t), 0.5, training=self.training)
+
+        return checkpoint(run, x, use_reentrant=False) if self.itself else run(x)
+
+
+def test_a_layer_that_checkpoints_itself_keeps_the_process_generator_and_replays_exactly():
+    """Its replay in backward draws from the process's generator as stashed: the stage keeps that generator (an
+    own one would make the replay draw other numbers), and the gradients are those of the plain layer."""
+    def grads(itself: bool, checkpoint: str):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), SelfCheckpointed(itself), nn.Tanh(), SelfCheckpointed(itself)).double()
+        x, y = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)
+        torch.manual_seed(9)
+        with pipeddp.Pipeline(model, ["cpu", "cpu"], chunks=2, balance=[2, 2], checkpoint=checkpoint) as pipe:
+            out = []
+            for _ in range(3):
+                pipe.zero_grad()
+                pipe.train_step(x, y, LOSS)
+                out.append([p.grad.clone() for p in pipe.parameters()])
+            own = [st.replay._own for st in pipe.stages]
+        return out, own
+
+    plain, own = grads(False, "never")
+    assert own == [{(True, True): True}, {(True, True): True}]  # plain dropout: generators of their own
+    for checkpoint in ("never", "always"):
+        got, own = grads(True, checkpoint)
+        assert own == [{(True, True): False}, {(True, True): False}]  # they read the generator: the process's
+        assert all(torch.equal(a, b) for step, other in zip(plain, got) for a, b in zip(step, other)), checkpoint

@@ -31,21 +31,33 @@ The CPU generator is one per process, so a thread that draws from it while
 a stage holds it seeded shifts the stage's numbers, and the replay would see
 others. pipeddp's own threads that run user code (the ``prefetch`` thread,
 loading a dataset that draws for random crops and flips) take the same lock
-around that code (``ForeignDraws``), once it is found to draw. Threads pipeddp
-does not own cannot be held back: a user thread that draws from the CPU
-generator during a step with dropout under recompute breaks the replay, as it
-breaks ``torch.utils.checkpoint``'s (torch has no per-thread default generator).
+around that code (``ForeignDraws``), once it is found to draw. A thread that
+pipeddp does not own cannot be held back; it can only meet a stage's first
+forward in a mode (which finds what the stage draws) and a stage that keeps
+the process's generator (below), as it would ``torch.utils.checkpoint``'s
+replay (torch has no per-thread default generator): every other forward
+draws from a generator of its stage's own.
 
-Why not a generator per stage, which would let CPU stages with dropout run
-without waiting for each other's lock? torch's ops draw from the default
-generator unless given one, and a layer that checkpoints itself
-(``torch.utils.checkpoint``, as Hugging Face's gradient checkpointing does)
-stashes and restores the *default* generator's state to replay its forward:
-routing the stage's draws elsewhere (a dispatch mode handing each random op a
-stage generator) would make that replay draw other numbers than the forward,
-silently. So two CPU stages that both draw take turns on the CPU generator's
-lock for the length of a forward; stages that draw nothing never wait, nor
-do GPU stages on different devices (each draws from its device's generator).
+On the CPU the draws of a stage go to a generator of its own: once a
+stage's first forward in a mode is seen to draw from the CPU generator, and
+not to read or set that generator's state itself, its forwards run under a
+dispatch mode (``_OwnDraws``, this thread only) that hands every random op
+of the CPU the stage's generator, seeded as above. Stages then never wait for
+each other's lock, and a thread that draws from the process's generator (the
+user's, pipeddp's prefetch) cannot shift their numbers. An op that takes no
+generator (``rand_like``, the CPU's fused attention with dropout) borrows the
+process's generator under its lock with the stage generator's state swapped
+in and out, so that it draws what it would have drawn from there. The numbers
+are the same either way, bit for bit: a generator seeded alike draws alike.
+
+A stage whose forward reads or sets the process's generator state itself
+(``torch.utils.checkpoint`` in a layer stashes it to replay the layer in
+backward, outside any pipeddp context; ``fork_rng``; ``manual_seed``) keeps
+the process's generator, seeded under its lock for the whole forward, as
+that replay needs; so does a compiled stage, where a dispatch mode cannot
+reach the ops. Such a stage holds that lock through its backwards too
+(``backward_guard``): the layer's replay there sets and draws from the
+process's generator, which another stage's seeded forward must not meet.
 
 ``is_recomputing()`` tells a layer that its forward is a replay (to skip
 side effects such as updating statistics); ``is_checkpointing()`` that its
@@ -61,15 +73,18 @@ and replayed. A layer tells the three forwards apart::
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
-from typing import Dict, FrozenSet, Hashable, Iterator, List, Optional
+from types import FrameType
+from typing import Any, Callable, ContextManager, Dict, FrozenSet, Hashable, Iterator, List, Optional
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["Replay", "ForeignDraws", "draw_base_seed", "is_checkpointing", "is_recomputing", "checkpointing",
            "recomputing"]
 
-_locks: Dict[str, threading.Lock] = {}
+_locks: Dict[str, threading.RLock] = {}  # re-entrant: a backward that holds it may recompute a forward
 _locks_guard = threading.Lock()
 _state = threading.local()
 
@@ -116,9 +131,9 @@ def checkpointing() -> Iterator[None]:
         _state.checkpointing = before
 
 
-def _lock(key: str) -> threading.Lock:
+def _lock(key: str) -> threading.RLock:
     with _locks_guard:
-        return _locks.setdefault(key, threading.Lock())
+        return _locks.setdefault(key, threading.RLock())
 
 
 def _get(key: str) -> torch.Tensor:
@@ -140,12 +155,87 @@ def _seed(key: str, seed: int) -> None:
             torch.cuda.manual_seed(seed)
 
 
-class Replay:
-    """The random generators one stage on ``device`` draws from, and the seeded context it runs in."""
+def _on_cpu(args: Any, kwargs: Dict[str, Any]) -> bool:
+    """Whether a random op draws for the CPU: its tensors are there, or (a factory) its device is."""
+    tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if tensors:
+        return all(t.device.type == "cpu" for t in tensors)
+    device = kwargs.get("device")
+    return device is None or torch.device(device).type == "cpu"
 
-    def __init__(self, device: torch.device) -> None:
+
+class _OwnDraws(TorchDispatchMode):
+    """Every random op of the CPU in this thread draws from ``generator`` (see the module docstring)."""
+
+    def __init__(self, generator: torch.Generator) -> None:
+        super().__init__()
+        self.generator = generator
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if torch.Tag.nondeterministic_seeded not in func.tags or not _on_cpu(args, kwargs):
+            return func(*args, **kwargs)
+        names = [a.name for a in func._schema.arguments]
+        if "generator" in names:
+            at = names.index("generator")
+            if at < len(args):
+                if args[at] is None:
+                    args = tuple(args[:at]) + (self.generator,) + tuple(args[at + 1:])
+            elif kwargs.get("generator") is None:
+                kwargs["generator"] = self.generator
+            return func(*args, **kwargs)
+        with _lock("cpu"):  # no generator argument: the process's generator, in the state ours is in
+            saved = torch.get_rng_state()
+            torch.set_rng_state(self.generator.get_state())
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self.generator.set_state(torch.get_rng_state())
+                torch.set_rng_state(saved)
+
+
+class _StateWatch:
+    """Whether code run in this thread reads or sets the process's CPU generator (its state, its seed)."""
+
+    def __init__(self) -> None:
+        self.touched = False
+
+    def _profile(self, frame: FrameType, event: str, arg: Any) -> None:
+        if event == "c_call" and getattr(arg, "__self__", None) is torch.default_generator:
+            self.touched = True
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        before: Optional[Callable[..., Any]] = sys.getprofile()
+        sys.setprofile(self._profile)
+        try:
+            yield
+        finally:
+            sys.setprofile(before)
+
+
+class Replay:
+    """The random generators one stage on ``device`` draws from, and the seeded context it runs in.
+
+    ``own_cpu``: the stage's CPU draws may go to a generator of its own (False for a compiled stage).
+    """
+
+    def __init__(self, device: torch.device, own_cpu: bool = True) -> None:
         self.candidates: List[str] = ["cpu"] + ([str(device)] if device.type == "cuda" else [])
         self._draws: Dict[Hashable, FrozenSet[str]] = {}
+        self.own_cpu = own_cpu
+        #: per mode: whether the CPU draws go to ``_generator`` (found with the draws)
+        self._own: Dict[Hashable, bool] = {}
+        self._generator = torch.Generator()
+
+    def backward_guard(self, mode: Hashable) -> ContextManager[Any]:
+        """What a backward of this stage holds: the CPU generator's lock where the stage keeps the process's
+        generator and draws from it (a layer that checkpoints itself replays its forward in backward from the
+        generator state it stashed, which another stage's seeded forward must not meet halfway); else nothing."""
+        known = self._draws.get(mode)
+        if known is not None and "cpu" in known and not self._own.get(mode, False):
+            return _lock("cpu")
+        return contextlib.nullcontext()
 
     def may_draw(self, mode: Hashable) -> bool:
         """Whether a forward in ``mode`` (the layers' training flags) may draw (unknown counts as yes)."""
@@ -163,19 +253,28 @@ class Replay:
         if seed is None or not keys:
             yield
             return
+        own = known is not None and "cpu" in keys and self._own.get(mode, False)
+        shared = [k for k in keys if not (own and k == "cpu")]
+        watch = _StateWatch() if known is None else None
         with contextlib.ExitStack() as stack:
-            for key in keys:
+            for key in shared:
                 stack.enter_context(_lock(key))
-            saved = {key: _get(key) for key in keys}
-            for key in keys:
+            saved = {key: _get(key) for key in shared}
+            for key in shared:
                 _seed(key, seed)
+            if own:
+                self._generator.manual_seed(seed)
+                stack.enter_context(_OwnDraws(self._generator))
             start = {key: _get(key) for key in keys} if known is None else None
             try:
-                yield
+                with watch.watching() if watch is not None else contextlib.nullcontext():
+                    yield
             finally:
                 if start is not None:
                     self._draws[mode] = frozenset(k for k in keys if not torch.equal(_get(k), start[k]))
-                for key in keys:
+                    assert watch is not None
+                    self._own[mode] = self.own_cpu and not watch.touched
+                for key in shared:
                     _set(key, saved[key])
 
 

@@ -96,7 +96,7 @@ class Stage:
         self.last = last
         self.streams = StageStreams(device)
         self.clone_input = _may_write_its_input(module)
-        self.replay = Replay(device)
+        self.replay = Replay(device, own_cpu=compile is None)  # a dispatch mode cannot reach compiled ops
         self.batch_norms = batch_norms(module)
         #: how gradients meet the other replicas' at the stage's last weight action (DDP, FSDP2; ``gradsync``)
         self.grad_sync: GradSync = NO_SYNC
@@ -245,7 +245,7 @@ class Stage:
         gradients of the input leaves (None where there is none).
         """
         saved = self._take(spec, mb, keep=False)
-        with self.streams.computing():
+        with self.streams.computing(), self.replay.backward_guard(self._mode()):
             pairs = self._pairs(self._roots(saved, spec, mb), grads)
             if sync:
                 pairs = self._arm(pairs)
@@ -264,7 +264,7 @@ class Stage:
         saved = self._take(spec, mb, keep=True)
         if saved.weight_grads is not None:
             raise RuntimeError(f"stage {self.index}: the input-gradient backward of micro-batch {mb} ran twice")
-        with self.streams.computing():
+        with self.streams.computing(), self.replay.backward_guard(self._mode()):
             pairs = self._pairs(self._roots(saved, spec, mb), grads)
             got, saved.weight_grads = backward_input(pairs, tree_tensors(saved.inputs), list(self.module.parameters()),
                                                      loss=grads is None)
@@ -282,7 +282,7 @@ class Stage:
             raise RuntimeError(f"stage {self.index}: the weight-gradient backward of micro-batch {mb} ran before its "
                                "input-gradient backward (a W needs its I)")
         del spec.store(self.index)[mb]
-        with self.streams.computing():
+        with self.streams.computing(), self.replay.backward_guard(self._mode()):
             if sync and saved.roots is not None:
                 self._arm([(t, None) for t in tree_tensors(saved.roots) if t.requires_grad])
             saved.weight_grads.run()
