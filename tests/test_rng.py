@@ -269,7 +269,15 @@ class DrawProbe(nn.Module):
         return F.dropout(x, 0.5, training=self.training)
 
 
-def test_cpu_stages_with_dropout_draw_from_their_own_generators_without_the_lock():
+@pytest.fixture
+def any_op_size(monkeypatch):
+    """A stage's own generator whatever its ops cost (the tests' layers are tiny)."""
+    from pipeddp.runtime import rng
+
+    monkeypatch.setattr(rng, "OWN_MIN_OP_SECONDS", 0.0)
+
+
+def test_cpu_stages_with_dropout_draw_from_their_own_generators_without_the_lock(any_op_size):
     """After the first forward (which finds what a stage draws), a CPU stage's draws go to a generator of its own,
     so two stages with dropout never take turns on the process generator's lock."""
     probes = [DrawProbe(), DrawProbe()]
@@ -279,13 +287,24 @@ def test_cpu_stages_with_dropout_draw_from_their_own_generators_without_the_lock
         for _ in range(3):
             pipe.train_step(x, y, LOSS)
     for probe in probes:
-        # the first forward, which finds what the stage draws, under the process's generator; every later one,
-        # replays included, under the stage's own
-        assert len(probe.own) == 24 and probe.own[0] is False and all(probe.own[1:])
+        # the first forward, which finds what the stage draws, and the second, which times its ops, under the
+        # process's generator; every later one, replays included, under the stage's own
+        assert len(probe.own) == 24 and probe.own[:2] == [False, False] and all(probe.own[2:])
+
+
+def test_stages_of_small_ops_keep_the_process_generator():
+    """A dispatch per op would cost tiny ops more than the lock they spare: such stages stay on the lock."""
+    probes = [DrawProbe(), DrawProbe()]
+    model = nn.Sequential(nn.Linear(8, 8), probes[0], nn.Linear(8, 8), probes[1]).double()
+    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)
+    with pipeddp.Pipeline(model, ["cpu", "cpu"], chunks=4, balance=[2, 2]) as pipe:
+        for _ in range(2):
+            pipe.train_step(x, y, LOSS)
+    assert not any(any(probe.own) for probe in probes)
 
 
 @pytest.mark.timeout(120)
-def test_a_thread_drawing_from_the_process_generator_does_not_shift_a_stage_s_masks():
+def test_a_thread_drawing_from_the_process_generator_does_not_shift_a_stage_s_masks(any_op_size):
     """A thread pipeddp does not own draws from the CPU generator all through the steps: every replay still sees
     its first forward's mask (the step's base seed is drawn from that generator, so the thread moves the masks
     themselves, as ``torch.manual_seed`` does, but no longer splits a micro-batch from its replay)."""
@@ -313,9 +332,9 @@ def test_a_thread_drawing_from_the_process_generator_does_not_shift_a_stage_s_ma
     first = [mask for again, mask in recorder.calls if not again]
     replays = [mask for again, mask in recorder.calls if again]
     assert draws[0] > 100 and len(first) == len(replays) == 120
-    # all but the stage's very first forward, which finds what it draws under the process's generator (the
-    # thread may shift that one, as it would torch.utils.checkpoint's)
-    assert sum(not torch.equal(a, b) for a, b in zip(first[1:], replays[1:])) == 0
+    # all but the stage's first two forwards, which find what it draws and time its ops under the process's
+    # generator (the thread may shift those, as it would torch.utils.checkpoint's)
+    assert sum(not torch.equal(a, b) for a, b in zip(first[2:], replays[2:])) == 0
 
 
 class SelfCheckpointed(nn.Module):
@@ -336,7 +355,7 @@ class SelfCheckpointed(nn.Module):
         return checkpoint(run, x, use_reentrant=False) if self.itself else run(x)
 
 
-def test_a_layer_that_checkpoints_itself_keeps_the_process_generator_and_replays_exactly():
+def test_a_layer_that_checkpoints_itself_keeps_the_process_generator_and_replays_exactly(any_op_size):
     """Its replay in backward draws from the process's generator as stashed: the stage keeps that generator (an
     own one would make the replay draw other numbers), and the gradients are those of the plain layer."""
     def grads(itself: bool, checkpoint: str):

@@ -39,8 +39,11 @@ replay (torch has no per-thread default generator): every other forward
 draws from a generator of its stage's own.
 
 On the CPU the draws of a stage go to a generator of its own: once a
-stage's first forward in a mode is seen to draw from the CPU generator, and
-not to read or set that generator's state itself, its forwards run under a
+stage's first forward in a mode is seen to draw from the CPU generator and
+not to read or set that generator's state itself, and its second (warm) to
+run ops large enough (``OWN_MIN_OP_SECONDS`` on average) that a Python
+dispatch per op costs less than waiting for the lock would, its forwards
+run under a
 dispatch mode (``_OwnDraws``, this thread only) that hands every random op
 of the CPU the stage's generator, seeded as above. Stages then never wait for
 each other's lock, and a thread that draws from the process's generator (the
@@ -75,6 +78,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import time
 from types import FrameType
 from typing import Any, Callable, ContextManager, Dict, FrozenSet, Hashable, Iterator, List, Optional
 
@@ -155,6 +159,9 @@ def _seed(key: str, seed: int) -> None:
             torch.cuda.manual_seed(seed)
 
 
+_SEEDED = torch.Tag.nondeterministic_seeded
+
+
 def _on_cpu(args: Any, kwargs: Dict[str, Any]) -> bool:
     """Whether a random op draws for the CPU: its tensors are there, or (a factory) its device is."""
     tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
@@ -172,8 +179,10 @@ class _OwnDraws(TorchDispatchMode):
         self.generator = generator
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if _SEEDED not in func.tags:  # nearly every op: straight through
+            return func(*args, **(kwargs or {}))
         kwargs = dict(kwargs or {})
-        if torch.Tag.nondeterministic_seeded not in func.tags or not _on_cpu(args, kwargs):
+        if not _on_cpu(args, kwargs):
             return func(*args, **kwargs)
         names = [a.name for a in func._schema.arguments]
         if "generator" in names:
@@ -192,6 +201,23 @@ class _OwnDraws(TorchDispatchMode):
             finally:
                 self.generator.set_state(torch.get_rng_state())
                 torch.set_rng_state(saved)
+
+
+#: the mean time per op at and above which a stage's draws go to its own generator: the dispatch mode that hands
+#: the generator over costs some microseconds per op, which small ops would feel more than the lock they spare
+OWN_MIN_OP_SECONDS = 1e-4
+
+
+class _Count(TorchDispatchMode):
+    """Counts the ops run in this thread (the first forward's, to judge what a dispatch mode would cost there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
 
 
 class _StateWatch:
@@ -255,7 +281,8 @@ class Replay:
             return
         own = known is not None and "cpu" in keys and self._own.get(mode, False)
         shared = [k for k in keys if not (own and k == "cpu")]
-        watch = _StateWatch() if known is None else None
+        judging = mode not in self._own  # the first forward finds the draws, the second (warm) times the ops
+        watch, count = (_StateWatch(), _Count()) if judging else (None, None)
         with contextlib.ExitStack() as stack:
             for key in shared:
                 stack.enter_context(_lock(key))
@@ -266,14 +293,20 @@ class Replay:
                 self._generator.manual_seed(seed)
                 stack.enter_context(_OwnDraws(self._generator))
             start = {key: _get(key) for key in keys} if known is None else None
+            began = time.perf_counter()
             try:
-                with watch.watching() if watch is not None else contextlib.nullcontext():
+                with watch.watching() if watch is not None else contextlib.nullcontext(), \
+                        count if count is not None else contextlib.nullcontext():
                     yield
             finally:
                 if start is not None:
                     self._draws[mode] = frozenset(k for k in keys if not torch.equal(_get(k), start[k]))
-                    assert watch is not None
-                    self._own[mode] = self.own_cpu and not watch.touched
+                if watch is not None and count is not None:
+                    per_op = (time.perf_counter() - began) / max(count.ops, 1)
+                    if watch.touched or not self.own_cpu:
+                        self._own[mode] = False
+                    elif start is None:  # the second forward: warm, its ops' time is theirs
+                        self._own[mode] = per_op >= OWN_MIN_OP_SECONDS
                 for key in shared:
                     _set(key, saved[key])
 
