@@ -252,6 +252,8 @@ class Replay:
         self.own_cpu = own_cpu
         #: per mode: whether the CPU draws go to ``_generator`` (found with the draws)
         self._own: Dict[Hashable, bool] = {}
+        #: per mode: the ops of the first forward (the second's time over them judges the own generator)
+        self._ops: Dict[Hashable, int] = {}
         self._generator = torch.Generator()
 
     def backward_guard(self, mode: Hashable) -> ContextManager[Any]:
@@ -281,8 +283,9 @@ class Replay:
             return
         own = known is not None and "cpu" in keys and self._own.get(mode, False)
         shared = [k for k in keys if not (own and k == "cpu")]
-        judging = mode not in self._own  # the first forward finds the draws, the second (warm) times the ops
-        watch, count = (_StateWatch(), _Count()) if judging else (None, None)
+        # the first forward finds the draws (watched, its ops counted); the second, warm and bare, is timed
+        first, timing = known is None, known is not None and mode not in self._own
+        watch, count = (_StateWatch(), _Count()) if first else (None, None)
         with contextlib.ExitStack() as stack:
             for key in shared:
                 stack.enter_context(_lock(key))
@@ -292,21 +295,21 @@ class Replay:
             if own:
                 self._generator.manual_seed(seed)
                 stack.enter_context(_OwnDraws(self._generator))
-            start = {key: _get(key) for key in keys} if known is None else None
+            start = {key: _get(key) for key in keys} if first else None
             began = time.perf_counter()
             try:
                 with watch.watching() if watch is not None else contextlib.nullcontext(), \
                         count if count is not None else contextlib.nullcontext():
                     yield
             finally:
-                if start is not None:
+                if start is not None and watch is not None and count is not None:
                     self._draws[mode] = frozenset(k for k in keys if not torch.equal(_get(k), start[k]))
-                if watch is not None and count is not None:
-                    per_op = (time.perf_counter() - began) / max(count.ops, 1)
+                    self._ops[mode] = count.ops
                     if watch.touched or not self.own_cpu:
                         self._own[mode] = False
-                    elif start is None:  # the second forward: warm, its ops' time is theirs
-                        self._own[mode] = per_op >= OWN_MIN_OP_SECONDS
+                elif timing:
+                    per_op = (time.perf_counter() - began) / max(self._ops.get(mode, 1), 1)
+                    self._own[mode] = per_op >= OWN_MIN_OP_SECONDS
                 for key in shared:
                     _set(key, saved[key])
 
