@@ -98,6 +98,8 @@ WORKLOADS: Dict[str, Workload] = {
                "iteration_table": 128, "schedules": 64},
         rounds={"pipeline_cpu": 4, "hybrid_cpu": 4, "split_sizes": 5, "partition_quality": 8, "iteration_table": 8,
                 "schedules": 4}),
+    # a model too small to hide anything: the engine's fixed costs per step and per action, against torch's
+    "tiny": mlp_workload(8, 64, batch={"schedules": 32}, rounds={"schedules": 30}, warmup=3),
     "resnet18": resnet_workload(
         "resnet18", 15, batch={"partition_quality": 32, "iteration_table": 128},
         rounds={"partition_quality": 11, "iteration_table": 8}),
