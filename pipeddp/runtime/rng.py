@@ -43,9 +43,8 @@ stage's first forward in a mode is seen to draw from the CPU generator and
 not to read or set that generator's state itself, and its second (warm) to
 run ops large enough (``OWN_MIN_OP_SECONDS`` on average) that a Python
 dispatch per op costs less than waiting for the lock would, its forwards
-run under a
-dispatch mode (``_OwnDraws``, this thread only) that hands every random op
-of the CPU the stage's generator, seeded as above. Stages then never wait for
+run under a dispatch mode (``_OwnDraws``, this thread only) that hands every
+random op of the CPU the stage's generator, seeded as above. Stages then never wait for
 each other's lock, and a thread that draws from the process's generator (the
 user's, pipeddp's prefetch) cannot shift their numbers. An op that takes no
 generator (``rand_like``, the CPU's fused attention with dropout) borrows the
@@ -284,8 +283,8 @@ class Replay:
         own = known is not None and "cpu" in keys and self._own.get(mode, False)
         shared = [k for k in keys if not (own and k == "cpu")]
         # the first forward finds the draws (watched, its ops counted); the second, warm and bare, is timed
-        first, timing = known is None, known is not None and mode not in self._own
-        watch, count = (_StateWatch(), _Count()) if first else (None, None)
+        first, timing = known is None, known is not None and mode not in self._own and self.own_cpu
+        watch, count = (_StateWatch(), _Count()) if first and self.own_cpu else (None, None)
         with contextlib.ExitStack() as stack:
             for key in shared:
                 stack.enter_context(_lock(key))
@@ -302,11 +301,12 @@ class Replay:
                         count if count is not None else contextlib.nullcontext():
                     yield
             finally:
-                if start is not None and watch is not None and count is not None:
+                if start is not None:
                     self._draws[mode] = frozenset(k for k in keys if not torch.equal(_get(k), start[k]))
-                    self._ops[mode] = count.ops
-                    if watch.touched or not self.own_cpu:
-                        self._own[mode] = False
+                    if watch is None or count is None or watch.touched:
+                        self._own[mode] = False  # compiled, or it reads the generator's state: the process's
+                    else:
+                        self._ops[mode] = count.ops
                 elif timing:
                     per_op = (time.perf_counter() - began) / max(self._ops.get(mode, 1), 1)
                     self._own[mode] = per_op >= OWN_MIN_OP_SECONDS
