@@ -2,7 +2,7 @@
 
 ::
 
-    build          ``build_replica``: the wiring behind ``HybridParallel(...)``, in the order every rank runs it
+    build          ``build_replica``: the wiring behind ``HybridParallel(...)`` (and a ``Pipeline``, a one-process job)
     replica        ``Replica``: this process's wired parts; a step, a forward, an evaluation the ranks agree on
     topology       the replicas x stages grid and this process's place in it (pure data)
     groups         devices and backend for this process, the process group, stage / pipeline groups
