@@ -129,3 +129,20 @@ def test_a_tensor_that_the_initialisation_never_sets_is_refused_and_left_on_meta
         model = nn.Sequential(nn.Linear(4, 4), Rotary())
     with pytest.raises(ValueError, match="left freq without values"):
         pipeddp.Pipeline(model, ["cpu", "cpu"], balance=[1, 1], seed=0)
+
+
+def test_a_meta_built_torchvision_resnet_flattens_through_the_chain_family_too():
+    torchvision = pytest.importorskip("torchvision")
+
+    def build():
+        with torch.device("meta"):
+            return torchvision.models.resnet18(num_classes=10)
+
+    flat = flatten_sequential(build(), torch.randn(2, 3, 32, 32))
+    assert len(flat) == 15 and on_meta(flat)
+    reference = pipeddp.materialize(build(), seed=1).eval()
+    x = torch.randn(4, 3, 32, 32)
+    with pipeddp.Pipeline(flat, ["cpu", "cpu"], chunks=2, seed=1) as pipe:
+        pipe.eval()
+        with torch.no_grad():
+            assert (pipe(x) - reference(x)).abs().max().item() < 1e-6  # float32: the same weights, the same math
