@@ -146,3 +146,30 @@ def test_a_meta_built_torchvision_resnet_flattens_through_the_chain_family_too()
         pipe.eval()
         with torch.no_grad():
             assert (pipe(x) - reference(x)).abs().max().item() < 1e-6  # float32: the same weights, the same math
+
+
+def test_a_meta_built_timm_vision_transformer_needs_an_init_of_its_own_and_then_equals_materialize():
+    """timm's _init_weights is no per-module initialisation (it re-initialises the whole model from the top), so
+    none is recorded: the class token and position embedding, which the model holds itself, are refused without
+    init=; with a per-module init= the engine starts from materialize's weights."""
+    timm = pytest.importorskip("timm")
+
+    def build():
+        with torch.device("meta"):
+            return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=3,
+                                     embed_dim=32, num_heads=2, num_classes=5).double()
+
+    def per_module(module: nn.Module) -> None:
+        for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
+            t.normal_(0.0, 0.02)
+
+    x = torch.randn(4, 3, 32, 32, dtype=torch.float64)
+    flat = flatten_sequential(build(), x)
+    assert on_meta(flat)  # the model's own tensors the first layer keeps are the meta ones, not the lent values
+    with pytest.raises(ValueError, match=r"cannot materialize embed\.kept .* pass init="):
+        pipeddp.Pipeline(flat, ["cpu", "cpu"], chunks=2, seed=1)
+    reference = pipeddp.materialize(build(), seed=1, init=per_module).eval()
+    with pipeddp.Pipeline(flatten_sequential(build(), x), ["cpu", "cpu"], chunks=2, seed=1, init=per_module) as pipe:
+        pipe.eval()
+        with torch.no_grad():
+            assert (pipe(x) - reference(x)).abs().max().item() < 1e-12

@@ -98,9 +98,9 @@ def materialize_layer(layer: nn.Module, name: str, *, seed: int, device: Union[s
         with torch.no_grad():
             for t in _tensors(m, recurse=False):
                 _mark_unwritten(t)
-    for qualified, _, run in owners:
+    for qualified, m, run in owners:
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(layer_seed(seed, rename(qualified) if rename is not None else qualified))
+            torch.manual_seed(layer_seed(seed, _seed_name(qualified, m, rename)))
             with torch.no_grad():
                 run()
     for qualified, m, _ in owners:
@@ -136,6 +136,21 @@ def _unwritten(t: torch.Tensor) -> bool:
     if t.is_floating_point() or t.is_complex():
         return bool(torch.isnan(t).any())
     return t.dtype in _WIDE_INTS and bool((t == torch.iinfo(t.dtype).min).any())
+
+
+def _seed_name(qualified: str, module: nn.Module, rename: Optional[Callable[[str], str]]) -> str:
+    """The name a module is seeded by: its own, or where ``rename`` maps a flattened model's names back, the original
+    name of the module owning its tensors (a flattened vision transformer's ``embed.kept``, which holds the model's
+    ``cls_token`` and ``pos_embed``, is seeded as the model itself, ``""``)."""
+    if rename is None:
+        return qualified
+    for key, _ in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
+        original = rename(f"{qualified}.{key}" if qualified else key)
+        if original == key:
+            return ""
+        if original.endswith("." + key):
+            return original[:-len(key) - 1]
+    return rename(qualified)
 
 
 def _owners(layer: nn.Module, name: str, init: Optional[Init]) -> List[Tuple[str, nn.Module, Callable[[], None]]]:

@@ -37,6 +37,7 @@ from .chain import NotAChain, by_hand, chain_layers, configure_encoders, unique_
 from .check import clone, differences
 from .lent import LentWeights
 from .stack import NotAStack, call_model, find_stack, model_output, stack_layers
+from .stack_layers import StackInput
 
 __all__ = ["flatten_sequential"]
 
@@ -133,7 +134,8 @@ def flatten_sequential(model: nn.Module, sample: Any, *, rtol: float = 1e-5, ato
         raise TypeError(f"flatten_sequential needs an nn.Module, got {type(model).__name__}")
     modes = [(m, m.training) for m in model.modules()]
     own = {id(m) for m, _ in modes}
-    init = getattr(model, "_init_weights", None) if is_meta(model) else None
+    # a Hugging Face model's own initialisation (per module, as the engines call it); timm's _init_weights is not
+    init = getattr(model, "_init_weights", None) if is_meta(model) and hasattr(model, "post_init") else None
     lent = LentWeights(model, init) if is_meta(model) else contextlib.nullcontext()
     try:
         lent.__enter__()
@@ -167,6 +169,10 @@ def flatten_sequential(model: nn.Module, sample: Any, *, rtol: float = 1e-5, ato
         lent.__exit__(None, None, None)
         for m, mode in modes:
             m.training = mode
+    if isinstance(lent, LentWeights):  # what the first layer registered while the model ran: the lent values
+        for layer in flat:
+            if isinstance(layer, StackInput):
+                layer.take_kept()
     for layer in [flat] + [m for m in flat.modules() if id(m) not in own]:
         layer.training = model.training
     bad = differences(got, want, rtol, atol)

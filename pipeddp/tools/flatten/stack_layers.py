@@ -175,6 +175,14 @@ class StackInput(nn.Module):
         #: extras that later blocks take and the first does not: where the model's forward holds them
         self.sources = dict(sources or {})
 
+    def take_kept(self) -> None:
+        """Register again what the modules around the blocks hold now (after a meta model's run: its meta tensors,
+        not the values lent to it while it ran)."""
+        for (name, attr), owner in zip(self.kept_from, self._kept_owners):
+            value = getattr(owner, attr)
+            table = self.kept._parameters if name in self.kept._parameters else self.kept._buffers
+            table[name] = value
+
     # mypy: nn.Module.forward is variadic; a stage layer takes its one carried value
     def forward(self, batch: Any) -> Any:  # type: ignore[override]
         for m in self._around:
@@ -182,6 +190,8 @@ class StackInput(nn.Module):
         for (name, attr), owner in zip(self.kept_from, self._kept_owners):
             if name in self.kept._buffers:  # a buffer moved with this layer (.to) is a new tensor: hand it over
                 owner._buffers[attr] = self.kept._buffers[name]
+            elif owner._parameters.get(attr) is not self.kept._parameters[name]:
+                owner._parameters[attr] = self.kept._parameters[name]  # materialized here from the meta device
         args, kwargs = split_call(batch, self.fixed)
         before = getattr(_ARMED, "block", None), getattr(_ARMED, "sources", [])
         _ARMED.block, _ARMED.sources = self._first, list(self.sources.values())
