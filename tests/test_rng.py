@@ -336,7 +336,7 @@ def test_a_thread_drawing_from_the_process_generator_does_not_shift_a_stage_s_ma
         noise.join()
     first = [mask for again, mask in recorder.calls if not again]
     replays = [mask for again, mask in recorder.calls if again]
-    assert draws[0] > 100 and len(first) == len(replays) == 120
+    assert draws[0] > 10 and len(first) == len(replays) == 120  # the thread did draw meanwhile
     # all but the stage's first two forwards, which find what it draws and time its ops under the process's
     # generator (the thread may shift those, as it would torch.utils.checkpoint's)
     assert sum(not torch.equal(a, b) for a, b in zip(first[2:], replays[2:])) == 0
