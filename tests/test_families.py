@@ -154,3 +154,39 @@ def test_a_head_that_reads_the_input_is_refused_with_the_real_reason_first():
     message = str(info.value)
     assert message.index("a value computed from the model's input") < message.index("torch.fx")
     assert "write the head as a layer by hand" in message
+
+
+class MaskedBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, h, mask=None):
+        return self.lin(h) * (mask if mask is not None else 1.0)
+
+
+class PerLayerMasks(torch.nn.Module):
+    """Alternate blocks take one of two masks the forward keeps in a dict; the second only for batches over 2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([MaskedBlock(), MaskedBlock()])
+
+    def forward(self, x):
+        masks = {"even": torch.ones_like(x)}
+        if x.shape[0] > 2:
+            masks["odd"] = torch.full_like(x, 0.5)
+        h = x
+        for i, layer in enumerate(self.layers):
+            h = layer(h, mask=masks.get("odd" if i % 2 else "even"))
+        return h
+
+
+def test_a_per_layer_value_the_forward_no_longer_holds_is_refused_not_dropped():
+    torch.manual_seed(0)
+    model = PerLayerMasks().double()
+    x = torch.randn(4, 4, dtype=torch.float64)
+    flat = flatten_sequential(model, x)
+    assert torch.equal(flat(x), model(x))  # the second block's mask is carried from where the forward holds it
+    with pytest.raises(ValueError, match=r"no longer holds \('masks', 'odd'\)"):
+        flat(x[:2])  # silently None would give the second block no mask

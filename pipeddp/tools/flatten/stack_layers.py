@@ -94,14 +94,18 @@ def find_source(scope: Dict[str, Any], target: Any, depth: int = 3) -> Optional[
     return None
 
 
+#: what ``resolve`` gives where the model's forward no longer holds a value where it did for the sample
+MISSING = object()
+
+
 def resolve(scope: Dict[str, Any], source: Source) -> Any:
-    """The value at ``source`` (from ``find_source``) among a frame's locals; None where it is missing."""
+    """The value at ``source`` (from ``find_source``) among a frame's locals; ``MISSING`` where there is none."""
     value: Any = scope
     for key in source:
         try:
             value = value[key]
         except (KeyError, IndexError, TypeError):
-            return None
+            return MISSING
     return value
 
 
@@ -199,6 +203,12 @@ class StackInput(nn.Module):
             self._model(*args, **kwargs)
         except _Reached as stop:
             call, found = stop.call, dict(zip(self.sources, stop.found))
+            lost = [self.sources[i] for i, v in found.items() if v is MISSING]
+            if lost:
+                raise ValueError(f"{type(self._model).__name__}.forward no longer holds {lost[0]!r} when it calls "
+                                 f"{self.first_path} for this batch, as it did for the sample it was flattened "
+                                 "with (a later block's value, a mask per layer type): flatten with a sample like "
+                                 "this batch") from None
         else:
             raise RuntimeError(f"{type(self._model).__name__}.forward returned without calling {self.first_path} "
                                "for this batch, though it did for the sample it was flattened with")
