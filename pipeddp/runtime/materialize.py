@@ -40,7 +40,7 @@ from torch import nn
 from .names import Names, recorded
 
 __all__ = ["materialize", "materialize_layer", "check_init", "is_meta", "layer_seed", "SharedPlaces", "Init",
-           "record_init", "recorded_init", "original_names"]
+           "initialiser", "record_init", "recorded_init", "original_names"]
 
 _CPU = torch.device("cpu")
 _INIT_ATTR = "_pipeddp_init"
@@ -153,14 +153,23 @@ def _seed_name(qualified: str, module: nn.Module, rename: Optional[Callable[[str
     return rename(qualified)
 
 
+def initialiser(module: nn.Module, init: Optional[Init]) -> Optional[Callable[[], None]]:
+    """What initialises ``module``'s own tensors: ``init(module)`` where given, else its ``reset_parameters()``
+    (``_reset_parameters()`` where torch names it so); None where nothing can."""
+    if init is not None:
+        return lambda: init(module)
+    own: Optional[Callable[[], None]] = getattr(module, "reset_parameters", None) or \
+        getattr(module, "_reset_parameters", None)
+    return own
+
+
 def _owners(layer: nn.Module, name: str, init: Optional[Init]) -> List[Tuple[str, nn.Module, Callable[[], None]]]:
     """The modules of ``layer`` that own meta tensors, with what initialises each; refuses one that nothing can."""
     out = []
     for qualified, m in layer.named_modules(prefix=name):
         if not any(t.is_meta for t in _tensors(m, recurse=False)):
             continue
-        own = getattr(m, "reset_parameters", None) or getattr(m, "_reset_parameters", None)
-        run: Optional[Callable[[], None]] = (lambda m=m: init(m)) if init is not None else own
+        run = initialiser(m, init)
         if run is None:
             raise ValueError(
                 f"cannot materialize {qualified} ({type(m).__name__}) from the meta device: it has no "

@@ -135,8 +135,9 @@ def flatten_sequential(model: nn.Module, sample: Any, *, rtol: float = 1e-5, ato
     modes = [(m, m.training) for m in model.modules()]
     own = {id(m) for m, _ in modes}
     # a Hugging Face model's own initialisation (per module, as the engines call it); timm's _init_weights is not
-    init = getattr(model, "_init_weights", None) if is_meta(model) and hasattr(model, "post_init") else None
-    lent = LentWeights(model, init) if is_meta(model) else contextlib.nullcontext()
+    meta = is_meta(model)
+    init = getattr(model, "_init_weights", None) if meta and hasattr(model, "post_init") else None
+    lent = LentWeights(model, init) if meta else contextlib.nullcontext()
     try:
         lent.__enter__()
         model.eval()

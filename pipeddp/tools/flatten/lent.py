@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ...runtime.materialize import Init, layer_seed
+from ...runtime.materialize import Init, initialiser, layer_seed
 
 __all__ = ["LentWeights"]
 
@@ -60,14 +60,14 @@ class _Loan:
                     self.meta[(kind, key)] = t
                     real = torch.empty_like(t, device="cpu")
                     table[key] = nn.Parameter(real, requires_grad=t.requires_grad) if kind == "p" else real
-        generator = torch.Generator().manual_seed(layer_seed(_SEED, self.name))
-        own = getattr(m, "reset_parameters", None) or getattr(m, "_reset_parameters", None)
+        run = initialiser(m, self.init)
         with torch.no_grad():
-            if self.init is not None or own is not None:
+            if run is not None:
                 with torch.random.fork_rng(devices=[]):
                     torch.manual_seed(layer_seed(_SEED, self.name))
-                    self.init(m) if self.init is not None else own()  # type: ignore[misc]
+                    run()
             else:
+                generator = torch.Generator().manual_seed(layer_seed(_SEED, self.name))
                 for kind, key in self.meta:
                     t = (m._parameters if kind == "p" else m._buffers)[key]
                     assert t is not None
