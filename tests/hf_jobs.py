@@ -83,7 +83,30 @@ def vit(seed: int = 0) -> nn.Module:
                              embed_dim=32, num_heads=2, num_classes=5).double()
 
 
-MODELS = {"gpt2": gpt2, "llama": llama, "gemma2": gemma2, "albert": albert, "t5": t5, "vit": vit}
+def gpt2_cls(seed: int = 0) -> nn.Module:
+    """A classifier whose head reads ``input_ids`` after the last block (each row's last non-padding token)."""
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                        num_labels=LABELS)
+    return GPT2ForSequenceClassification(config).double()
+
+
+def llama_cls(seed: int = 0) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                         bos_token_id=0, eos_token_id=0, pad_token_id=0, num_labels=LABELS)
+    return LlamaForSequenceClassification(config).double()
+
+
+LABELS = 3
+MODELS = {"gpt2": gpt2, "llama": llama, "gemma2": gemma2, "albert": albert, "t5": t5, "vit": vit,
+          "gpt2-cls": gpt2_cls, "llama-cls": llama_cls}
 
 
 def tokens(n: int, seed: int, padded: bool) -> Tuple[Dict[str, torch.Tensor], torch.Tensor]:
@@ -104,7 +127,11 @@ def images(n: int, seed: int) -> Tuple[torch.Tensor, torch.Tensor]:
 
 
 def batch(kind: str, n: int, seed: int, padded: bool = False) -> Tuple[Any, torch.Tensor]:
-    return images(n, seed) if kind == "vit" else tokens(n, seed, padded)
+    """A batch of ``kind``'s inputs and targets (a classifier's: one label per row)."""
+    if kind == "vit":
+        return images(n, seed)
+    x, y = tokens(n, seed, padded)
+    return (x, y[:, 0] % LABELS) if kind.endswith("-cls") else (x, y)
 
 
 def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """Model families whose blocks take more than the first block is given, opened by ``flatten_sequential``'s one
 mechanism (record what each block receives, carry it between blocks), against the original models in float64:
 per-layer masks (Gemma2: alternate layers take a sliding-window and a full causal mask), a layer shared by
-several blocks (ALBERT calls its one layer group at every block), and an encoder-decoder whose first decoder block
-computes what the later ones are given (T5's position bias)."""
+several blocks (ALBERT calls its one layer group at every block), an encoder-decoder whose first decoder block
+computes what the later ones are given (T5's position bias), and heads that read the model's input after the last
+block (GPT-2's and Llama's sequence classifiers)."""
 
 from __future__ import annotations
 
@@ -142,18 +143,52 @@ def test_an_encoder_decoder_t5_carries_the_first_blocks_position_bias(padded):
             loads_both_ways(pipe, model, "t5", x)
 
 
-def test_a_head_that_reads_the_input_is_refused_with_the_real_reason_first():
-    from transformers import GPT2Config, GPT2ForSequenceClassification
+@pytest.mark.parametrize("kind", ["gpt2-cls", "llama-cls"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_head_that_reads_the_input_equals_the_original(kind, padded):
+    """A *ForSequenceClassification head picks each row's last non-padding token from input_ids after the last
+    block: input_ids travel with the hidden state to a layer that replays the head, batch size and all."""
+    reference = MODELS[kind]()
+    sample, _ = batch(kind, 4, 0, padded)
+    x, y = batch(kind, 6, 1, padded)
+    want = logits(reference, x)
+    assert want.shape == (6, 3)
+    loss = loss_fn(want, y)
+    loss.backward()
+    whole = {name: p.grad.clone() for name, p in reference.named_parameters()}
+    reference.zero_grad()
+    micro = over_micro_batches(reference, x, y)
+    blocks = reference.config.num_hidden_layers
+    for stages, balance in ((2, [2, blocks]), (4, [1, 1, 1, blocks - 1])):
+        model = MODELS[kind]()
+        flat = flatten_sequential(model, sample)
+        assert list(flat._modules)[-1] == "head" and len(flat) == blocks + 2
+        with pipeddp.Pipeline(flat, ["cpu"] * stages, chunks=CHUNKS, balance=balance) as pipe:
+            assert abs(pipe.train_step(x, y, loss_fn).item() - loss.item()) < 1e-12
+            assert (pipe(x) - want).abs().max().item() < 1e-12
+            grads = dict(model.named_parameters())
+            for name in whole:
+                got = grads[name].grad
+                assert got is not None, name
+                # Llama's RMSNorm computes in float32 inside: exact against the same micro-batches, and within
+                # float32's rounding of the whole batch's sums
+                assert (got - micro[name]).abs().max().item() < 1e-12, (stages, name)
+                assert (got - whole[name]).abs().max().item() < 1e-7, (stages, name)
+            loads_both_ways(pipe, model, kind, x)
 
-    model = GPT2ForSequenceClassification(GPT2Config(vocab_size=40, n_positions=16, n_embd=32, n_layer=2, n_head=2,
-                                                     num_labels=3, pad_token_id=0, bos_token_id=0,
-                                                     eos_token_id=0)).double()
-    x, _ = batch("gpt2", 4, 0, True)
+
+def test_a_head_that_reads_the_input_refuses_what_it_cannot_replay():
+    """The head's constants are the sample's: a batch of another length is refused, not computed with them; a
+    one-row sample cannot tell the batch size from a constant."""
+    model = MODELS["gpt2-cls"]()
+    sample, _ = batch("gpt2-cls", 4, 0, True)
+    flat = flatten_sequential(model, sample)
+    longer = {"input_ids": torch.ones(2, 8, dtype=torch.long), "attention_mask": torch.ones(2, 8, dtype=torch.long)}
+    with pytest.raises(ValueError, match="flatten with a sample of the batches' length"):
+        flat(longer)
     with pytest.raises(ValueError) as info:
-        flatten_sequential(model, x)
-    message = str(info.value)
-    assert message.index("a value computed from the model's input") < message.index("torch.fx")
-    assert "write the head as a layer by hand" in message
+        flatten_sequential(MODELS["gpt2-cls"](), {k: v[:1] for k, v in sample.items()})
+    assert str(info.value).index("a sample of 2 or more rows") < str(info.value).index("torch.fx")
 
 
 class MaskedBlock(torch.nn.Module):

@@ -93,7 +93,8 @@ def test_a_batch_without_padding_after_a_padded_sample():
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("mode,nprocs", [("replica", 2), ("stage", 4)])
 def test_hybrid_training_equals_the_original_model(mode, nprocs):
-    runs = [("llama", True)] if mode == "replica" else [("gpt2", True)]  # stage mode: the tie spans processes
+    # stage mode: GPT-2's tie spans processes, and the classifier's input_ids travel to its head on another process
+    runs = [("llama", True)] if mode == "replica" else [("gpt2", True), ("gpt2-cls", True)]
     results = pipeddp.spawn(hybrid_job, nprocs, args=(mode, runs, 3, 3), timeout=350)
     for i, (kind, padded) in enumerate(runs):
         losses, state = reference_training(kind, padded, 3, 6)

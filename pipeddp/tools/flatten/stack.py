@@ -31,10 +31,12 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import torch
 from torch import nn
 
+from ...runtime.microbatch import batch_size
 from ..functional import INPUT, Functional
 from .carry import HIDDEN, leaves, template_of
+from .head import program_of, reads_input, smaller_sample
 from .record import NotAStack, Run, call_model, count_calls, fixed_args, record
-from .stack_layers import BlockCall, Source, StackInput, find_source, install_stop
+from .stack_layers import BlockCall, Source, StackInput, find_source, hidden_and_last, install_stop, split_call
 from .tail import tail_layers
 
 __all__ = ["NotAStack", "find_stack", "stack_layers", "model_output", "call_model"]
@@ -181,8 +183,17 @@ def stack_layers(model: nn.Module, sample: Any, path: str, stack: nn.Module) -> 
     start = last if pick is None else last[pick]
     if not isinstance(start, torch.Tensor):
         raise NotAStack(f"{path}.{count - 1} returns {type(last).__name__}, not the hidden state")
-    tail = tail_layers(run, start, model_output(out), name)
-    used = set(run.before) | {p for p, _, _ in tail} | {f"{path}.{i}" for i in range(count)}
+    final = model_output(out)
+    inputs: List[Source] = []
+    try:
+        tail = tail_layers(run, start, final, name)
+        tail_paths = [p for p, _, _ in tail]
+    except NotAStack:
+        if not reads_input(run):
+            raise
+        tail, inputs = _head(model, blocks, around, sample, count, run, start, final)
+        tail_paths = list(tail[0][2].values())
+    used = set(run.before) | set(tail_paths) | {f"{path}.{i}" for i in range(count)}
     owned = _owned(model, run.before, used, around)
     kept, names = [], {f"owned.{p.replace('.', '_')}": p for p in owned}
     for p, m in zip(owner_paths, around_mods):
@@ -195,37 +206,59 @@ def stack_layers(model: nn.Module, sample: Any, path: str, stack: nn.Module) -> 
     install_stop(blocks[0])
     first = StackInput(model, blocks[0], f"{path}.0", around_mods,
                        {p.replace(".", "_"): model.get_submodule(p) for p in owned}, kept,
-                       template_of(calls[0], hiddens[0], extras), len(extras), fixed_args(model), sources)
+                       template_of(calls[0], hiddens[0], extras), len(extras), fixed_args(model), sources, inputs)
     layers: List[Layer] = [("embed", first, names)]
     if len(blocks) == 1:
         if produced:
             raise NotAStack(f"{path}.0 is called {count} times and gives a later call what an earlier one returned: "
                             "one layer at several places runs one call")
-        return layers + _shared(path, blocks[0], count, calls, hiddens, extras, pick) + tail
+        return layers + _shared(path, blocks[0], count, calls, hiddens, extras, pick, len(inputs)) + tail
+    carried = len(extras) + len(inputs)  # the inputs a head reads travel after the blocks' extras
     for i, block in enumerate(blocks):
         template = template_of(calls[i], hiddens[i], extras)
         makes = {e: k for e, (j, k) in produced.items() if j == i}
-        if not extras and pick is None and template == ((HIDDEN,), {}):
+        if not carried and pick is None and template == ((HIDDEN,), {}):
             layers.append((f"{path}.{i}", block, {"": f"{path}.{i}"}))
         else:
-            layers.append((f"{path}.{i}", BlockCall(block, template, len(extras), pick, i == count - 1, makes),
-                           {"block": f"{path}.{i}"}))
+            layers.append((f"{path}.{i}", BlockCall(block, template, carried, pick, i == count - 1, makes,
+                                                    keep=len(inputs)), {"block": f"{path}.{i}"}))
     return layers + tail
 
 
+def _head(model: nn.Module, blocks: List[nn.Module], around: Set[int], sample: Any, count: int, run: Run,
+          start: torch.Tensor, final: Any) -> Tuple[List[Layer], List[Source]]:
+    """A head that reads the model's input (``head``): one layer replaying the steps after the last block, recorded
+    again on the sample's first rows to tell the batch size from constants; and where the inputs it reads are."""
+    name = type(model).__name__
+    rows = batch_size(sample, name="sample")
+    if rows < 2:
+        raise NotAStack(f"the head of {name} after its last block reads the model's input, and is recorded on two "
+                        f"batch sizes to tell the batch size from its constants: flatten with a sample of 2 or more "
+                        f"rows (this one has {rows})")
+    with torch.no_grad():
+        smaller, _ = record(model, blocks, around, smaller_sample(sample, rows - 1), count)
+    args, kwargs = split_call(sample, fixed_args(model))
+    program, inputs, origins = program_of(run, smaller, start, final, (rows, rows - 1),
+                                          {"args": args, "kwargs": kwargs}, name)
+    return [("head", program, origins)], inputs
+
+
 def _shared(path: str, block: nn.Module, count: int, calls: List[Tuple[Tuple[Any, ...], Dict[str, Any]]],
-            hiddens: List[Any], extras: Dict[int, int], pick: Optional[int]) -> List[Layer]:
+            hiddens: List[Any], extras: Dict[int, int], pick: Optional[int], keep: int) -> List[Layer]:
     """One block called ``count`` times: the same layer at ``count`` places (a module used at several places, as
-    pipeddp runs any: tied copies where the places fall in different stages), then the hidden state alone."""
+    pipeddp runs any: tied copies where the places fall in different stages), then the hidden state alone (with the
+    last ``keep`` carried values: the inputs a head reads)."""
     templates = [template_of(calls[i], hiddens[i], extras) for i in range(count)]
     if any(repr(t) != repr(templates[0]) for t in templates[1:]):
         raise NotAStack(f"{path}.0 is called {count} times with other arguments besides the hidden state each time "
                         f"({templates[0]!r}, then {next(t for t in templates if repr(t) != repr(templates[0]))!r}): "
                         "one layer at several places runs one call")
-    if not extras and pick is None and templates[0] == ((HIDDEN,), {}):
+    if not extras and not keep and pick is None and templates[0] == ((HIDDEN,), {}):
         return [(f"{path}.0", block, {"": f"{path}.0"})] * count
-    layer = BlockCall(block, templates[0], len(extras), pick, last=False)
+    layer = BlockCall(block, templates[0], len(extras) + keep, pick, last=False)
     places: List[Layer] = [(f"{path}.0", layer, {"block": f"{path}.0"})] * count
+    if keep:
+        return places + [("hidden", Functional(hidden_and_last, INPUT, keep), {})]
     return places + ([("hidden", Functional(operator.getitem, INPUT, 0), {})] if extras else [])
 
 

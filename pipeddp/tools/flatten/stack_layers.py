@@ -36,7 +36,7 @@ from torch import nn
 from .carry import Template, fill, take
 
 __all__ = ["StackInput", "BlockCall", "install_stop", "split_call", "model_frame", "find_source", "resolve",
-           "Source"]
+           "Source", "hidden_and_last"]
 
 _ARMED = threading.local()
 
@@ -156,7 +156,7 @@ class StackInput(nn.Module):
     def __init__(self, model: nn.Module, first: nn.Module, first_path: str, around: Sequence[nn.Module],
                  owned: Dict[str, nn.Module], kept: List[Tuple[str, nn.Module, str, bool, bool]],
                  template: Template, count: int, fixed: Dict[str, Any],
-                 sources: Optional[Dict[int, Source]] = None) -> None:
+                 sources: Optional[Dict[int, Source]] = None, inputs: Optional[List[Source]] = None) -> None:
         super().__init__()
         object.__setattr__(self, "_model", model)  # not registered: its blocks and head are other layers'
         object.__setattr__(self, "_first", first)
@@ -178,6 +178,8 @@ class StackInput(nn.Module):
         self.fixed = dict(fixed)
         #: extras that later blocks take and the first does not: where the model's forward holds them
         self.sources = dict(sources or {})
+        #: the batch's tensors that a head after the last block reads (``head``): passed on after the extras
+        self.inputs = list(inputs or [])
 
     def take_kept(self) -> None:
         """Register again what the modules around the blocks hold now (after a meta model's run: its meta tensors,
@@ -214,21 +216,32 @@ class StackInput(nn.Module):
                                "for this batch, though it did for the sample it was flattened with")
         finally:
             _ARMED.block, _ARMED.sources = before
-        return take(self.template, call, self.count, found)
+        result = take(self.template, call, self.count, found)
+        if not self.inputs:
+            return result
+        read = [resolve({"args": args, "kwargs": kwargs}, source) for source in self.inputs]
+        lost = [source for source, v in zip(self.inputs, read) if not isinstance(v, torch.Tensor)]
+        if lost:
+            raise ValueError(f"this batch has no tensor at {lost[0]!r}, which the head of "
+                             f"{type(self._model).__name__} after its last block reads, as it did in the sample it "
+                             "was flattened with: pass batches like the sample")
+        return (*(result if self.count else (result,)), *read)
 
     def extra_repr(self) -> str:
-        return f"{type(self._model).__name__}.forward up to {self.first_path}, passing on {1 + self.count} value(s)"
+        return (f"{type(self._model).__name__}.forward up to {self.first_path}, passing on "
+                f"{1 + self.count + len(self.inputs)} value(s)")
 
 
 class BlockCall(nn.Module):
     """One block of the stack called as the model called it; it passes the carried values on.
 
     ``pick``: where the block's output holds the hidden state (None: it is
-    the output); ``last``: the last block passes the hidden state alone.
+    the output); ``last``: the last block passes the hidden state alone, with
+    the last ``keep`` carried values (the inputs a head reads).
     """
 
     def __init__(self, block: nn.Module, template: Template, count: int, pick: Optional[int], last: bool,
-                 makes: Optional[Dict[int, int]] = None) -> None:
+                 makes: Optional[Dict[int, int]] = None, keep: int = 0) -> None:
         super().__init__()
         self.block = block
         self.template = template
@@ -237,6 +250,7 @@ class BlockCall(nn.Module):
         self.last = last
         #: carried values this block computes for later blocks: extra index -> index in the block's output
         self.makes = dict(makes or {})
+        self.keep = keep
 
     # mypy: nn.Module.forward is variadic; a stage layer takes its one carried value
     def forward(self, carried: Any) -> Any:  # type: ignore[override]
@@ -253,9 +267,14 @@ class BlockCall(nn.Module):
             extras = tuple(made)
         if self.pick is not None:
             out = out[self.pick]
-        return out if self.last or not self.count else (out, *extras)
+        if self.last:
+            return (out, *extras[len(extras) - self.keep:]) if self.keep else out
+        return (out, *extras) if self.count else out
 
     def extra_repr(self) -> str:
         return f"carries {self.count} value(s) besides the hidden state" + (", the last" if self.last else "")
 
 
+def hidden_and_last(carried: Tuple[Any, ...], keep: int) -> Any:
+    """What follows one block called at several places: the hidden state, with the last ``keep`` carried values."""
+    return (carried[0], *carried[len(carried) - keep:])

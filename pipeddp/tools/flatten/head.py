@@ -1,0 +1,284 @@
+"""A head that reads the model's input: the steps after the last block replayed as one layer.
+
+Most heads are a chain (``norm``, ``lm_head``) and become layers of their own
+(``tail``). A classifier of a causal language model is not: after its last
+block it finds each row's last non-padding token from ``input_ids`` and picks
+that row's logits::
+
+    logits = score(norm(h))
+    last = (arange(T) * (input_ids != pad)).argmax(-1)
+    out = logits[arange(batch_size), last]
+
+Such a tail becomes a ``TailProgram``: the recorded steps that the output
+depends on, replayed in order on the last block's output and on the model's
+input tensors that it reads, which the first layer passes on through every
+block (``StackInput.inputs``). What a step was given is a template: a value
+of the program (``Ref``), the batch's size (``BATCH``: an int that was the
+sample's batch size, and the size of a smaller sample in a second run), the
+hidden state's device (``DEVICE``), or a constant. An int that changes
+otherwise between the two runs is refused; one that equals another dimension
+of an input the head reads (the sequence length) is checked against each batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Set, Tuple
+
+import torch
+from torch import nn
+
+from .carry import leaves
+from .record import Event, NotAStack, Run
+from .stack_layers import Source, find_source
+
+__all__ = ["TailProgram", "program_of", "reads_input", "smaller_sample", "Ref", "BATCH", "DEVICE"]
+
+_VIEWS = {"view", "reshape", "__getitem__", "contiguous", "to", "flatten", "squeeze", "unsqueeze", "expand",
+          "type_as", "float", "double"}
+
+
+class Ref:
+    """A value of the program: ``slot`` 0 the hidden state, 1..k the inputs read, then each step's output; ``keys``
+    index into a step's output (a module that returns a tuple)."""
+
+    def __init__(self, slot: int, keys: Tuple[Any, ...] = ()) -> None:
+        self.slot, self.keys = slot, keys
+
+    def __repr__(self) -> str:
+        return f"v{self.slot}" + "".join(f"[{k!r}]" for k in self.keys)
+
+
+class _Marker:
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+BATCH = _Marker("batch_size")
+DEVICE = _Marker("hidden.device")
+
+
+def _fill(value: Any, values: List[Any], batch: int, device: torch.device) -> Any:
+    if isinstance(value, Ref):
+        out = values[value.slot]
+        for k in value.keys:
+            out = out[k]
+        return out
+    if isinstance(value, _Marker):
+        return batch if value.text == BATCH.text else device
+    if isinstance(value, (tuple, list)):
+        return type(value)([_fill(v, values, batch, device) for v in value])
+    if isinstance(value, dict):
+        return {k: _fill(v, values, batch, device) for k, v in value.items()}
+    if isinstance(value, slice):
+        return slice(*(_fill(v, values, batch, device) for v in (value.start, value.stop, value.step)))
+    return value
+
+
+class TailProgram(nn.Module):
+    """The steps after the last block that compute the output, replayed on ``(hidden, *inputs read)``.
+
+    ``mods``: the model's modules among the steps (by path, ``_`` for ``.``);
+    ``steps``: ``(module key or function, args, kwargs)`` templates;
+    ``dims``: the sample's sizes of the inputs' other dimensions that some
+    step was given as an int (a batch of another length is refused, not
+    computed with the sample's).
+    """
+
+    def __init__(self, mods: Dict[str, nn.Module], steps: List[Tuple[Any, Any, Any]], result: Ref,
+                 inputs: int, dims: List[Tuple[int, Tuple[int, ...]]]) -> None:
+        super().__init__()
+        self.mods = nn.ModuleDict(mods)
+        self.steps = steps
+        self.result = result
+        self.inputs = inputs
+        self.dims = dims
+
+    # mypy: nn.Module.forward is variadic; a stage layer takes its one carried value
+    def forward(self, carried: Any) -> Any:  # type: ignore[override]
+        values: List[Any] = [carried[0], *carried[1:]] if self.inputs else [carried]
+        for slot, dims in self.dims:
+            if tuple(values[slot].shape[1:]) != dims:
+                raise ValueError(f"the head after the last block was recorded for inputs of shape (batch, "
+                                 f"{', '.join(map(str, dims))}) and computes with those sizes; this batch's is "
+                                 f"{tuple(values[slot].shape)}: flatten with a sample of the batches' length (or pad "
+                                 "every batch to one length)")
+        hidden = values[0]
+        batch = values[1].shape[0] if self.inputs else hidden.shape[0]
+        for what, args, kwargs in self.steps:
+            fn = self.mods[what] if isinstance(what, str) else what
+            values.append(fn(*_fill(args, values, batch, hidden.device), **_fill(kwargs, values, batch,
+                                                                                  hidden.device)))
+        return _fill(self.result, values, batch, hidden.device)
+
+    def extra_repr(self) -> str:
+        names = [w if isinstance(w, str) else getattr(w, "__name__", str(w)) for w, _, _ in self.steps]
+        return f"{len(self.steps)} steps ({', '.join(names)}) on the hidden state and {self.inputs} input(s)"
+
+
+def _tensor_paths(value: Any, keys: Tuple[Any, ...] = ()) -> List[Tuple[Tuple[Any, ...], torch.Tensor]]:
+    if isinstance(value, torch.Tensor):
+        return [(keys, value)]
+    if isinstance(value, (tuple, list)):
+        return [x for i, v in enumerate(value) for x in _tensor_paths(v, keys + (i,))]
+    if isinstance(value, dict):
+        return [x for k, v in value.items() for x in _tensor_paths(v, keys + (k,))]
+    return []
+
+
+class _Builder:
+    """Turns the recorded steps (two runs: the sample, and its first rows) into a program's templates."""
+
+    def __init__(self, start: torch.Tensor, batch: Tuple[int, int], scope: Dict[str, Any]) -> None:
+        self.where: Dict[int, Ref] = {id(start): Ref(0)}
+        self.batch = batch
+        self.device = start.device
+        self.scope = scope
+        self.inputs: List[Tuple[Source, torch.Tensor]] = []
+        #: the constant ints the steps are given (an input's other dimension among them is checked per batch)
+        self.ints: Set[int] = set()
+
+    def ref(self, t: torch.Tensor, at: str) -> Ref:
+        found = self.where.get(id(t))
+        if found is not None:
+            return found
+        source = find_source(self.scope, t)
+        if source is None:
+            raise NotAStack(f"{at} after the last block takes a tensor that is neither the last block's output, nor "
+                            "the model's input, nor computed from them by the steps after the last block")
+        self.inputs.append((source, t))
+        self.where[id(t)] = Ref(len(self.inputs))  # renumbered with the steps once all inputs are known
+        return self.where[id(t)]
+
+    def mark(self, v1: Any, v2: Any, at: str) -> Any:
+        if isinstance(v1, torch.Tensor):
+            return self.ref(v1, at)
+        if isinstance(v1, bool) or v1 is None:
+            return v1
+        if isinstance(v1, int):
+            if not isinstance(v2, int) or isinstance(v2, bool) or v1 == v2:
+                self.ints.add(v1)
+                return v1
+            if (v1, v2) == self.batch:
+                return BATCH
+            raise NotAStack(f"{at} after the last block is given {v1} for the sample and {v2} for a smaller batch: "
+                            "an int the head computes from its input other than the batch size")
+        if isinstance(v1, torch.device) and v1 == self.device:
+            return DEVICE
+        if isinstance(v1, (tuple, list)):
+            if not isinstance(v2, (tuple, list)) or len(v1) != len(v2):
+                raise NotAStack(f"{at} after the last block is given {type(v1).__name__}s of other lengths for the "
+                                "sample and for a smaller batch")
+            marked = [self.mark(a, b, at) for a, b in zip(v1, v2)]
+            if isinstance(v1, torch.Size):  # a shape: a tuple where it holds the batch size (filled per batch)
+                return tuple(marked) if any(m is BATCH for m in marked) else v1
+            return type(v1)(marked)
+        if isinstance(v1, dict):
+            if not isinstance(v2, dict) or set(v1) != set(v2):
+                raise NotAStack(f"{at} after the last block is given other keys for the sample and a smaller batch")
+            return {k: self.mark(v1[k], v2[k], at) for k in v1}
+        if isinstance(v1, slice):
+            if not isinstance(v2, slice):
+                raise NotAStack(f"{at} after the last block is given a slice only for the sample")
+            return slice(*(self.mark(a, b, at) for a, b in zip((v1.start, v1.stop, v1.step),
+                                                               (v2.start, v2.stop, v2.step))))
+        return v1
+
+
+def _needed(tail: List[Event], final: Any) -> List[int]:
+    """The positions of the recorded steps that the output depends on, in order."""
+    want = {id(final)}
+    keep: List[int] = []
+    for pos in range(len(tail) - 1, -1, -1):
+        event = tail[pos]
+        if any(id(t) in want for _, t in _tensor_paths(event.out)):
+            keep.append(pos)
+            want.update(id(v) for _, v in leaves(list(event.args), "") + leaves(dict(event.kwargs), "")
+                        if isinstance(v, torch.Tensor))
+    return keep[::-1]
+
+
+def program_of(run: Run, smaller: Run, start: torch.Tensor, final: Any, batch: Tuple[int, int],
+               scope: Dict[str, Any], name: str) -> Tuple[TailProgram, List[Source], Dict[str, str]]:
+    """The tail of ``run`` as a ``TailProgram``; the places of the inputs it reads in the model's call (``scope``:
+    ``{"args": ..., "kwargs": ...}``) and ``{suffix: original prefix}`` of its modules.
+
+    ``smaller``: the same model recorded on the sample's first rows (``batch``:
+    the two batch sizes), so that an int given to a step is known as the
+    batch size or a constant.
+    """
+    if len(smaller.tail) != len(run.tail) or any(a.path != b.path for a, b in zip(run.tail, smaller.tail)):
+        raise NotAStack(f"{name}.forward takes other steps after its last block for a smaller batch")
+    if not isinstance(final, torch.Tensor):
+        raise NotAStack(f"the output of {name} is not a tensor computed after its last block")
+    build = _Builder(start, batch, scope)
+    mods: Dict[str, nn.Module] = {}
+    origins: Dict[str, str] = {}
+    raw: List[Tuple[Any, Any, Any, Event]] = []
+    for pos in _needed(run.tail, final):
+        event, other = run.tail[pos], smaller.tail[pos]
+        at = f"{event.path} ({event.where})"
+        if "dropout" in event.path and not isinstance(event.what, nn.Module):
+            raise NotAStack(f"{at} after the last block: functional dropout there would keep the sample run's "
+                            "training flag; use an nn.Dropout module")
+        args, kwargs = build.mark(tuple(event.args), tuple(other.args), at), build.mark(dict(event.kwargs),
+                                                                                        dict(other.kwargs), at)
+        tensors = [t for _, t in leaves(list(event.args), "") if isinstance(t, torch.Tensor)]
+        out = event.out
+        if event.path in _VIEWS and len(tensors) == 1 and isinstance(out, torch.Tensor) and \
+                out.shape == tensors[0].shape and out.dtype == tensors[0].dtype and torch.equal(out, tensors[0]):
+            build.where[id(out)] = build.where[id(tensors[0])]  # a reshape that leaves the value as it is
+            continue
+        if isinstance(event.what, nn.Module):
+            key = event.path.replace(".", "_")
+            mods[key] = event.what
+            origins[f"mods.{key}"] = event.path
+            what: Any = key
+        else:
+            what = event.what
+        raw.append((what, args, kwargs, event))
+        for keys, t in _tensor_paths(out):
+            build.where.setdefault(id(t), Ref(-len(raw), keys))  # a step's output; numbered below
+    if id(final) not in build.where:
+        raise NotAStack(f"the output of {name} is not computed after its last block")
+    k = len(build.inputs)
+
+    def number(value: Any) -> Any:
+        if isinstance(value, Ref):
+            return Ref(k + (-value.slot), value.keys) if value.slot < 0 else value
+        if isinstance(value, torch.Size):
+            return value
+        if isinstance(value, (tuple, list)):
+            return type(value)(number(v) for v in value)
+        if isinstance(value, dict):
+            return {key: number(v) for key, v in value.items()}
+        if isinstance(value, slice):
+            return slice(number(value.start), number(value.stop), number(value.step))
+        return value
+
+    steps = [(what, number(args), number(kwargs)) for what, args, kwargs, _ in raw]
+    dims = [(i + 1, tuple(t.shape[1:])) for i, (_, t) in enumerate(build.inputs)
+            if set(t.shape[1:]) & build.ints]
+    program = TailProgram(mods, steps, number(build.where[id(final)]), k, dims)
+    return program, [source for source, _ in build.inputs], origins
+
+
+def reads_input(run: Run) -> bool:
+    """Whether a step after the last block takes a value computed from the model's input."""
+    return any(id(v) in run.from_input for e in run.tail
+               for _, v in leaves(list(e.args), "") + leaves(dict(e.kwargs), ""))
+
+
+def smaller_sample(sample: Any, rows: int) -> Any:
+    """The sample's first ``rows`` rows (every tensor cut along dim 0)."""
+    def cut(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value[:rows]
+        if isinstance(value, (tuple, list)):
+            return type(value)(cut(v) for v in value)
+        if isinstance(value, dict):
+            return {k: cut(v) for k, v in value.items()}
+        return value
+    return cut(sample)
