@@ -6,8 +6,8 @@ block calls are numbered in the order they come (a block shared by several
 places is called several times), the modules called before the first block
 are listed, and after the last block every module call and torch function at
 the top level of the forward is an ``Event`` (the tail's steps). What the
-model computes from its own input after the last block is marked too, so that
-a head that reads the input is refused saying so.
+model computes from its own input after the last block is marked too: a head
+that reads the input is replayed as one layer (``head``).
 """
 
 from __future__ import annotations

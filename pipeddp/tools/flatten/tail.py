@@ -3,9 +3,9 @@
 Each step is a module of the model (``model_norm``, ``lm_head``) or a torch
 function (``x[:, 0]`` as a ``Functional``) taken from the recorded run
 (``record.Run``); reshapes that leave the sample as it is are left out. A step
-must take only the previous step's output: a head that combines it with what
+must take only the previous step's output; a head that combines it with what
 it computed from the model's input (a classifier picking each row's last
-non-padding token) is refused, naming that first.
+non-padding token) is replayed as one layer instead (``head``).
 """
 
 from __future__ import annotations
@@ -51,11 +51,6 @@ def tail_layers(run: Run, start: Any, final: Any, name: str) -> List[Tuple[str, 
         inputs = [(w, v) for w, v in leaves(list(event.args), "args") + leaves(dict(event.kwargs), "kwargs")
                   if isinstance(v, torch.Tensor)]
         distinct = {id(v): v for _, v in inputs}
-        if len(distinct) > 1 and any(id(v) in run.from_input for v in distinct.values()):
-            raise NotAStack(f"{event.path} ({event.where}) after the last block combines the last block's output "
-                            "with a value computed from the model's input (as the *ForSequenceClassification heads "
-                            "pick each row's last non-padding token from input_ids), which is not opened: write the "
-                            "head as a layer by hand, carrying what it needs through the blocks (docs/models.md)")
         if len(distinct) != 1:
             what = "no tensor" if not distinct else " and ".join(w for w, _ in inputs)
             raise NotAStack(f"{event.path} ({event.where}) after the last block takes {what}: each step after the "
