@@ -26,7 +26,7 @@ The output is the model's ``logits`` (or, for a model without a head,
 from __future__ import annotations
 
 import operator
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -161,84 +161,102 @@ def _made_by(run: Run, leaf: torch.Tensor, before: int) -> Optional[Tuple[int, i
 Layer = Tuple[str, nn.Module, Dict[str, str]]
 
 
-def stack_layers(model: nn.Module, sample: Any, path: str, stack: nn.Module) -> List[Layer]:
+class Recorded:
+    """One block stack of the model, recorded on a sample: its blocks' calls, the extras they take and where the
+    last one leaves the hidden state (``start``); ``layers`` builds the first layer and one per block."""
+
+    def __init__(self, model: nn.Module, sample: Any, path: str, stack: nn.Module) -> None:
+        self.model, self.path, self.name = model, path, type(model).__name__
+        self.owner_paths = [""] + [path[:i] for i in range(len(path)) if path[i] == "."] + [path]
+        self.around_mods = [model.get_submodule(p) for p in self.owner_paths]
+        self.around = {id(m) for m in self.around_mods}
+        # mypy: nn.Module._modules is typed Optional for deleted children; a block list has none
+        self.blocks: List[nn.Module] = list(stack._modules.values())  # type: ignore[arg-type]
+        with torch.no_grad():
+            self.count = len(self.blocks) if len(self.blocks) > 1 else count_calls(model, self.blocks, sample)
+            self.run, self.out = record(model, self.blocks, self.around, sample, self.count)
+        if 0 not in self.run.calls:
+            raise NotAStack(f"{self.name}.forward did not call {path}.0 on the sample")
+        self.calls, self.hiddens, self.extras, self.pick, self.sources, self.produced = \
+            _blocks(self.run, path, self.count, self.name)
+        last = self.run.outs[self.count - 1]
+        self.start = last if self.pick is None else last[self.pick]
+        if not isinstance(self.start, torch.Tensor):
+            raise NotAStack(f"{path}.{self.count - 1} returns {type(last).__name__}, not the hidden state")
+        #: the modules the blocks' layers take
+        self.used = set(self.run.before) | {f"{path}.{i}" for i in range(self.count)}
+
+    def layers(self, used: Set[str], inputs: List[Source]) -> List[Layer]:
+        """The first layer (owning the modules called before the first block, and those nobody in ``used`` takes)
+        and one layer per block; ``inputs``: the batch's tensors passed on after the extras, to the last block."""
+        model, path, blocks, count, extras = self.model, self.path, self.blocks, self.count, self.extras
+        owned = _owned(model, self.run.before, used, self.around)
+        kept, names = [], {f"owned.{p.replace('.', '_')}": p for p in owned}
+        for p, m in zip(self.owner_paths, self.around_mods):
+            for attr, value in list(m._parameters.items()) + list(m._buffers.items()):
+                if value is not None:
+                    key = f"{p}.{attr}" if p else attr
+                    kept.append((key.replace(".", "_"), m, attr, attr in m._parameters,
+                                 attr not in m._non_persistent_buffers_set))
+                    names[f"kept.{key.replace('.', '_')}"] = key
+        install_stop(blocks[0])
+        first = StackInput(model, blocks[0], f"{path}.0", self.around_mods,
+                           {p.replace(".", "_"): model.get_submodule(p) for p in owned}, kept,
+                           template_of(self.calls[0], self.hiddens[0], extras), len(extras), fixed_args(model),
+                           self.sources, inputs)
+        layers: List[Layer] = [("embed", first, names)]
+        if len(blocks) == 1:
+            if self.produced:
+                raise NotAStack(f"{path}.0 is called {count} times and gives a later call what an earlier one "
+                                "returned: one layer at several places runs one call")
+            return layers + _shared(path, blocks[0], count, self.calls, self.hiddens, extras, self.pick, len(inputs))
+        carried = len(extras) + len(inputs)  # the inputs a head reads travel after the blocks' extras
+        for i, block in enumerate(blocks):
+            template = template_of(self.calls[i], self.hiddens[i], extras)
+            makes = {e: k for e, (j, k) in self.produced.items() if j == i}
+            if not carried and self.pick is None and template == ((HIDDEN,), {}):
+                layers.append((f"{path}.{i}", block, {"": f"{path}.{i}"}))
+            else:
+                layers.append((f"{path}.{i}", BlockCall(block, template, carried, self.pick, i == count - 1, makes,
+                                                        keep=len(inputs)), {"block": f"{path}.{i}"}))
+        return layers
+
+
+def stack_layers(model: nn.Module, sample: Any, path: str, stack: nn.Module,
+                 skip: Sequence[str] = ()) -> List[Layer]:
     """``(name, layer, {suffix: original prefix})`` of the opened stack; ``NotAStack`` naming what stops it.
 
     The suffixes are relative to the layer's name in the flat model (``""``:
-    the layer itself is the model's module at that prefix).
+    the layer itself is the model's module at that prefix). ``skip``: modules
+    other layers take (an encoder opened before this stack).
     """
-    name = type(model).__name__
-    owner_paths = [""] + [path[:i] for i in range(len(path)) if path[i] == "."] + [path]
-    around_mods = [model.get_submodule(p) for p in owner_paths]
-    around = {id(m) for m in around_mods}
-    # mypy: nn.Module._modules is typed Optional for deleted children; a block list has none
-    blocks: List[nn.Module] = list(stack._modules.values())  # type: ignore[arg-type]
-    with torch.no_grad():
-        count = len(blocks) if len(blocks) > 1 else count_calls(model, blocks, sample)
-        run, out = record(model, blocks, around, sample, count)
-    if 0 not in run.calls:
-        raise NotAStack(f"{name}.forward did not call {path}.0 on the sample")
-    calls, hiddens, extras, pick, sources, produced = _blocks(run, path, count, name)
-    last = run.outs[count - 1]
-    start = last if pick is None else last[pick]
-    if not isinstance(start, torch.Tensor):
-        raise NotAStack(f"{path}.{count - 1} returns {type(last).__name__}, not the hidden state")
-    final = model_output(out)
+    found = Recorded(model, sample, path, stack)
+    final = model_output(found.out)
     inputs: List[Source] = []
     try:
-        tail = tail_layers(run, start, final, name)
+        tail = tail_layers(found.run, found.start, final, found.name)
         tail_paths = [p for p, _, _ in tail]
     except NotAStack:
-        if not reads_input(run):
+        if not reads_input(found.run):
             raise
-        tail, inputs = _head(model, blocks, around, sample, count, run, start, final)
+        tail, inputs = _head(found, sample, final)
         tail_paths = list(tail[0][2].values())
-    used = set(run.before) | set(tail_paths) | {f"{path}.{i}" for i in range(count)}
-    owned = _owned(model, run.before, used, around)
-    kept, names = [], {f"owned.{p.replace('.', '_')}": p for p in owned}
-    for p, m in zip(owner_paths, around_mods):
-        for attr, value in list(m._parameters.items()) + list(m._buffers.items()):
-            if value is not None:
-                key = f"{p}.{attr}" if p else attr
-                kept.append((key.replace(".", "_"), m, attr, attr in m._parameters,
-                             attr not in m._non_persistent_buffers_set))
-                names[f"kept.{key.replace('.', '_')}"] = key
-    install_stop(blocks[0])
-    first = StackInput(model, blocks[0], f"{path}.0", around_mods,
-                       {p.replace(".", "_"): model.get_submodule(p) for p in owned}, kept,
-                       template_of(calls[0], hiddens[0], extras), len(extras), fixed_args(model), sources, inputs)
-    layers: List[Layer] = [("embed", first, names)]
-    if len(blocks) == 1:
-        if produced:
-            raise NotAStack(f"{path}.0 is called {count} times and gives a later call what an earlier one returned: "
-                            "one layer at several places runs one call")
-        return layers + _shared(path, blocks[0], count, calls, hiddens, extras, pick, len(inputs)) + tail
-    carried = len(extras) + len(inputs)  # the inputs a head reads travel after the blocks' extras
-    for i, block in enumerate(blocks):
-        template = template_of(calls[i], hiddens[i], extras)
-        makes = {e: k for e, (j, k) in produced.items() if j == i}
-        if not carried and pick is None and template == ((HIDDEN,), {}):
-            layers.append((f"{path}.{i}", block, {"": f"{path}.{i}"}))
-        else:
-            layers.append((f"{path}.{i}", BlockCall(block, template, carried, pick, i == count - 1, makes,
-                                                    keep=len(inputs)), {"block": f"{path}.{i}"}))
-    return layers + tail
+    return found.layers(found.used | set(tail_paths) | set(skip), inputs) + tail
 
 
-def _head(model: nn.Module, blocks: List[nn.Module], around: Set[int], sample: Any, count: int, run: Run,
-          start: torch.Tensor, final: Any) -> Tuple[List[Layer], List[Source]]:
+def _head(found: Recorded, sample: Any, final: Any) -> Tuple[List[Layer], List[Source]]:
     """A head that reads the model's input (``head``): one layer replaying the steps after the last block, recorded
     again on the sample's first rows to tell the batch size from constants; and where the inputs it reads are."""
-    name = type(model).__name__
+    model, name = found.model, found.name
     rows = batch_size(sample, name="sample")
     if rows < 2:
         raise NotAStack(f"the head of {name} after its last block reads the model's input, and is recorded on two "
                         f"batch sizes to tell the batch size from its constants: flatten with a sample of 2 or more "
                         f"rows (this one has {rows})")
     with torch.no_grad():
-        smaller, _ = record(model, blocks, around, smaller_sample(sample, rows - 1), count)
+        smaller, _ = record(model, found.blocks, found.around, smaller_sample(sample, rows - 1), found.count)
     args, kwargs = split_call(sample, fixed_args(model))
-    program, inputs, origins = program_of(run, smaller, start, final, (rows, rows - 1),
+    program, inputs, origins = program_of(found.run, smaller, found.start, final, (rows, rows - 1),
                                           {"args": args, "kwargs": kwargs}, name)
     return [("head", program, origins)], inputs
 
