@@ -131,6 +131,12 @@ def batch(kind: str, n: int, seed: int, padded: bool = False) -> Tuple[Any, torc
     if kind == "vit":
         return images(n, seed)
     x, y = tokens(n, seed, padded)
+    if kind == "t5":  # the encoder's tokens, the decoder's, and the decoder's targets
+        g = torch.Generator().manual_seed(seed + 50)
+        x["decoder_input_ids"] = torch.randint(2, VOCAB, (n, 5), generator=g)
+        if padded:
+            x["decoder_attention_mask"] = torch.ones(n, 5, dtype=torch.long)
+        return x, torch.randint(0, VOCAB, (n, 5), generator=g)
     return (x, y[:, 0] % LABELS) if kind.endswith("-cls") else (x, y)
 
 

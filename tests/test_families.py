@@ -103,30 +103,23 @@ def test_a_layer_shared_by_every_block_albert_equals_the_original(padded):
             loads_both_ways(pipe, model, "albert", x)
 
 
-def seq2seq(n, seed, padded):
-    """T5's batch: the encoder's tokens (padded: every other row loses its last two), the decoder's, and targets."""
-    x, y = batch("t5", n, seed, padded)
-    g = torch.Generator().manual_seed(seed + 50)
-    x["decoder_input_ids"] = torch.randint(2, 40, (n, 5), generator=g)
-    if padded:
-        x["decoder_attention_mask"] = torch.ones(n, 5, dtype=torch.long)
-    return x, torch.randint(0, 40, (n, 5), generator=g)
-
-
 @pytest.mark.parametrize("padded", [False, True])
-def test_an_encoder_decoder_t5_carries_the_first_blocks_position_bias(padded):
+def test_an_encoder_decoder_t5_opens_both_stacks(padded):
+    """The encoder's blocks, then the decoder's: the batch travels through the encoder's blocks to the layer that
+    gives the model the encoder's output; each stack's first block computes the position bias the later ones take."""
     reference = MODELS["t5"]()
-    sample, _ = seq2seq(4, 0, padded)
-    x, y = seq2seq(6, 1, padded)
+    sample, _ = batch("t5", 4, 0, padded)
+    x, y = batch("t5", 6, 1, padded)
     want = logits(reference, x)
     loss = loss_fn(want, y)
     loss.backward()
-    for stages, balance in ((2, [2, 6]), (4, [1, 1, 1, 5])):
+    for stages, balance in ((2, [4, 7]), (4, [2, 2, 2, 5])):
         model = MODELS["t5"]()
         flat = flatten_sequential(model, sample)
-        # the encoder runs inside the first layer; the decoder's blocks are layers of their own
-        assert list(flat._modules)[:4] == ["embed", "decoder_block_0", "decoder_block_1", "decoder_block_2"]
-        assert flat.decoder_block_0.makes and not flat.decoder_block_1.makes  # the position biases, made once
+        assert list(flat._modules)[:7] == ["embed", "encoder_block_0", "encoder_block_1", "encoded",
+                                           "decoder_block_0", "decoder_block_1", "decoder_block_2"]
+        for first, later in (("encoder_block_0", "encoder_block_1"), ("decoder_block_0", "decoder_block_1")):
+            assert flat.get_submodule(first).makes and not flat.get_submodule(later).makes  # made once
         with pipeddp.Pipeline(flat, ["cpu"] * stages, chunks=CHUNKS, balance=balance) as pipe:
             assert abs(pipe.train_step(x, y, loss_fn).item() - loss.item()) < 1e-12
             assert (pipe(x) - want).abs().max().item() < 1e-12

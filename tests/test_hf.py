@@ -93,8 +93,9 @@ def test_a_batch_without_padding_after_a_padded_sample():
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("mode,nprocs", [("replica", 2), ("stage", 4)])
 def test_hybrid_training_equals_the_original_model(mode, nprocs):
-    # stage mode: GPT-2's tie spans processes, and the classifier's input_ids travel to its head on another process
-    runs = [("llama", True)] if mode == "replica" else [("gpt2", True), ("gpt2-cls", True)]
+    # stage mode: GPT-2's tie spans processes, the classifier's input_ids travel to its head on another process, and
+    # T5's batch through its encoder's blocks to the decoder's first layer
+    runs = [("llama", True)] if mode == "replica" else [("gpt2", True), ("gpt2-cls", True), ("t5", True)]
     results = pipeddp.spawn(hybrid_job, nprocs, args=(mode, runs, 3, 3), timeout=350)
     for i, (kind, padded) in enumerate(runs):
         losses, state = reference_training(kind, padded, 3, 6)

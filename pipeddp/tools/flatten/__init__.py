@@ -35,8 +35,9 @@ from ...runtime.materialize import is_meta, record_init
 from ..transformer import EncoderCall, EncoderLayerCall
 from .chain import NotAChain, by_hand, chain_layers, configure_encoders, unique_names
 from .check import clone, differences
+from .encdec import open_stacks
 from .lent import LentWeights
-from .stack import NotAStack, call_model, find_stack, model_output, stack_layers
+from .stack import NotAStack, call_model, find_stack, model_output
 from .stack_layers import StackInput
 
 __all__ = ["flatten_sequential"]
@@ -74,7 +75,7 @@ def _layers(model: nn.Module, sample: Any) -> Tuple[List[Layer], List[EncoderCal
         raise ValueError(f"cannot flatten {name}: its forward is not a chain of its children: {chain_reason}. "
                          f"{by_hand(model)}") from None
     try:
-        return stack_layers(model, sample, *stack), [], True
+        return open_stacks(model, sample, *stack), [], True
     except NotAStack as exc:  # the blocks' reason first: torch.fx's failure on a stack of blocks says little
         raise ValueError(f"cannot flatten {name}: its blocks {stack[0]} cannot be opened: {exc}. "
                          f"{_stack_hint(stack[0])} (Read as a chain of its children by torch.fx, it failed too: "
