@@ -118,3 +118,46 @@ def test_auto_schedule_caches_per_shape_and_forgets_on_new_costs():
     assert auto._built == {}
     for p, m in itertools.product((2,), (2, 4, 6)):
         validate(auto(p, m), m)
+
+
+def test_the_fastest_candidate_is_the_one_whose_slowest_process_took_least():
+    from pipeddp.runtime.refine import fastest
+
+    # candidate 1 is quicker on the first process, but the second process's steps with it are the slowest of all
+    parts = [{0: [1.0, 1.2, 1.1], 1: [0.9, 0.95, 2.0]}, {0: [1.0, 1.05], 1: [1.3, 1.2]}]
+    assert fastest(parts) == 0
+    assert fastest([{0: [2.0, 2.1], 1: [1.5, 1.6], 2: [1.7, 1.4]}]) == 2
+    assert fastest([{}]) == 0
+
+
+def test_close_candidates_are_timed_on_real_steps_and_the_steps_stay_exact():
+    """Orders within a few percent on paper each run whole steps (A B C C B A); the fastest measured is kept; every
+    step of the trial trains the plain model's gradients, whichever order ran it."""
+    model = make_mlp()
+    names = [n for n, _ in model.named_parameters()]
+    batches = global_batches(1, 10)
+    grads, params = reference_training(model, batches, LOSS)
+    with pipeddp.Pipeline(make_mlp(), ["cpu"] * 2, chunks=4, schedule="auto", balance=[6, 5]) as pipe:
+        refiner = pipe._step.after_backward[-1]
+        auto = pipe._step.schedule
+        # the step's measured costs would decide how many orders are close; equal stages make two tie on paper
+        refiner._decide = lambda parts, stages: Costs.unit(stages)
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        ran = []
+        for step, (x, y) in enumerate(batches):
+            opt.zero_grad()
+            pipe.train_step(x, y, LOSS)
+            got = dict(pipe.named_parameters())
+            assert max_diff([got[n].grad for n in names], grads[step]) < 1e-12, step
+            opt.step()
+            ran.append(refiner.running)
+        options = auto.close(auto.last)
+        assert len(options) == 2
+        tried = len(options)
+        # step 2 refines the costs, then each candidate runs twice, in the order A B .. B A
+        assert ran[1:1 + 2 * tried] == list(range(tried)) + list(range(tried - 1, -1, -1))
+        assert sorted(refiner.times) == list(range(tried)) and all(len(t) == 2 for t in refiner.times.values())
+        assert refiner.chosen == auto.pick and refiner.chosen in refiner.times
+        assert pipe._step._plan("train", 4)[0] == options[refiner.chosen]
+        state = pipe.state_dict()
+    assert max_diff([state[n] for n in names], params) < 1e-12

@@ -10,10 +10,19 @@ the engine times one step's actions and rebuilds the order from those costs::
                       F/I/W/B medians per stage, the quickest receive
                       -> gathered from every process -> rank 0 decides
                       -> the same costs (so the same order) everywhere
+
+The costs are a model: two orders within a few percent of each other on
+paper (``costed.CLOSE``) may come out the other way round on the machine.
+So when several are that close, each runs whole steps, in the order
+A B C C B A (a drift in the host's speed weighs on each alike), and the one
+with the shortest median step, as rank 0 finds from every process's times,
+is kept. Every order is exact, so the steps of the trial train the model as
+any other step would.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
@@ -21,7 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 from .schedule.costed import AutoSchedule, Costs, is_auto
 from .trace import Span, Trace
 
-__all__ = ["Refiner", "attach_auto", "action_samples"]
+__all__ = ["Refiner", "attach_auto", "action_samples", "fastest"]
 
 T = TypeVar("T")
 #: Per (stage, action kind): the measured seconds of each such action of a step.
@@ -61,7 +70,7 @@ class Refiner:
 
     def __init__(self, auto: AutoSchedule, step: Any, *, after: int = 1,
                  gather: Callable[[Any], List[Any]] = _alone,
-                 on_rank0: Callable[[Callable[[], Costs]], Costs] = _here) -> None:
+                 on_rank0: Callable[[Callable[[], Any]], Any] = _here) -> None:
         self.auto, self.after = auto, after
         self._step = weakref.ref(step)  # the step holds this hook: no reference cycle keeps a dropped engine alive
         self.gather, self.on_rank0 = gather, on_rank0
@@ -70,6 +79,13 @@ class Refiner:
         self.own: Optional[Trace] = None
         #: the costs the schedule was rebuilt from (None until then)
         self.refined: Optional[Costs] = None
+        #: the close candidates still to run, one per step, and each one's step times
+        self.trial: List[int] = []
+        self.times: Dict[int, List[float]] = {}
+        self.running: Optional[int] = None
+        self._mark = 0.0
+        #: the candidate kept after the trial (None: no trial, or not yet over)
+        self.chosen: Optional[int] = None
 
     def __call__(self) -> None:
         step = self._step()
@@ -90,6 +106,27 @@ class Refiner:
             self.refined = self.on_rank0(lambda: self._decide(parts, step.n_stages))
             self.auto.update(self.refined)
             step.reschedule()
+            key = self.auto.last
+            tried = len(self.auto.close(key)) if key is not None else 0
+            if tried > 1:
+                self.trial = list(range(tried)) + list(range(tried - 1, -1, -1))
+                self._mark = time.perf_counter()
+                self._next(step)
+        elif self.running is not None:
+            now = time.perf_counter()
+            self.times.setdefault(self.running, []).append(now - self._mark)
+            self._mark = now
+            self._next(step)
+
+    def _next(self, step: Any) -> None:
+        """Run the next candidate of the trial, or keep the fastest once every one has run."""
+        if self.trial:
+            self.running = self.auto.pick = self.trial.pop(0)
+        else:
+            self.running = None
+            parts = self.gather(self.times)
+            self.chosen = self.auto.pick = self.on_rank0(lambda: fastest(parts))
+        step.reschedule()
 
     def _decide(self, parts: Sequence[Tuple[Samples, Optional[float]]], stages: int) -> Costs:
         merged: Samples = {}
@@ -100,9 +137,18 @@ class Refiner:
         return base.measured(merged, [t for _, t in parts if t is not None])
 
 
+def fastest(parts: Sequence[Dict[int, List[float]]]) -> int:
+    """The candidate whose step took least: per process the median of its steps, the slowest process's counting
+    (a step ends when its last process does)."""
+    candidates = set().union(*parts) if parts else set()
+    if not candidates:
+        return 0
+    return min(sorted(candidates), key=lambda c: max(statistics.median(p[c]) for p in parts if p.get(c)))
+
+
 def attach_auto(step: Any, layers: Sequence[Any], balance: Sequence[int], max_activations: Optional[int], *,
                 gather: Callable[[Any], List[Any]] = _alone,
-                on_rank0: Callable[[Callable[[], Costs]], Costs] = _here) -> Optional[Refiner]:
+                on_rank0: Callable[[Callable[[], Any]], Any] = _here) -> Optional[Refiner]:
     """Where ``step`` runs ``schedule="auto"``: its schedule becomes an ``AutoSchedule`` costed by the profile's
     ``layers`` cut by ``balance``, refined after the first steps (see ``Refiner``). None for any other schedule."""
     if not is_auto(step.schedule):

@@ -279,13 +279,10 @@ def _makespan(plan: Schedule, costs: Costs, p: int) -> float:
     return play(plan, lambda row, a: costs.of(a.kind, a.stage), transfer).makespan
 
 
-def build(stages: int, chunks: int, virtual_stages: int = 1, costs: Optional[Costs] = None,
-          max_activations: Optional[int] = None) -> Schedule:
-    """The shortest schedule the heuristic finds for ``costs`` with at most ``max_activations`` per device.
-
-    ``costs`` has one entry per stage (``stages * virtual_stages``; default:
-    unit costs); ``max_activations`` defaults to 1F1B's cap.
-    """
+def ranked(stages: int, chunks: int, virtual_stages: int = 1, costs: Optional[Costs] = None,
+           max_activations: Optional[int] = None) -> List[Tuple[float, Schedule]]:
+    """Every distinct candidate schedule with its step time on paper, shortest first (ties: fewer held
+    activations first). ``build`` takes the first; ``AutoSchedule`` times the close ones on real steps."""
     p, m, v = stages, chunks, virtual_stages
     costs = costs or Costs.unit(p * v)
     if len(costs.forward) != p * v:
@@ -302,8 +299,30 @@ def build(stages: int, chunks: int, virtual_stages: int = 1, costs: Optional[Cos
         got = _greedy(p, m, v, costs, cap, first, any_gap, depth)
         if got is not None:
             candidates.append(got)
-    scored = [(_makespan(c, costs, p), max(peak_held(row) for row in c), k) for k, c in enumerate(candidates)]
-    return candidates[min(scored)[2]]
+    scored = sorted((_makespan(c, costs, p), max(peak_held(row) for row in c), k) for k, c in enumerate(candidates))
+    seen, out = set(), []
+    for span, _, k in scored:
+        key = repr(candidates[k])
+        if key not in seen:
+            seen.add(key)
+            out.append((span, candidates[k]))
+    return out
+
+
+def build(stages: int, chunks: int, virtual_stages: int = 1, costs: Optional[Costs] = None,
+          max_activations: Optional[int] = None) -> Schedule:
+    """The shortest schedule the heuristic finds for ``costs`` with at most ``max_activations`` per device.
+
+    ``costs`` has one entry per stage (``stages * virtual_stages``; default:
+    unit costs); ``max_activations`` defaults to 1F1B's cap.
+    """
+    return ranked(stages, chunks, virtual_stages, costs, max_activations)[0][1]
+
+
+#: candidates within this factor of the best step time on paper are timed on real steps (``AutoSchedule.close``)
+CLOSE = 1.05
+#: at most this many of them
+MOST_TRIED = 3
 
 
 class AutoSchedule:
@@ -311,24 +330,37 @@ class AutoSchedule:
 
     ``update`` replaces the costs (after the first steps were measured) and
     forgets the schedules built so far. Called as ``(stages, chunks[, virtual_stages])``
-    like any schedule function.
+    like any schedule function; it runs the ``pick``-th of the candidates that
+    are ``close`` on paper (0: the shortest), so that the engine can time them
+    on real steps and keep the fastest (``refine``).
     """
 
     def __init__(self, costs: Optional[Costs] = None, max_activations: Optional[int] = None) -> None:
         self.costs = costs
         self.max_activations = max_activations
-        self._built: Dict[Tuple[int, int, int], Schedule] = {}
+        self.pick = 0
+        #: the shape of the last schedule asked for: ``(stages, chunks, virtual_stages)``
+        self.last: Optional[Tuple[int, int, int]] = None
+        self._built: Dict[Tuple[int, int, int], List[Schedule]] = {}
+
+    def close(self, key: Tuple[int, int, int]) -> List[Schedule]:
+        """The candidates for ``key`` within ``CLOSE`` of the shortest on paper (at most ``MOST_TRIED``)."""
+        if key not in self._built:
+            stages, chunks, v = key
+            costs = self.costs if self.costs is not None and len(self.costs.forward) == stages * v else None
+            options = ranked(stages, chunks, v, costs, self.max_activations)
+            best = options[0][0]
+            self._built[key] = [plan for span, plan in options if span <= best * CLOSE][:MOST_TRIED]
+        return self._built[key]
 
     def __call__(self, stages: int, chunks: int, virtual_stages: int = 1) -> Schedule:
-        key = (stages, chunks, virtual_stages)
-        if key not in self._built:
-            costs = self.costs if self.costs is not None and len(self.costs.forward) == stages * virtual_stages \
-                else None
-            self._built[key] = build(stages, chunks, virtual_stages, costs, self.max_activations)
-        return [list(row) for row in self._built[key]]
+        self.last = key = (stages, chunks, virtual_stages)
+        options = self.close(key)
+        return [list(row) for row in options[min(self.pick, len(options) - 1)]]
 
     def update(self, costs: Costs) -> None:
         self.costs = costs
+        self.pick = 0
         self._built.clear()
 
     def __repr__(self) -> str:
