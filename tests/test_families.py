@@ -42,33 +42,44 @@ def over_micro_batches(model, x, y, chunks=CHUNKS):
     return {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("padded", [False, True])
-def test_per_layer_masks_gemma2_equals_the_original(padded):
-    reference = MODELS["gemma2"]()
-    assert set(reference.config.layer_types) == {"sliding_attention", "full_attention"}
-    sample, _ = batch("gemma2", 4, 0, padded)
-    x, y = batch("gemma2", 6, 1, padded)
+def original(kind, x, y):
+    """The original model's logits and loss on the batch, and its gradients over the whole batch and over the
+    pipeline's micro-batches."""
+    reference = MODELS[kind]()
     want = logits(reference, x)
     loss = loss_fn(want, y)
     loss.backward()
     whole = {name: p.grad.clone() for name, p in reference.named_parameters()}
     reference.zero_grad()
-    micro = over_micro_batches(reference, x, y)
+    return want, loss, whole, over_micro_batches(reference, x, y)
+
+
+def trains_like_the_original(pipe, model, x, y, kind, stages):
+    """One step of ``pipe`` gives the original's loss, logits and gradients: exact against the same micro-batches,
+    and within float32's rounding of the whole batch's (RMSNorm computes in float32 inside)."""
+    want, loss, whole, micro = original(kind, x, y)
+    assert abs(pipe.train_step(x, y, loss_fn).item() - loss.item()) < 1e-12
+    assert (pipe(x) - want).abs().max().item() < 1e-12
+    grads = dict(model.named_parameters())
+    for name in whole:
+        got = grads[name].grad
+        assert got is not None, name
+        assert (got - micro[name]).abs().max().item() < 1e-12, (stages, name)
+        assert (got - whole[name]).abs().max().item() < 1e-7, (stages, name)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_per_layer_masks_gemma2_equals_the_original(padded):
+    assert set(MODELS["gemma2"]().config.layer_types) == {"sliding_attention", "full_attention"}
+    sample, _ = batch("gemma2", 4, 0, padded)
+    x, y = batch("gemma2", 6, 1, padded)
     for stages, balance in ((2, [3, 7]), (4, [2, 2, 2, 4])):
         model = MODELS["gemma2"]()
         flat = flatten_sequential(model, sample)
         assert [n for n, _ in flat.named_children()] == ["embed"] + [f"model_layers_{i}" for i in range(4)] + \
             ["model_norm", "lm_head", "div", "tanh", "mul"]  # the logits' soft cap after the head
         with pipeddp.Pipeline(flat, ["cpu"] * stages, chunks=CHUNKS, balance=balance) as pipe:
-            assert abs(pipe.train_step(x, y, loss_fn).item() - loss.item()) < 1e-12
-            assert (pipe(x) - want).abs().max().item() < 1e-12
-            grads = dict(model.named_parameters())
-            for name in whole:
-                got = grads[name].grad
-                # Gemma2's RMSNorm computes in float32 inside: exact against the same micro-batches, and within
-                # float32's rounding of the whole batch's sums
-                assert (got - micro[name]).abs().max().item() < 1e-12, (stages, name)
-                assert (got - whole[name]).abs().max().item() < 1e-7, (stages, name)
+            trains_like_the_original(pipe, model, x, y, "gemma2", stages)
             loads_both_ways(pipe, model, "gemma2", x)
 
 
@@ -141,32 +152,16 @@ def test_an_encoder_decoder_t5_opens_both_stacks(padded):
 def test_a_head_that_reads_the_input_equals_the_original(kind, padded):
     """A *ForSequenceClassification head picks each row's last non-padding token from input_ids after the last
     block: input_ids travel with the hidden state to a layer that replays the head, batch size and all."""
-    reference = MODELS[kind]()
     sample, _ = batch(kind, 4, 0, padded)
     x, y = batch(kind, 6, 1, padded)
-    want = logits(reference, x)
-    assert want.shape == (6, 3)
-    loss = loss_fn(want, y)
-    loss.backward()
-    whole = {name: p.grad.clone() for name, p in reference.named_parameters()}
-    reference.zero_grad()
-    micro = over_micro_batches(reference, x, y)
-    blocks = reference.config.num_hidden_layers
+    blocks = MODELS[kind]().config.num_hidden_layers
     for stages, balance in ((2, [2, blocks]), (4, [1, 1, 1, blocks - 1])):
         model = MODELS[kind]()
         flat = flatten_sequential(model, sample)
         assert list(flat._modules)[-1] == "head" and len(flat) == blocks + 2
+        assert flat(x).shape == (6, 3)
         with pipeddp.Pipeline(flat, ["cpu"] * stages, chunks=CHUNKS, balance=balance) as pipe:
-            assert abs(pipe.train_step(x, y, loss_fn).item() - loss.item()) < 1e-12
-            assert (pipe(x) - want).abs().max().item() < 1e-12
-            grads = dict(model.named_parameters())
-            for name in whole:
-                got = grads[name].grad
-                assert got is not None, name
-                # Llama's RMSNorm computes in float32 inside: exact against the same micro-batches, and within
-                # float32's rounding of the whole batch's sums
-                assert (got - micro[name]).abs().max().item() < 1e-12, (stages, name)
-                assert (got - whole[name]).abs().max().item() < 1e-7, (stages, name)
+            trains_like_the_original(pipe, model, x, y, kind, stages)
             loads_both_ways(pipe, model, kind, x)
 
 
