@@ -258,19 +258,24 @@ def fifo_backwards(stages: int, chunks: int):
 
 def layout_job(batches) -> List[Dict[str, Any]]:
     """Stage mode, 2 replicas x 2 stages with the copies of a stage on neighbouring ranks (layout="data"), under
-    1F1B and under a schedule written by hand; the batch size changes between steps (10, 10, 7 per replica)."""
+    1F1B and under a schedule written by hand; the batch size changes between steps. The state, and per step the
+    headers this rank sent (none where every rank's batch has the shapes of the step before)."""
     init()
     out = []
     for schedule in ("1f1b", fifo_backwards):
         engine = pipeddp.HybridParallel(make_mlp(), stages=2, mode="stage", layout="data", chunks=4,
                                         schedule=schedule, balance="uniform")
         opt = torch.optim.SGD(engine.parameters(), lr=0.1)
+        channels = engine._replica.runner.channels
+        headers = []
         for x, y in batches:
             local = x.shape[0] // engine.topology.replicas
             x, y = local_slice((x, y), engine.topology.replica, local)
             opt.zero_grad()
+            before = sum(ch.headers for ch in channels)
             engine.train_step(x if engine.is_first else None, y if engine.is_last else None, LOSS)
+            headers.append(sum(ch.headers for ch in channels) - before)
             opt.step()
-        out.append(engine.state_dict())
+        out.append({"state": engine.state_dict(), "headers": headers, "first": engine.is_first})
         engine.close()
     return out

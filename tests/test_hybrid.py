@@ -252,8 +252,14 @@ def test_forward_then_backward_averages_gradients_over_replicas():
 
 @pytest.mark.timeout(240)
 def test_stage_mode_with_the_data_layout_a_schedule_by_hand_and_a_changing_batch_size():
-    batches = global_batches(2, 2) + [data(14, width=12, seed=150)]  # 10, 10, then 7 per replica
+    # 10, 10, then 7, 7, then 10 per replica: activations cross without headers where the shapes repeat
+    batches = global_batches(2, 2) + [data(14, width=12, seed=150 + i) for i in range(2)] + global_batches(2, 1)
     expected = reference_state(batches)
     for rank, per_rank in enumerate(pipeddp.spawn(layout_job, 4, args=(batches,), timeout=200)):
-        for state in per_rank:
-            assert max_diff(expected.values(), [state[k] for k in expected]) < 1e-12, rank
+        for got in per_rank:
+            assert max_diff(expected.values(), [got["state"][k] for k in expected]) < 1e-12, rank
+            sent = got["headers"]
+            if got["first"]:  # one per micro-batch where the shapes are new; none where they repeat
+                assert sent == [4, 0, 4, 0, 4], (rank, sent)
+            else:
+                assert sent == [0] * 5, (rank, sent)

@@ -301,3 +301,66 @@ def test_every_call_into_the_transport_runs_inside_the_stage_stream_context():
         assert {name for name, _ in calls} == {"begin", "send", "recv"}
         assert len(calls) == 2 * (1 + 3 + 3)  # per step: begin, 3 sends, 3 receives on each rank
         assert all(inside for _, inside in calls), calls
+
+
+def repeat_job():
+    """Steps whose activations have the shapes of the step before cross without headers, values intact; a sender
+    whose activation then has other shapes refuses it before sending anything (the peer times out)."""
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
+    ch = P2PChannel(1 - rank, rank=rank, stage=rank, peer_stage=1 - rank, device=CPU, comm_device=CPU,
+                    timeout=timedelta(seconds=30))
+    sizes = [5, 3, 4]
+    plan = interleaved(2, len(sizes), 2)
+    got, headers, error = [], [], ""
+    for step, repeat in enumerate([False, True, True, True]):
+        ch.begin(crossings(plan)[(0, 1)], key="train_step/0", repeat=repeat)
+        before = ch.headers
+        if step == 3:
+            ch.timeout = timedelta(seconds=1)
+        try:
+            for a in plan[rank]:
+                n = sizes[a.mb] + (1 if step == 3 and rank == 0 and a.mb == 1 else 0)
+                if a.kind is Kind.F:
+                    if a.stage > 0:
+                        got.append(("F", step, a.stage, a.mb, ch.recv("F", a.stage, a.mb)))
+                    if a.stage < 3:
+                        ch.send("F", a.stage + 1, a.mb, activation(step, a.stage + 1, a.mb, n))
+                else:
+                    if a.stage < 3:
+                        got.append(("B", step, a.stage, a.mb, ch.recv("B", a.stage, a.mb)))
+                    if a.stage > 0:
+                        ch.send("B", a.stage - 1, a.mb, gradient(step, a.stage, a.mb, n))
+            ch.flush()
+            ch.finish()
+        except (RuntimeError, PeerError) as exc:
+            error = str(exc)
+            ch.fail(exc)
+            if rank == 0:
+                time.sleep(2.5)  # stays up while the peer waits out its timeout
+            break
+        finally:
+            headers.append(ch.headers - before)
+    return {"got": got, "headers": headers, "error": error}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("rules", ["nccl", "tags"])
+def test_activations_whose_shapes_repeat_cross_without_headers(rules):
+    results = pipeddp.spawn(repeat_job, 2, timeout=90, env={"PIPEDDP_P2P_RULES": rules})
+    sizes = [5, 3, 4]
+    for rank, res in enumerate(results):
+        sent = sum(1 for a in interleaved(2, 3, 2)[rank] if a.kind is Kind.F and a.stage < 3)
+        assert sent > 0 and res["headers"][:3] == [sent, 0, 0]  # the first step's only
+        for kind, step, stage, mb, value in res["got"]:
+            if step == 3 or kind != "F":
+                continue
+            expected = activation(step, stage, mb, sizes[mb])
+            if isinstance(expected, torch.Tensor):
+                assert same(value, expected.contiguous())
+            else:
+                assert type(value) is type(expected)
+                assert len(value) == len(expected) and all(same(a, b) for a, b in zip(value, expected))
+        assert {step for _, step, _, _, _ in res["got"]} >= {0, 1, 2}
+    assert "depend on the input's values" in results[0]["error"] and "micro-batch 1" in results[0]["error"]
+    assert "got no activation" in results[1]["error"]

@@ -8,7 +8,9 @@ then all ranks raise, or proceed, alike::
     the call        which of the engine's collectives each rank entered, carried by the first
                     collective of every one of them: a rank that called save while another
                     called train_step gets an error naming both, never a mismatched collective
-    batch sizes     one int64 all-gather per step: (call, x size, y size, error flag)
+    batch sizes     one int64 all-gather per step: (call, x size, y size, error flag, shapes); where every
+                    rank's row equals the previous call's, the shapes repeat (``repeated``) and activations
+                    cross between processes without a header
     the loss        one float64 all-gather: (local loss, loss not finite, grads not finite)
     replicas        a CRC32 of every parameter, compared within each stage's group
     a partition     rank 0 measures, every rank uses rank 0's cut (DDP needs identical replicas)
@@ -18,6 +20,7 @@ then all ranks raise, or proceed, alike::
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import zlib
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, TypeVar
@@ -31,7 +34,7 @@ from ..runtime.warn import warn
 from .shard import local_tensor
 from .topology import Topology
 
-__all__ = ["Agreement", "CallCheck", "CollectiveError", "COLLECTIVES"]
+__all__ = ["Agreement", "CallCheck", "CollectiveError", "COLLECTIVES", "shapes_of"]
 
 T = TypeVar("T")
 
@@ -41,6 +44,24 @@ COLLECTIVES = ("train_step", "forward", "save", "save_checkpoint", "state_dict",
 
 class CollectiveError(RuntimeError):
     """The ranks did not enter the same collective call (or one never came)."""
+
+
+def shapes_of(x: Any, y: Any) -> int:
+    """A digest of the batch's structure, shapes and dtypes, and of the autocast state (which sets the dtypes at a
+    cut): equal for two batches whose activations have the same shapes (a model whose shapes depend on its input's
+    values aside, which the sender catches)."""
+    def walk(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return (tuple(value.shape), str(value.dtype))
+        if isinstance(value, (tuple, list)):
+            return (type(value).__name__, tuple(walk(v) for v in value))
+        if isinstance(value, dict):
+            return tuple((k, walk(v)) for k, v in value.items())
+        return type(value).__name__
+    cast = tuple((kind, torch.is_autocast_enabled(kind), str(torch.get_autocast_dtype(kind)))
+                 for kind in ("cpu", "cuda") if torch.is_autocast_enabled(kind))
+    digest = hashlib.blake2b(repr((walk(x), walk(y), cast)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
 class CallCheck:
@@ -59,10 +80,10 @@ class CallCheck:
     def enter(self, call: str) -> None:
         """Every rank enters the collective ``call`` together (see ``_calls``); nothing else is exchanged."""
         if self.distributed:
-            self._calls(call, [0, 0, 0], self.topology.group, self.topology.job_ranks)
+            self._calls(call, [0, 0, 0, 0], self.topology.group, self.topology.job_ranks)
 
     def _calls(self, call: str, payload: List[int], group: Any, ranks: List[int]) -> List[List[int]]:
-        """Every rank's ``payload`` (three ints), gathered with the name of the collective call each rank is in.
+        """Every rank's ``payload`` (four ints), gathered with the name of the collective call each rank is in.
 
         The same small all-gather opens every collective call, so a rank in
         ``save`` meets a rank in ``train_step`` here and both raise naming the
@@ -104,6 +125,9 @@ class Agreement(CallCheck):
     def __init__(self, topology: Topology, comm_device: torch.device) -> None:
         self.topology = topology
         self.comm_device = comm_device
+        #: whether the last batch check found every rank's call and batch shapes as in the one before it
+        self.repeated = False
+        self._previous: Dict[Tuple[str, int], List[Any]] = {}
 
     # -- rank 0's choice -----------------------------------------------------------------------------
 
@@ -146,10 +170,14 @@ class Agreement(CallCheck):
         nx, ex = size(x, "x")
         ny, ey = size(y, "y")
         mine = (nx, ny, ex or ey)
+        self.repeated = False
         if not self.distributed:
             return [mine]
         # One small tensor collective per step; messages travel only when some rank has one.
-        rows = self._calls(call, [nx, ny, 1 if mine[2] else 0], group, ranks)
+        rows = self._calls(call, [nx, ny, 1 if mine[2] else 0, shapes_of(x, y)], group, ranks)
+        key = (call, id(group))
+        self.repeated = not mine[2] and self._previous.get(key) == rows
+        self._previous[key] = rows
         messages: List[Any] = [""] * len(ranks)
         if any(r[2] for r in rows):
             dist.all_gather_object(messages, mine[2], group=group)

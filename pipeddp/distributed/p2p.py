@@ -32,7 +32,13 @@ wrong buffer), but nothing depends on them.
 An activation crosses as a small int64 *header* (container, dtypes and
 shapes) followed by its tensors, so batch sizes may change from step to step;
 its tensors' receives are posted once the header is in. Gradients need no
-header: they have the shapes of the activation this process sent.
+header: they have the shapes of the activation this process sent. Where every
+rank's batch has the shapes of the previous call of its kind (the batch check
+says so to every rank alike: ``Agreement.repeated``), both ends take each
+activation's shapes from that call (``begin(..., key, repeat)``): no header
+crosses, and receives are posted at once. The sender still checks its
+activation against them and refuses one that differs (a stage whose output's
+shape depends on its input's values) before anything of it is sent.
 
 Sends are asynchronous (``isend``); ``flush`` waits for the ones still in
 flight at the end of a step. A step that fails leaves operations posted that
@@ -187,6 +193,13 @@ class P2PChannel:
         self._next = 0  # the first message of the order whose operations are not all issued yet
         self._posted: Dict[int, _Posted] = {}
         self._meta: Dict[Tuple[int, int], Meta] = {}
+        #: the activations' shapes of the last completed step of each kind (key), and of this step so far
+        self._shapes: Dict[str, Dict[Tuple[int, int], Meta]] = {}
+        self._known: Dict[Tuple[int, int], Meta] = {}
+        self._seen: Dict[Tuple[int, int], Meta] = {}
+        self._key = ""
+        #: headers sent so far (one per activation whose shapes were not known to both ends)
+        self.headers = 0
         self._inflight: List[Tuple[Any, List[torch.Tensor]]] = []
         self._broken: Optional[str] = None
         #: the order in which this process issues its operations: of all its links, or of this one alone
@@ -194,10 +207,12 @@ class P2PChannel:
 
     # -- the step's order --------------------------------------------------------------------------
 
-    def begin(self, order: Sequence[Message], ordering: Optional[Ordering] = None) -> None:
+    def begin(self, order: Sequence[Message], ordering: Optional[Ordering] = None, key: str = "",
+              repeat: bool = False) -> None:
         """Start a step whose messages on this link are ``order`` (``crossings`` of its schedule); ``ordering``:
         the order of all the process's links (its ``advance`` then posts ahead, once every channel has begun;
-        None: this link's order alone, posted ahead here)."""
+        None: this link's order alone, posted ahead here). ``repeat``: the activations have the shapes of the last
+        step of kind ``key`` (every rank was told alike), so none crosses with a header."""
         if self._broken is not None:
             raise PeerError(
                 f"rank {self.rank} (stage {self.stage}) cannot exchange messages with rank {self.peer} (stage "
@@ -211,6 +226,8 @@ class P2PChannel:
         self._next = 0
         self._posted.clear()
         self._meta.clear()
+        self._key, self._seen = key, {}
+        self._known = self._shapes.get(key, {}) if repeat and key else {}
         self.ordering = ordering if ordering is not None else Ordering([(self, i) for i in range(len(order))])
         if ordering is None:
             self.ordering.advance()
@@ -243,7 +260,13 @@ class P2PChannel:
         ``block`` (an activation's header not in, or a gradient of an activation not sent yet)."""
         m = self._order[i]
         posted = self._posted.setdefault(i, _Posted())
-        if m.kind == "F":
+        known = self._known.get((m.stage, m.mb)) if m.kind == "F" else None
+        if known is not None:
+            if posted.meta is not None:
+                return True
+            posted.meta = self._meta[(m.stage, m.mb)] = self._seen[(m.stage, m.mb)] = known
+            metas = known[1]
+        elif m.kind == "F":
             if posted.header is None:
                 buf = torch.empty((_HEADER,), dtype=torch.int64, device=self.comm_device)
                 posted.header = (self._irecv([buf], m, 0)[0], buf)
@@ -252,7 +275,7 @@ class P2PChannel:
                 if not block and not work.is_completed():
                     return False
                 self._wait([work], m)
-                posted.meta = self._meta[(m.stage, m.mb)] = _decode(buf.cpu())
+                posted.meta = self._meta[(m.stage, m.mb)] = self._seen[(m.stage, m.mb)] = _decode(buf.cpu())
                 metas = posted.meta[1]
             else:
                 return True
@@ -308,9 +331,19 @@ class P2PChannel:
             container, tensors = _flatten(value)  # refuses what cannot cross before anything is posted
             header = _encode(container, tensors)
             i = self._find(True, kind, stage, mb)
+            meta = _decode(header)
+            known = self._known.get((stage, mb))
+            if known is not None and known != meta:
+                raise RuntimeError(
+                    f"pipeddp: rank {self.rank} (stage {self.stage}): the activation of micro-batch {mb} for stage "
+                    f"{stage} has shapes {meta[1]}, though the batch has the shapes of the step before, whose "
+                    f"activation here had {known[1]}: the shapes at this cut depend on the input's values, not only "
+                    "on its shapes, which messages between processes without a header cannot carry; cut where the "
+                    "shapes follow the input's")
             self.ordering.catch_up(self, i)
-            self._meta[(stage, mb)] = _decode(header)
-            out, first_slot = [header] + tensors, 0
+            self._meta[(stage, mb)] = self._seen[(stage, mb)] = meta
+            out, first_slot = ([header] if known is None else []) + tensors, 0 if known is None else 1
+            self.headers += known is None
         else:
             # Gradients of the activation this process received: one per floating tensor, zeros where unused.
             i = self._find(True, kind, stage, mb)
@@ -345,6 +378,8 @@ class P2PChannel:
             left = self._order[self._next] if self._next < len(self._order) else None
             raise RuntimeError(f"pipeddp: rank {self.rank} ended a step with messages to or from rank {self.peer} "
                                f"left over (the first: {left}): the step did not run its schedule")
+        if self._key:
+            self._shapes[self._key] = self._seen  # what the next step of this kind may take, if its batch repeats
 
     def fail(self, exc: BaseException) -> None:
         """A step failed: no later step may use this link (see ``begin``; the first failure is the reason given)."""
@@ -352,6 +387,7 @@ class P2PChannel:
             self._broken = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
         self._posted.clear()
         self._meta.clear()
+        self._shapes.clear()
         self._inflight = []
 
     def _error(self, what: str, exc: BaseException) -> PeerError:

@@ -75,6 +75,7 @@ class Replica:
         """One optimizer step's gradients on this rank's batch; the global mean loss, the same on every rank."""
         with self._agreeing():
             n = self.agreement.local_batch(x, y, need_y=True)  # a collective: every rank sees the same n
+        self._agreed("train_step")
         if scaler is not None:
             scaler.scale(torch.ones((), device=self.devices[0]))  # every rank's scaler is set up, not only the last's
         if plan is not None:
@@ -91,6 +92,13 @@ class Replica:
         self.skipped_steps += skipped
         return mean
 
+    def _agreed(self, call: str) -> None:
+        """Tell a stage-mode runner what the batch check found (activations then cross without headers where every
+        rank's batch is shaped as in its previous ``call``)."""
+        agreed = getattr(self.runner, "agreed", None)
+        if agreed is not None:
+            agreed(call, self.agreement.repeated)
+
     def _agreeing(self) -> ContextManager[Any]:
         """An ``"agree"`` span on the trace's communication lane around one of a step's two agreement collectives
         (they include waiting for the slowest rank, where that process would otherwise idle between steps)."""
@@ -103,6 +111,7 @@ class Replica:
             n = samples_of(x, name="input")
         else:
             n = self.agreement.local_batch(x, None, need_y=False, group=self.groups.pipeline, call="forward")
+            self._agreed("forward")
         out = self.step.forward(x, n, need_grad=need_grad)
         for sh in self.shards if not (need_grad or self._gathered) else ():  # an evaluation forward frees what
             if sh is not None:                                               # it gathered

@@ -55,6 +55,7 @@ class ProcessRunner:
         self._plan: Optional[Schedule] = None
         self._crossings: Dict[Tuple[int, int], List[Message]] = {}
         self._sequence: List[Tuple[int, int]] = []
+        self._call, self._repeat, self._pass = "", False, 0
 
     @classmethod
     def connect(cls, stages: Sequence[Stage], topology: Topology, *, n_stages: int, comm_device: torch.device,
@@ -82,6 +83,12 @@ class ProcessRunner:
         runner._own = own
         return runner
 
+    def agreed(self, call: str, repeated: bool) -> None:
+        """The batch check of a ``call`` (``"train_step"``, ``"forward"``) passed, and found every rank's batch
+        shaped as in its call before (``Agreement.repeated``): the runs until the next check may send activations
+        without headers, each run (an accumulation's passes are several) taking the shapes of its counterpart."""
+        self._call, self._repeat, self._pass = call, repeated, 0
+
     def run(self, rows: Sequence[Sequence[Action]], spec: StepSpec, *, plan: Optional[Schedule] = None,
             inputs: Optional[Sequence[Any]] = None, output_grads: Optional[Sequence[Optional[Grads]]] = None,
             grad_event: Any = None, trace: Optional[Trace] = None) -> List[StageResults]:
@@ -96,10 +103,12 @@ class ProcessRunner:
             self._own.reset()
         streams.enter()
         try:
+            key = f"{self._call}/{self._pass}" if self._call else ""  # no check since the last: headers
+            self._pass += 1
             with streams.computing():  # receives posted here are ordered after the stage's compute stream
                 ordering = Ordering([(self._p2p[peer], k) for peer, k in sequence])
                 for peer_row, ch in self._p2p.items():
-                    ch.begin(orders.get(self._link(peer_row), []), ordering)
+                    ch.begin(orders.get(self._link(peer_row), []), ordering, key, self._repeat)
                 ordering.advance()
             results = [run_actions(self.device, actions, spec, links=self.links, inputs=inputs,
                                    output_grads=output_grads, trace=trace, rank=self.rank)]
