@@ -1,7 +1,8 @@
 """Device-to-host copies in a training step: each one would stall a GPU's stream (``.item()``, ``.tolist()``,
 ``.cpu()``, ``bool(tensor)``), so the step's agreements make at most two, the batch check and the table of losses
-and votes at the end, whatever the number of ranks, and the loss stays a tensor until then. Counted here on the
-CPU by the calls that would sync; on a GPU ``tests/cuda_checks.py syncs`` runs a step under
+and votes at the end, whatever the number of ranks, and the loss stays a tensor until then; and a step whose batch
+has the shapes of the step before sends no headers between processes, so the transport reads none. Counted here
+on the CPU by the calls that would sync; on a GPU ``tests/cuda_checks.py syncs`` runs a step under
 ``torch.cuda.set_sync_debug_mode("error")``."""
 
 import os
@@ -50,5 +51,6 @@ def test_a_step_s_agreements_copy_to_the_host_twice(skip_nonfinite):
     for res in results:
         agreements = [c for c in res["calls"] if c[1] != TRANSPORT]
         assert len(agreements) == 2, agreements
+        assert [c for c in res["calls"] if c[1] == TRANSPORT] == []  # the shapes repeat: no header to read
         assert all(name == "tolist" for name, _, _ in agreements), agreements
         assert isinstance(res["loss"], torch.Tensor) and torch.isfinite(res["loss"])

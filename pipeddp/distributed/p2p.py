@@ -329,10 +329,10 @@ class P2PChannel:
         """Send ``stage`` its input (``"F"``) or the gradient of its output (``"B"``) for micro-batch ``mb``."""
         if kind == "F":
             container, tensors = _flatten(value)  # refuses what cannot cross before anything is posted
-            header = _encode(container, tensors)
-            i = self._find(True, kind, stage, mb)
-            meta = _decode(header)
+            meta: Meta = (container, [(t.dtype, tuple(t.shape)) for t in tensors])
             known = self._known.get((stage, mb))
+            header = _encode(container, tensors) if known is None else None
+            i = self._find(True, kind, stage, mb)
             if known is not None and known != meta:
                 raise RuntimeError(
                     f"pipeddp: rank {self.rank} (stage {self.stage}): the activation of micro-batch {mb} for stage "
@@ -342,8 +342,8 @@ class P2PChannel:
                     "shapes follow the input's")
             self.ordering.catch_up(self, i)
             self._meta[(stage, mb)] = self._seen[(stage, mb)] = meta
-            out, first_slot = ([header] if known is None else []) + tensors, 0 if known is None else 1
-            self.headers += known is None
+            out, first_slot = ([header] if header is not None else []) + tensors, 0 if header is not None else 1
+            self.headers += header is not None
         else:
             # Gradients of the activation this process received: one per floating tensor, zeros where unused.
             i = self._find(True, kind, stage, mb)
