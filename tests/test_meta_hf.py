@@ -87,10 +87,11 @@ def test_a_meta_built_transformers_model_flattens_without_memory_and_trains_the_
     assert max_diff([got[k] for k in want], list(want.values())) < 1e-10
 
 
-@pytest.mark.parametrize("kind", ["gpt2-cls", "llama-cls"])
-def test_a_meta_built_classifier_trains_the_materialized_model(kind):
-    """A classifier whose head reads input_ids (replayed as one layer), built on meta: the engine's stages equal
-    the whole model materialized with the same seed."""
+@pytest.mark.parametrize("kind", ["gpt2-cls", "llama-cls", "t5"])
+def test_a_meta_built_classifier_and_encoder_decoder_train_the_materialized_model(kind):
+    """A classifier whose head reads input_ids (replayed as one layer) and T5 (both stacks opened; its embedding
+    held at three places, each seeded by its first name), built on meta: the engine's stages equal the whole model
+    materialized with the same seed."""
     def build():
         with torch.device("meta"):
             return MODELS[kind]()
@@ -114,7 +115,8 @@ def test_a_meta_built_classifier_trains_the_materialized_model(kind):
         got = pipe.state_dict()
     want = reference.state_dict()
     assert sorted(got) == sorted(want)
-    assert max_diff([got[k] for k in want], list(want.values())) < 1e-10
+    # T5's layer norm computes its variance in float32: after a step, weights 1e-14 apart round apart there
+    assert max_diff([got[k] for k in want], list(want.values())) < (1e-6 if kind == "t5" else 1e-10)
 
 
 @pytest.mark.filterwarnings("ignore::pipeddp.HeavyLayerWarning")  # a tiny model's times are noise

@@ -40,10 +40,11 @@ from torch import nn
 from .names import Names, recorded
 
 __all__ = ["materialize", "materialize_layer", "check_init", "is_meta", "layer_seed", "SharedPlaces", "Init",
-           "initialiser", "record_init", "recorded_init", "original_names"]
+           "initialiser", "record_init", "recorded_init", "original_names", "record_first_names"]
 
 _CPU = torch.device("cpu")
 _INIT_ATTR = "_pipeddp_init"
+_FIRST_ATTR = "_pipeddp_first_names"
 
 
 def is_meta(module: nn.Module) -> bool:
@@ -78,9 +79,33 @@ def recorded_init(model: nn.Module) -> Optional[Init]:
     return found if callable(found) else None
 
 
+def record_first_names(model: nn.Module, original: nn.Module) -> None:
+    """Remember on ``model`` (flattened from ``original``) the first name of each parameter ``original`` holds at
+    several places (T5's embedding is ``shared.weight``, ``encoder.embed_tokens.weight``, ...): whichever place a
+    stage holds is seeded by that first one, as ``materialize(original)`` seeds it, in every layout."""
+    first: Dict[int, str] = {}
+    later: Dict[str, str] = {}
+    for name, p in original.named_parameters(remove_duplicate=False):
+        first.setdefault(id(p), name)
+        if first[id(p)] != name:
+            later[name] = first[id(p)]
+    object.__setattr__(model, _FIRST_ATTR, later)
+
+
+class _Original:
+    """A key of a flattened model to its name in the model it was flattened from; ``first``: the later names of a
+    parameter that model holds at several places, each to its first (``record_first_names``)."""
+
+    def __init__(self, names: Callable[[str], str], first: Dict[str, str]) -> None:
+        self.names, self.first = names, first
+
+    def __call__(self, key: str) -> str:
+        return self.names(key)
+
+
 def original_names(model: nn.Module) -> Callable[[str], str]:
-    """A module path of ``model`` to its name in the model it was flattened from (the name its seed comes from)."""
-    return Names(recorded(model)).original
+    """A key of ``model`` to its name in the model it was flattened from (the name its seed comes from)."""
+    return _Original(Names(recorded(model)).original, dict(getattr(model, _FIRST_ATTR, {})))
 
 
 def materialize_layer(layer: nn.Module, name: str, *, seed: int, device: Union[str, torch.device] = _CPU,
@@ -141,10 +166,20 @@ def _unwritten(t: torch.Tensor) -> bool:
 def _seed_name(qualified: str, module: nn.Module, rename: Optional[Callable[[str], str]]) -> str:
     """The name a module is seeded by: its own, or where ``rename`` maps a flattened model's names back, the original
     name of the module owning its tensors (a flattened vision transformer's ``embed.kept``, which holds the model's
-    ``cls_token`` and ``pos_embed``, is seeded as the model itself, ``""``)."""
+    ``cls_token`` and ``pos_embed``, is seeded as the model itself, ``""``). A module whose every parameter is a
+    later place of parameters the original model first holds in one other module (T5's ``decoder.embed_tokens``,
+    a place of ``shared``) is seeded as that one, as materializing the original model seeds them."""
     if rename is None:
         return qualified
-    for key, _ in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
+    keys = [key for key, _ in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False))]
+    first: Dict[str, str] = getattr(rename, "first", {})
+    owners = set()
+    for key in keys:
+        got = first.get(rename(f"{qualified}.{key}" if qualified else key), "")
+        owners.add(got[:-len(key) - 1] if got.endswith("." + key) else None)
+    if keys and len(owners) == 1 and None not in owners:
+        return str(owners.pop())
+    for key in keys:
         original = rename(f"{qualified}.{key}" if qualified else key)
         if original == key:
             return ""

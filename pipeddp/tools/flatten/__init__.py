@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ...runtime import names as key_names
-from ...runtime.materialize import is_meta, record_init
+from ...runtime.materialize import is_meta, record_first_names, record_init
 from ..transformer import EncoderCall, EncoderLayerCall
 from .chain import NotAChain, by_hand, chain_layers, configure_encoders, unique_names
 from .check import clone, differences
@@ -192,4 +192,5 @@ def flatten_sequential(model: nn.Module, sample: Any, *, rtol: float = 1e-5, ato
             prefixes[f"{name}.{suffix}" if suffix else name] = original
     key_names.record(flat, prefixes)
     record_init(flat, init if callable(init) else None)
+    record_first_names(flat, model)
     return flat

@@ -72,7 +72,11 @@ class Run(TorchFunctionMode):
 
     def __init__(self, model: nn.Module, blocks: List[nn.Module], around: Set[int], total: int) -> None:
         super().__init__()
-        self.paths = {id(m): p for p, m in model.named_modules(remove_duplicate=False)}
+        #: each module's first name (a module at several places, T5's shared embedding, goes by the name the model's
+        #: own ``named_modules`` gives it, which is also what it is seeded by when the whole model is materialized)
+        self.paths: Dict[int, str] = {}
+        for p, m in model.named_modules(remove_duplicate=False):
+            self.paths.setdefault(id(m), p)
         self.index = {id(b): i for i, b in enumerate(blocks)}
         #: how many block calls the forward makes (more than the blocks where one block is called several times)
         self.total = total
