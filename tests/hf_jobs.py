@@ -104,9 +104,25 @@ def llama_cls(seed: int = 0) -> nn.Module:
     return LlamaForSequenceClassification(config).double()
 
 
+def bart(seed: int = 0) -> nn.Module:
+    """An encoder-decoder whose head adds a buffer of the model's own (``final_logits_bias``, made non-zero here) to
+    the logits."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    torch.manual_seed(seed)
+    config = BartConfig(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+                        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32,
+                        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=0, bos_token_id=0,
+                        eos_token_id=1, decoder_start_token_id=0, forced_eos_token_id=None)
+    model = BartForConditionalGeneration(config).double()
+    with torch.no_grad():
+        model.final_logits_bias.normal_()
+    return model
+
+
 LABELS = 3
 MODELS = {"gpt2": gpt2, "llama": llama, "gemma2": gemma2, "albert": albert, "t5": t5, "vit": vit,
-          "gpt2-cls": gpt2_cls, "llama-cls": llama_cls}
+          "gpt2-cls": gpt2_cls, "llama-cls": llama_cls, "bart": bart}
 
 
 def tokens(n: int, seed: int, padded: bool) -> Tuple[Dict[str, torch.Tensor], torch.Tensor]:
@@ -131,7 +147,7 @@ def batch(kind: str, n: int, seed: int, padded: bool = False) -> Tuple[Any, torc
     if kind == "vit":
         return images(n, seed)
     x, y = tokens(n, seed, padded)
-    if kind == "t5":  # the encoder's tokens, the decoder's, and the decoder's targets
+    if kind in ("t5", "bart"):  # the encoder's tokens, the decoder's, and the decoder's targets
         g = torch.Generator().manual_seed(seed + 50)
         x["decoder_input_ids"] = torch.randint(2, VOCAB, (n, 5), generator=g)
         if padded:

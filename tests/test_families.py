@@ -147,6 +147,23 @@ def test_an_encoder_decoder_t5_opens_both_stacks(padded):
             loads_both_ways(pipe, model, "t5", x)
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_head_that_reads_the_model_s_own_state_bart_equals_the_original(padded):
+    """BART adds a buffer of the model itself to the logits after the last block: the steps there are replayed as one
+    layer holding that buffer under its own key; both stacks are opened as T5's are."""
+    sample, _ = batch("bart", 4, 0, padded)
+    x, y = batch("bart", 6, 1, padded)
+    for stages, balance in ((2, [4, 3]), (4, [2, 2, 2, 1])):
+        model = MODELS["bart"]()
+        flat = flatten_sequential(model, sample)
+        assert list(flat._modules) == ["embed", "model_encoder_layers_0", "model_encoder_layers_1", "encoded",
+                                       "model_decoder_layers_0", "model_decoder_layers_1", "head"]
+        assert flat.head.kept.final_logits_bias is model.final_logits_bias
+        with pipeddp.Pipeline(flat, ["cpu"] * stages, chunks=CHUNKS, balance=balance) as pipe:
+            trains_like_the_original(pipe, model, x, y, "bart", stages)
+            loads_both_ways(pipe, model, "bart", x)
+
+
 @pytest.mark.parametrize("kind", ["gpt2-cls", "llama-cls"])
 @pytest.mark.parametrize("padded", [False, True])
 def test_a_head_that_reads_the_input_equals_the_original(kind, padded):

@@ -22,7 +22,7 @@ of an input the head reads (the sequence length) is checked against each batch.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
@@ -31,7 +31,7 @@ from .carry import leaves
 from .record import Event, NotAStack, Run
 from .stack_layers import Source, find_source
 
-__all__ = ["TailProgram", "program_of", "reads_input", "smaller_sample", "Ref", "BATCH", "DEVICE"]
+__all__ = ["TailProgram", "program_of", "reads_input", "smaller_sample", "Ref", "Kept", "BATCH", "DEVICE"]
 
 _VIEWS = {"view", "reshape", "__getitem__", "contiguous", "to", "flatten", "squeeze", "unsqueeze", "expand",
           "type_as", "float", "double"}
@@ -60,20 +60,33 @@ BATCH = _Marker("batch_size")
 DEVICE = _Marker("hidden.device")
 
 
-def _fill(value: Any, values: List[Any], batch: int, device: torch.device) -> Any:
+class Kept:
+    """A parameter or buffer of the model that a step reads directly (BART's ``final_logits_bias``), held by the
+    program under ``name``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"self.kept.{self.name}"
+
+
+def _fill(value: Any, values: List[Any], batch: int, device: torch.device, kept: nn.Module) -> Any:
     if isinstance(value, Ref):
         out = values[value.slot]
         for k in value.keys:
             out = out[k]
         return out
+    if isinstance(value, Kept):
+        return getattr(kept, value.name)
     if isinstance(value, _Marker):
         return batch if value.text == BATCH.text else device
     if isinstance(value, (tuple, list)):
-        return type(value)([_fill(v, values, batch, device) for v in value])
+        return type(value)([_fill(v, values, batch, device, kept) for v in value])
     if isinstance(value, dict):
-        return {k: _fill(v, values, batch, device) for k, v in value.items()}
+        return {k: _fill(v, values, batch, device, kept) for k, v in value.items()}
     if isinstance(value, slice):
-        return slice(*(_fill(v, values, batch, device) for v in (value.start, value.stop, value.step)))
+        return slice(*(_fill(v, values, batch, device, kept) for v in (value.start, value.stop, value.step)))
     return value
 
 
@@ -88,9 +101,17 @@ class TailProgram(nn.Module):
     """
 
     def __init__(self, mods: Dict[str, nn.Module], steps: List[Tuple[Any, Any, Any]], result: Ref,
-                 inputs: int, dims: List[Tuple[int, Tuple[int, ...]]]) -> None:
+                 inputs: int, dims: List[Tuple[int, Tuple[int, ...]]],
+                 kept: Optional[Dict[str, Tuple[torch.Tensor, bool]]] = None) -> None:
         super().__init__()
         self.mods = nn.ModuleDict(mods)
+        #: the model's own parameters and buffers that a step reads (by name here; ``(tensor, persistent)``)
+        self.kept = nn.Module()
+        for name, (t, persistent) in (kept or {}).items():
+            if isinstance(t, nn.Parameter):
+                self.kept.register_parameter(name, t)
+            else:
+                self.kept.register_buffer(name, t, persistent=persistent)
         self.steps = steps
         self.result = result
         self.inputs = inputs
@@ -109,9 +130,9 @@ class TailProgram(nn.Module):
         batch = values[1].shape[0] if self.inputs else hidden.shape[0]
         for what, args, kwargs in self.steps:
             fn = self.mods[what] if isinstance(what, str) else what
-            values.append(fn(*_fill(args, values, batch, hidden.device), **_fill(kwargs, values, batch,
-                                                                                  hidden.device)))
-        return _fill(self.result, values, batch, hidden.device)
+            values.append(fn(*_fill(args, values, batch, hidden.device, self.kept),
+                             **_fill(kwargs, values, batch, hidden.device, self.kept)))
+        return _fill(self.result, values, batch, hidden.device, self.kept)
 
     def extra_repr(self) -> str:
         names = [w if isinstance(w, str) else getattr(w, "__name__", str(w)) for w, _, _ in self.steps]
@@ -131,8 +152,18 @@ def _tensor_paths(value: Any, keys: Tuple[Any, ...] = ()) -> List[Tuple[Tuple[An
 class _Builder:
     """Turns the recorded steps (two runs: the sample, and its first rows) into a program's templates."""
 
-    def __init__(self, start: torch.Tensor, batch: Tuple[int, int], scope: Dict[str, Any]) -> None:
-        self.where: Dict[int, Ref] = {id(start): Ref(0)}
+    def __init__(self, model: nn.Module, start: torch.Tensor, batch: Tuple[int, int], scope: Dict[str, Any]) -> None:
+        self.where: Dict[int, Any] = {id(start): Ref(0)}
+        #: the model's parameters and buffers by tensor: (key in the model, persistent)
+        self.state: Dict[int, Tuple[str, torch.Tensor, bool]] = {}
+        for path, m in model.named_modules():
+            for attr, t in list(m._parameters.items()) + list(m._buffers.items()):
+                if t is not None:
+                    key = f"{path}.{attr}" if path else attr
+                    self.state.setdefault(id(t), (key, t, attr not in m._non_persistent_buffers_set))
+        #: what the program holds of them: name here -> (tensor, persistent), and the original keys
+        self.kept: Dict[str, Tuple[torch.Tensor, bool]] = {}
+        self.kept_keys: Dict[str, str] = {}
         self.batch = batch
         self.device = start.device
         self.scope = scope
@@ -140,14 +171,20 @@ class _Builder:
         #: the constant ints the steps are given (an input's other dimension among them is checked per batch)
         self.ints: Set[int] = set()
 
-    def ref(self, t: torch.Tensor, at: str) -> Ref:
+    def ref(self, t: torch.Tensor, at: str) -> Any:
         found = self.where.get(id(t))
         if found is not None:
             return found
+        if id(t) in self.state:  # the model's own state, read by a step (a bias added to the logits)
+            key, tensor, persistent = self.state[id(t)]
+            name = key.replace(".", "_")
+            self.kept[name], self.kept_keys[f"kept.{name}"] = (tensor, persistent), key
+            self.where[id(t)] = Kept(name)
+            return self.where[id(t)]
         source = find_source(self.scope, t)
         if source is None:
             raise NotAStack(f"{at} after the last block takes a tensor that is neither the last block's output, nor "
-                            "the model's input, nor computed from them by the steps after the last block")
+                            "the model's input or state, nor computed from them by the steps after the last block")
         self.inputs.append((source, t))
         self.where[id(t)] = Ref(len(self.inputs))  # renumbered with the steps once all inputs are known
         return self.where[id(t)]
@@ -200,8 +237,8 @@ def _needed(tail: List[Event], final: Any) -> List[int]:
     return keep[::-1]
 
 
-def program_of(run: Run, smaller: Run, start: torch.Tensor, final: Any, batch: Tuple[int, int],
-               scope: Dict[str, Any], name: str) -> Tuple[TailProgram, List[Source], Dict[str, str]]:
+def program_of(model: nn.Module, run: Run, smaller: Run, start: torch.Tensor, final: Any, batch: Tuple[int, int],
+               scope: Dict[str, Any]) -> Tuple[TailProgram, List[Source], Dict[str, str]]:
     """The tail of ``run`` as a ``TailProgram``; the places of the inputs it reads in the model's call (``scope``:
     ``{"args": ..., "kwargs": ...}``) and ``{suffix: original prefix}`` of its modules.
 
@@ -209,11 +246,12 @@ def program_of(run: Run, smaller: Run, start: torch.Tensor, final: Any, batch: T
     the two batch sizes), so that an int given to a step is known as the
     batch size or a constant.
     """
+    name = type(model).__name__
     if len(smaller.tail) != len(run.tail) or any(a.path != b.path for a, b in zip(run.tail, smaller.tail)):
         raise NotAStack(f"{name}.forward takes other steps after its last block for a smaller batch")
     if not isinstance(final, torch.Tensor):
         raise NotAStack(f"the output of {name} is not a tensor computed after its last block")
-    build = _Builder(start, batch, scope)
+    build = _Builder(model, start, batch, scope)
     mods: Dict[str, nn.Module] = {}
     origins: Dict[str, str] = {}
     raw: List[Tuple[Any, Any, Any, Event]] = []
@@ -261,8 +299,8 @@ def program_of(run: Run, smaller: Run, start: torch.Tensor, final: Any, batch: T
     steps = [(what, number(args), number(kwargs)) for what, args, kwargs, _ in raw]
     dims = [(i + 1, tuple(t.shape[1:])) for i, (_, t) in enumerate(build.inputs)
             if set(t.shape[1:]) & build.ints]
-    program = TailProgram(mods, steps, number(build.where[id(final)]), k, dims)
-    return program, [source for source, _ in build.inputs], origins
+    program = TailProgram(mods, steps, number(build.where[id(final)]), k, dims, build.kept)
+    return program, [source for source, _ in build.inputs], {**origins, **build.kept_keys}
 
 
 def reads_input(run: Run) -> bool:

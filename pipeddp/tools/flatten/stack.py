@@ -236,28 +236,32 @@ def stack_layers(model: nn.Module, sample: Any, path: str, stack: nn.Module,
     try:
         tail = tail_layers(found.run, found.start, final, found.name)
         tail_paths = [p for p, _, _ in tail]
-    except NotAStack:
-        if not reads_input(found.run):
-            raise
-        tail, inputs = _head(found, sample, final)
-        tail_paths = list(tail[0][2].values())
+    except NotAStack as chain:  # no chain of steps: one layer replaying them (a head reading the input or state)
+        try:
+            tail, inputs = _head(found, sample, final)
+        except NotAStack:
+            if reads_input(found.run):
+                raise
+            raise chain from None
+        tail_paths = [v for k, v in tail[0][2].items() if k.startswith("mods.")]
     return found.layers(found.used | set(tail_paths) | set(skip), inputs) + tail
 
 
 def _head(found: Recorded, sample: Any, final: Any) -> Tuple[List[Layer], List[Source]]:
-    """A head that reads the model's input (``head``): one layer replaying the steps after the last block, recorded
-    again on the sample's first rows to tell the batch size from constants; and where the inputs it reads are."""
+    """The steps after the last block as one layer replaying them (``head``: a head that reads the model's input or
+    its own state, as BART adds ``final_logits_bias`` to the logits), recorded again on the sample's first rows to
+    tell the batch size from constants; and where the inputs it reads are."""
     model, name = found.model, found.name
     rows = batch_size(sample, name="sample")
     if rows < 2:
-        raise NotAStack(f"the head of {name} after its last block reads the model's input, and is recorded on two "
-                        f"batch sizes to tell the batch size from its constants: flatten with a sample of 2 or more "
-                        f"rows (this one has {rows})")
+        raise NotAStack(f"the steps of {name} after its last block are no chain (a head that reads the model's input "
+                        "or state) and are replayed as one layer, recorded on two batch sizes to tell the batch size "
+                        f"from its constants: flatten with a sample of 2 or more rows (this one has {rows})")
     with torch.no_grad():
         smaller, _ = record(model, found.blocks, found.around, smaller_sample(sample, rows - 1), found.count)
     args, kwargs = split_call(sample, fixed_args(model))
-    program, inputs, origins = program_of(found.run, smaller, found.start, final, (rows, rows - 1),
-                                          {"args": args, "kwargs": kwargs}, name)
+    program, inputs, origins = program_of(model, found.run, smaller, found.start, final, (rows, rows - 1),
+                                          {"args": args, "kwargs": kwargs})
     return [("head", program, origins)], inputs
 
 
