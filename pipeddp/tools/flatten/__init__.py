@@ -12,9 +12,12 @@ finer the chain, the better the balance. Two families of models are opened:
 * ``stack``: a model built around a stack of identical blocks that fx
   cannot read (transformers' GPT-2, Llama, BERT; timm's vision transformers),
   read by running it once on the sample; the blocks pass
-  ``(hidden, *extras)`` on (``carry``)::
+  ``(hidden, *extras)`` on (``carry``); an encoder-decoder opens at both of
+  its stacks (``encdec``), and steps after the last block that are no chain
+  become one replayed layer (``head``)::
 
       LlamaForCausalLM: embed model_layers_0 .. model_layers_3 model_norm lm_head
+      T5ForConditionalGeneration: embed encoder_block_0 .. encoded decoder_block_0 .. lm_head
 
 Either way the layers are the model's own modules (nothing is copied), the
 result is run next to the model on the sample, and the original names of the

@@ -1,4 +1,4 @@
-"""A head that reads the model's input: the steps after the last block replayed as one layer.
+"""A head that is no chain: the steps after the last block replayed as one layer.
 
 Most heads are a chain (``norm``, ``lm_head``) and become layers of their own
 (``tail``). A classifier of a causal language model is not: after its last
@@ -9,13 +9,16 @@ that row's logits::
     last = (arange(T) * (input_ids != pad)).argmax(-1)
     out = logits[arange(batch_size), last]
 
-Such a tail becomes a ``TailProgram``: the recorded steps that the output
-depends on, replayed in order on the last block's output and on the model's
-input tensors that it reads, which the first layer passes on through every
-block (``StackInput.inputs``). What a step was given is a template: a value
-of the program (``Ref``), the batch's size (``BATCH``: an int that was the
-sample's batch size, and the size of a smaller sample in a second run), the
-hidden state's device (``DEVICE``), or a constant. An int that changes
+Nor is BART's, which adds a buffer of the model itself to the logits
+(``lm_head(h) + final_logits_bias``). Such a tail becomes a ``TailProgram``:
+the recorded steps that the output depends on, replayed in order on the last
+block's output, on the model's input tensors that it reads, which the first
+layer passes on through every block (``StackInput.inputs``), and on the
+model's parameters and buffers that it reads, which the layer holds
+(``Kept``). What a step was given is a template: a value of the program
+(``Ref``), the batch's size (``BATCH``: an int that was the sample's batch
+size, and the size of a smaller sample in a second run), the hidden state's
+device (``DEVICE``), or a constant. An int that changes
 otherwise between the two runs is refused; one that equals another dimension
 of an input the head reads (the sequence length) is checked against each batch.
 """
@@ -240,7 +243,8 @@ def _needed(tail: List[Event], final: Any) -> List[int]:
 def program_of(model: nn.Module, run: Run, smaller: Run, start: torch.Tensor, final: Any, batch: Tuple[int, int],
                scope: Dict[str, Any]) -> Tuple[TailProgram, List[Source], Dict[str, str]]:
     """The tail of ``run`` as a ``TailProgram``; the places of the inputs it reads in the model's call (``scope``:
-    ``{"args": ..., "kwargs": ...}``) and ``{suffix: original prefix}`` of its modules.
+    ``{"args": ..., "kwargs": ...}``) and ``{suffix: original prefix}`` of its modules and of the model's state it
+    holds.
 
     ``smaller``: the same model recorded on the sample's first rows (``batch``:
     the two batch sizes), so that an int given to a step is known as the
