@@ -120,6 +120,23 @@ def gradient(step, stage, mb, n):
     return [torch.randn(n, 3, generator=g).half(), None]
 
 
+def walk(ch, row, step, sizes, got):
+    """One rank's row of a 4-stage schedule on 2 processes: send known activations and gradients (micro-batch i of
+    ``sizes[i]`` rows), append what arrives to ``got``."""
+    for a in row:
+        n = sizes[a.mb]
+        if a.kind is Kind.F:
+            if a.stage > 0:
+                got.append(("F", step, a.stage, a.mb, ch.recv("F", a.stage, a.mb)))
+            if a.stage < 3:
+                ch.send("F", a.stage + 1, a.mb, activation(step, a.stage + 1, a.mb, n))
+        else:
+            if a.stage < 3:
+                got.append(("B", step, a.stage, a.mb, ch.recv("B", a.stage, a.mb)))
+            if a.stage > 0:
+                ch.send("B", a.stage - 1, a.mb, gradient(step, a.stage, a.mb, n))
+
+
 def exchange_job():
     """Both ranks walk their rows of an interleaved schedule (4 stages on 2 processes: messages both ways on one
     link), sending known activations and gradients and recording what they receive; then a failed step, then a
@@ -132,18 +149,7 @@ def exchange_job():
     for step, sizes in enumerate(STEPS):
         plan = interleaved(2, len(sizes), 2)
         ch.begin(crossings(plan)[(0, 1)])
-        for a in plan[rank]:
-            n = sizes[a.mb]
-            if a.kind is Kind.F:
-                if a.stage > 0:
-                    got.append(("F", step, a.stage, a.mb, ch.recv("F", a.stage, a.mb)))
-                if a.stage < 3:
-                    ch.send("F", a.stage + 1, a.mb, activation(step, a.stage + 1, a.mb, n))
-            else:
-                if a.stage < 3:
-                    got.append(("B", step, a.stage, a.mb, ch.recv("B", a.stage, a.mb)))
-                if a.stage > 0:
-                    ch.send("B", a.stage - 1, a.mb, gradient(step, a.stage, a.mb, n))
+        walk(ch, plan[rank], step, sizes, got)
         ch.flush()
         ch.finish()
     # a step fails on rank 0 before it sends anything (the caller's interrupt), and rank 0 stays up meanwhile,
@@ -319,18 +325,9 @@ def repeat_job():
         if step == 3:
             ch.timeout = timedelta(seconds=1)
         try:
-            for a in plan[rank]:
-                n = sizes[a.mb] + (1 if step == 3 and rank == 0 and a.mb == 1 else 0)
-                if a.kind is Kind.F:
-                    if a.stage > 0:
-                        got.append(("F", step, a.stage, a.mb, ch.recv("F", a.stage, a.mb)))
-                    if a.stage < 3:
-                        ch.send("F", a.stage + 1, a.mb, activation(step, a.stage + 1, a.mb, n))
-                else:
-                    if a.stage < 3:
-                        got.append(("B", step, a.stage, a.mb, ch.recv("B", a.stage, a.mb)))
-                    if a.stage > 0:
-                        ch.send("B", a.stage - 1, a.mb, gradient(step, a.stage, a.mb, n))
+            # the last step: rank 0's activation of micro-batch 1 comes out one row longer than the batch says
+            walk(ch, plan[rank], step, [n + (step == 3 and rank == 0 and mb == 1) for mb, n in enumerate(sizes)],
+                 got)
             ch.flush()
             ch.finish()
         except (RuntimeError, PeerError) as exc:
