@@ -60,31 +60,37 @@ def on_meta(model: nn.Module) -> bool:
     return all(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
 
 
-@pytest.mark.parametrize("name", sorted(BUILDERS))
-def test_a_meta_built_transformers_model_flattens_without_memory_and_trains_the_materialized_model(name):
-    steps = data()
-    model = BUILDERS[name]()
-    flat = flatten_sequential(model, steps[0][0])
-    assert on_meta(model) and on_meta(flat)  # nothing lent while flattening outlives it
-    reference = BUILDERS[name]()
+def trains_the_materialized_model(build, flat, steps, loss, tolerance=1e-10):
+    """Two SGD steps of ``flat``'s engine (built from seed 5 by the recorded init) end in the state of
+    ``build()`` materialized whole with that seed and trained alike."""
+    reference = build()
     pipeddp.materialize(reference, seed=5, init=reference._init_weights)
     assert not any(t.is_meta for t in reference.state_dict().values())
     opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     for x, y in steps:
         opt.zero_grad()
-        loss_fn(reference(x), y).backward()
+        loss(logits(reference, x), y).backward()
         opt.step()
     # the engine's default init is the model's own (recorded by flatten); its seeds come from the original names
     with pipeddp.Pipeline(flat, ["cpu", "cpu"], chunks=2, seed=5, balance="params") as pipe:
         opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
         for x, y in steps:
             opt.zero_grad()
-            pipe.train_step(x, y, loss_fn)
+            pipe.train_step(x, y, loss)
             opt.step()
         got = pipe.state_dict()
     want = reference.state_dict()
     assert sorted(got) == sorted(want)
-    assert max_diff([got[k] for k in want], list(want.values())) < 1e-10
+    assert max_diff([got[k] for k in want], list(want.values())) < tolerance
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_a_meta_built_transformers_model_flattens_without_memory_and_trains_the_materialized_model(name):
+    steps = data()
+    model = BUILDERS[name]()
+    flat = flatten_sequential(model, steps[0][0])
+    assert on_meta(model) and on_meta(flat)  # nothing lent while flattening outlives it
+    trains_the_materialized_model(BUILDERS[name], flat, steps, loss_fn)
 
 
 @pytest.mark.parametrize("kind", ["gpt2-cls", "llama-cls", "t5"])
@@ -99,24 +105,8 @@ def test_a_meta_built_classifier_and_encoder_decoder_train_the_materialized_mode
     steps = [family_batch(kind, 4, 20 + i, True) for i in range(2)]
     flat = flatten_sequential(build(), steps[0][0])
     assert on_meta(flat)
-    reference = build()
-    pipeddp.materialize(reference, seed=5, init=reference._init_weights)
-    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for x, y in steps:
-        opt.zero_grad()
-        family_loss(logits(reference, x), y).backward()
-        opt.step()
-    with pipeddp.Pipeline(flat, ["cpu", "cpu"], chunks=2, seed=5, balance="params") as pipe:
-        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
-        for x, y in steps:
-            opt.zero_grad()
-            pipe.train_step(x, y, family_loss)
-            opt.step()
-        got = pipe.state_dict()
-    want = reference.state_dict()
-    assert sorted(got) == sorted(want)
     # T5's layer norm computes its variance in float32: after a step, weights 1e-14 apart round apart there
-    assert max_diff([got[k] for k in want], list(want.values())) < (1e-6 if kind == "t5" else 1e-10)
+    trains_the_materialized_model(build, flat, steps, family_loss, 1e-6 if kind == "t5" else 1e-10)
 
 
 @pytest.mark.filterwarnings("ignore::pipeddp.HeavyLayerWarning")  # a tiny model's times are noise
