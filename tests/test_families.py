@@ -182,15 +182,52 @@ def test_a_head_that_reads_the_input_equals_the_original(kind, padded):
             loads_both_ways(pipe, model, kind, x)
 
 
-def test_a_head_that_reads_the_input_refuses_what_it_cannot_replay():
-    """The head's constants are the sample's: a batch of another length is refused, not computed with them; a
-    one-row sample cannot tell the batch size from a constant."""
-    model = MODELS["gpt2-cls"]()
-    sample, _ = batch("gpt2-cls", 4, 0, True)
+@pytest.mark.parametrize("kind", ["gpt2-cls", "llama-cls"])
+def test_a_head_that_reads_the_input_follows_the_batch_s_length(kind):
+    """The head computes with the sequence length as a number (``torch.arange(input_ids.shape[-1])``): recorded on a
+    shorter sample too, it follows each batch's length, as the batch size; padded rows included."""
+    model = MODELS[kind]()
+    sample, _ = batch(kind, 4, 0, True)
     flat = flatten_sequential(model, sample)
-    longer = {"input_ids": torch.ones(2, 8, dtype=torch.long), "attention_mask": torch.ones(2, 8, dtype=torch.long)}
-    with pytest.raises(ValueError, match="flatten with a sample of the batches' length"):
-        flat(longer)
+    g = torch.Generator().manual_seed(3)
+    for length in (3, 9):
+        ids = torch.randint(1, 40, (5, length), generator=g)
+        mask = torch.ones(5, length, dtype=torch.long)
+        mask[1, length - 2:] = 0
+        x = {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask}
+        assert (flat(x) - logits(model, x)).abs().max().item() < 1e-12, length
+
+
+class LengthPlusOne(torch.nn.Module):
+    """A block stack whose head computes with the length other than as the length (``arange(T + 1)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(40, 8)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+        self.score = torch.nn.Linear(8, 3)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = block(h)
+        logits = self.score(h)
+        last = (torch.arange(ids.shape[1] + 1)[1:] * (ids != 0)).argmax(-1)
+        return logits[torch.arange(ids.shape[0]), last]
+
+
+def test_a_head_that_reads_the_input_refuses_what_it_cannot_replay():
+    """A head that computes with the length otherwise refuses a batch of another length instead of computing with
+    the sample's; a one-row sample cannot tell the batch size from a constant."""
+    torch.manual_seed(0)
+    model = LengthPlusOne().double()
+    sample = torch.randint(1, 40, (4, 6))
+    flat = flatten_sequential(model, sample)
+    x = torch.randint(1, 40, (3, 6))
+    assert (flat(x) - model(x)).abs().max().item() < 1e-12  # the sample's length
+    with pytest.raises(ValueError, match="flatten with a sample shaped like the batches"):
+        flat(torch.randint(1, 40, (3, 8)))
+    sample, _ = batch("gpt2-cls", 4, 0, True)
     with pytest.raises(ValueError) as info:
         flatten_sequential(MODELS["gpt2-cls"](), {k: v[:1] for k, v in sample.items()})
     assert str(info.value).index("a sample of 2 or more rows") < str(info.value).index("torch.fx")

@@ -17,10 +17,12 @@ layer passes on through every block (``StackInput.inputs``), and on the
 model's parameters and buffers that it reads, which the layer holds
 (``Kept``). What a step was given is a template: a value of the program
 (``Ref``), the batch's size (``BATCH``: an int that was the sample's batch
-size, and the size of a smaller sample in a second run), the hidden state's
-device (``DEVICE``), or a constant. An int that changes
-otherwise between the two runs is refused; one that equals another dimension
-of an input the head reads (the sequence length) is checked against each batch.
+size, and the size of a smaller sample in a second run), the sequence length
+(``LENGTH``: likewise, in a run on the sample one position shorter), the
+hidden state's device (``DEVICE``), or a constant. An int that changes
+otherwise between the runs is refused; where the length cannot be followed,
+an input's sizes that a step took as constants are checked against each
+batch (``TailProgram.dims``).
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from .carry import leaves
 from .record import Event, NotAStack, Run
 from .stack_layers import Source, find_source
 
-__all__ = ["TailProgram", "program_of", "reads_input", "smaller_sample", "Ref", "Kept", "BATCH", "DEVICE"]
+__all__ = ["TailProgram", "program_of", "reads_input", "smaller_sample", "shorter_sample", "Ref", "Kept", "BATCH",
+           "LENGTH", "DEVICE"]
 
 _VIEWS = {"view", "reshape", "__getitem__", "contiguous", "to", "flatten", "squeeze", "unsqueeze", "expand",
           "type_as", "float", "double"}
@@ -60,6 +63,7 @@ class _Marker:
 
 
 BATCH = _Marker("batch_size")
+LENGTH = _Marker("length")
 DEVICE = _Marker("hidden.device")
 
 
@@ -74,7 +78,8 @@ class Kept:
         return f"self.kept.{self.name}"
 
 
-def _fill(value: Any, values: List[Any], batch: int, device: torch.device, kept: nn.Module) -> Any:
+def _fill(value: Any, values: List[Any], env: Dict[str, Any], kept: nn.Module) -> Any:
+    """``value`` with the program's values, the markers' (``env``, by text) and the held state in place."""
     if isinstance(value, Ref):
         out = values[value.slot]
         for k in value.keys:
@@ -83,13 +88,13 @@ def _fill(value: Any, values: List[Any], batch: int, device: torch.device, kept:
     if isinstance(value, Kept):
         return getattr(kept, value.name)
     if isinstance(value, _Marker):
-        return batch if value.text == BATCH.text else device
+        return env[value.text]
     if isinstance(value, (tuple, list)):
-        return type(value)([_fill(v, values, batch, device, kept) for v in value])
+        return type(value)([_fill(v, values, env, kept) for v in value])
     if isinstance(value, dict):
-        return {k: _fill(v, values, batch, device, kept) for k, v in value.items()}
+        return {k: _fill(v, values, env, kept) for k, v in value.items()}
     if isinstance(value, slice):
-        return slice(*(_fill(v, values, batch, device, kept) for v in (value.start, value.stop, value.step)))
+        return slice(*(_fill(v, values, env, kept) for v in (value.start, value.stop, value.step)))
     return value
 
 
@@ -98,14 +103,16 @@ class TailProgram(nn.Module):
 
     ``mods``: the model's modules among the steps (by path, ``_`` for ``.``);
     ``steps``: ``(module key or function, args, kwargs)`` templates;
-    ``dims``: the sample's sizes of the inputs' other dimensions that some
-    step was given as an int (a batch of another length is refused, not
-    computed with the sample's).
+    ``length``: the input whose second dimension is the sequence length
+    (``LENGTH``; None where no step takes it); ``dims``: ``(input, first
+    dimension, sizes)``, the sample's sizes of the inputs' other dimensions
+    that some step was given as a constant (a batch of other sizes there is
+    refused, not computed with the sample's).
     """
 
     def __init__(self, mods: Dict[str, nn.Module], steps: List[Tuple[Any, Any, Any]], result: Ref,
-                 inputs: int, dims: List[Tuple[int, Tuple[int, ...]]],
-                 kept: Optional[Dict[str, Tuple[torch.Tensor, bool]]] = None) -> None:
+                 inputs: int, dims: List[Tuple[int, int, Tuple[int, ...]]],
+                 kept: Optional[Dict[str, Tuple[torch.Tensor, bool]]] = None, length: Optional[int] = None) -> None:
         super().__init__()
         self.mods = nn.ModuleDict(mods)
         #: the model's own parameters and buffers that a step reads (by name here; ``(tensor, persistent)``)
@@ -119,23 +126,24 @@ class TailProgram(nn.Module):
         self.result = result
         self.inputs = inputs
         self.dims = dims
+        self.length = length
 
     # mypy: nn.Module.forward is variadic; a stage layer takes its one carried value
     def forward(self, carried: Any) -> Any:  # type: ignore[override]
         values: List[Any] = [carried[0], *carried[1:]] if self.inputs else [carried]
-        for slot, dims in self.dims:
-            if tuple(values[slot].shape[1:]) != dims:
-                raise ValueError(f"the head after the last block was recorded for inputs of shape (batch, "
-                                 f"{', '.join(map(str, dims))}) and computes with those sizes; this batch's is "
-                                 f"{tuple(values[slot].shape)}: flatten with a sample of the batches' length (or pad "
-                                 "every batch to one length)")
+        for slot, first, dims in self.dims:
+            if tuple(values[slot].shape[first:]) != dims:
+                raise ValueError(f"the head after the last block was recorded for an input of shape "
+                                 f"{tuple(values[slot].shape[:first])} + {dims} and computes with those sizes; this "
+                                 f"batch's is {tuple(values[slot].shape)}: flatten with a sample shaped like the "
+                                 "batches (or pad every batch to the sample's length)")
         hidden = values[0]
-        batch = values[1].shape[0] if self.inputs else hidden.shape[0]
+        env = {BATCH.text: values[1].shape[0] if self.inputs else hidden.shape[0], DEVICE.text: hidden.device,
+               LENGTH.text: values[self.length].shape[1] if self.length is not None else None}
         for what, args, kwargs in self.steps:
             fn = self.mods[what] if isinstance(what, str) else what
-            values.append(fn(*_fill(args, values, batch, hidden.device, self.kept),
-                             **_fill(kwargs, values, batch, hidden.device, self.kept)))
-        return _fill(self.result, values, batch, hidden.device, self.kept)
+            values.append(fn(*_fill(args, values, env, self.kept), **_fill(kwargs, values, env, self.kept)))
+        return _fill(self.result, values, env, self.kept)
 
     def extra_repr(self) -> str:
         names = [w if isinstance(w, str) else getattr(w, "__name__", str(w)) for w, _, _ in self.steps]
@@ -155,7 +163,8 @@ def _tensor_paths(value: Any, keys: Tuple[Any, ...] = ()) -> List[Tuple[Tuple[An
 class _Builder:
     """Turns the recorded steps (two runs: the sample, and its first rows) into a program's templates."""
 
-    def __init__(self, model: nn.Module, start: torch.Tensor, batch: Tuple[int, int], scope: Dict[str, Any]) -> None:
+    def __init__(self, model: nn.Module, start: torch.Tensor, variations: List[Tuple[Tuple[int, int], _Marker]],
+                 scope: Dict[str, Any]) -> None:
         self.where: Dict[int, Any] = {id(start): Ref(0)}
         #: the model's parameters and buffers by tensor: (key in the model, persistent)
         self.state: Dict[int, Tuple[str, torch.Tensor, bool]] = {}
@@ -167,7 +176,8 @@ class _Builder:
         #: what the program holds of them: name here -> (tensor, persistent), and the original keys
         self.kept: Dict[str, Tuple[torch.Tensor, bool]] = {}
         self.kept_keys: Dict[str, str] = {}
-        self.batch = batch
+        #: per other run: (the sizes in the sample's run and in that one, the marker of an int that moves so)
+        self.variations = variations
         self.device = start.device
         self.scope = scope
         self.inputs: List[Tuple[Source, torch.Tensor]] = []
@@ -192,38 +202,43 @@ class _Builder:
         self.where[id(t)] = Ref(len(self.inputs))  # renumbered with the steps once all inputs are known
         return self.where[id(t)]
 
-    def mark(self, v1: Any, v2: Any, at: str) -> Any:
+    def mark(self, vals: List[Any], at: str) -> Any:
+        """The template of what a step was given: ``vals[0]`` in the sample's run, ``vals[i]`` in the ``i``-th
+        variation's."""
+        v1, others = vals[0], vals[1:]
         if isinstance(v1, torch.Tensor):
             return self.ref(v1, at)
         if isinstance(v1, bool) or v1 is None:
             return v1
         if isinstance(v1, int):
-            if not isinstance(v2, int) or isinstance(v2, bool) or v1 == v2:
+            moved = [i for i, v in enumerate(others) if isinstance(v, int) and not isinstance(v, bool) and v != v1]
+            if not moved:
                 self.ints.add(v1)
                 return v1
-            if (v1, v2) == self.batch:
-                return BATCH
-            raise NotAStack(f"{at} after the last block is given {v1} for the sample and {v2} for a smaller batch: "
-                            "an int the head computes from its input other than the batch size")
+            if len(moved) == 1 and (v1, others[moved[0]]) == self.variations[moved[0]][0]:
+                return self.variations[moved[0]][1]
+            raise NotAStack(f"{at} after the last block is given {v1} for the sample and "
+                            f"{', '.join(str(v) for v in others)} for a smaller one: an int the head computes from "
+                            "its input other than the batch size or the sequence length")
         if isinstance(v1, torch.device) and v1 == self.device:
             return DEVICE
         if isinstance(v1, (tuple, list)):
-            if not isinstance(v2, (tuple, list)) or len(v1) != len(v2):
+            if any(not isinstance(v, (tuple, list)) or len(v) != len(v1) for v in others):
                 raise NotAStack(f"{at} after the last block is given {type(v1).__name__}s of other lengths for the "
-                                "sample and for a smaller batch")
-            marked = [self.mark(a, b, at) for a, b in zip(v1, v2)]
-            if isinstance(v1, torch.Size):  # a shape: a tuple where it holds the batch size (filled per batch)
-                return tuple(marked) if any(m is BATCH for m in marked) else v1
+                                "sample and a smaller one")
+            marked = [self.mark(list(column), at) for column in zip(v1, *others)]
+            if isinstance(v1, torch.Size):  # a shape: a tuple where it holds a size that follows the batch's
+                return tuple(marked) if any(isinstance(m, _Marker) for m in marked) else v1
             return type(v1)(marked)
         if isinstance(v1, dict):
-            if not isinstance(v2, dict) or set(v1) != set(v2):
-                raise NotAStack(f"{at} after the last block is given other keys for the sample and a smaller batch")
-            return {k: self.mark(v1[k], v2[k], at) for k in v1}
+            if any(not isinstance(v, dict) or set(v) != set(v1) for v in others):
+                raise NotAStack(f"{at} after the last block is given other keys for the sample and a smaller one")
+            return {k: self.mark([v1[k]] + [v[k] for v in others], at) for k in v1}
         if isinstance(v1, slice):
-            if not isinstance(v2, slice):
+            if any(not isinstance(v, slice) for v in others):
                 raise NotAStack(f"{at} after the last block is given a slice only for the sample")
-            return slice(*(self.mark(a, b, at) for a, b in zip((v1.start, v1.stop, v1.step),
-                                                               (v2.start, v2.stop, v2.step))))
+            parts = [[getattr(v, f) for v in vals] for f in ("start", "stop", "step")]
+            return slice(*(self.mark(part, at) for part in parts))
         return v1
 
 
@@ -240,33 +255,34 @@ def _needed(tail: List[Event], final: Any) -> List[int]:
     return keep[::-1]
 
 
-def program_of(model: nn.Module, run: Run, smaller: Run, start: torch.Tensor, final: Any, batch: Tuple[int, int],
-               scope: Dict[str, Any]) -> Tuple[TailProgram, List[Source], Dict[str, str]]:
+def program_of(model: nn.Module, run: Run, others: List[Tuple[Run, Tuple[int, int], _Marker]], start: torch.Tensor,
+               final: Any, scope: Dict[str, Any]) -> Tuple[TailProgram, List[Source], Dict[str, str]]:
     """The tail of ``run`` as a ``TailProgram``; the places of the inputs it reads in the model's call (``scope``:
     ``{"args": ..., "kwargs": ...}``) and ``{suffix: original prefix}`` of its modules and of the model's state it
     holds.
 
-    ``smaller``: the same model recorded on the sample's first rows (``batch``:
-    the two batch sizes), so that an int given to a step is known as the
-    batch size or a constant.
+    ``others``: the same model recorded on smaller samples, each with the
+    sizes that differ from the sample's (the batch size, the sequence length)
+    and the marker an int that moves so becomes; any other int is a constant.
     """
     name = type(model).__name__
-    if len(smaller.tail) != len(run.tail) or any(a.path != b.path for a, b in zip(run.tail, smaller.tail)):
-        raise NotAStack(f"{name}.forward takes other steps after its last block for a smaller batch")
+    for other, _, _ in others:
+        if len(other.tail) != len(run.tail) or any(a.path != b.path for a, b in zip(run.tail, other.tail)):
+            raise NotAStack(f"{name}.forward takes other steps after its last block for a smaller sample")
     if not isinstance(final, torch.Tensor):
         raise NotAStack(f"the output of {name} is not a tensor computed after its last block")
-    build = _Builder(model, start, batch, scope)
+    build = _Builder(model, start, [(sizes, marker) for _, sizes, marker in others], scope)
     mods: Dict[str, nn.Module] = {}
     origins: Dict[str, str] = {}
     raw: List[Tuple[Any, Any, Any, Event]] = []
     for pos in _needed(run.tail, final):
-        event, other = run.tail[pos], smaller.tail[pos]
+        event = run.tail[pos]
         at = f"{event.path} ({event.where})"
         if "dropout" in event.path and not isinstance(event.what, nn.Module):
             raise NotAStack(f"{at} after the last block: functional dropout there would keep the sample run's "
                             "training flag; use an nn.Dropout module")
-        args, kwargs = build.mark(tuple(event.args), tuple(other.args), at), build.mark(dict(event.kwargs),
-                                                                                        dict(other.kwargs), at)
+        args = build.mark([tuple(event.args)] + [tuple(o.tail[pos].args) for o, _, _ in others], at)
+        kwargs = build.mark([dict(event.kwargs)] + [dict(o.tail[pos].kwargs) for o, _, _ in others], at)
         tensors = [t for _, t in leaves(list(event.args), "") if isinstance(t, torch.Tensor)]
         out = event.out
         if event.path in _VIEWS and len(tensors) == 1 and isinstance(out, torch.Tensor) and \
@@ -301,9 +317,16 @@ def program_of(model: nn.Module, run: Run, smaller: Run, start: torch.Tensor, fi
         return value
 
     steps = [(what, number(args), number(kwargs)) for what, args, kwargs, _ in raw]
-    dims = [(i + 1, tuple(t.shape[1:])) for i, (_, t) in enumerate(build.inputs)
-            if set(t.shape[1:]) & build.ints]
-    program = TailProgram(mods, steps, number(build.where[id(final)]), k, dims, build.kept)
+    varied = {marker.text: sizes[0] for _, sizes, marker in others}
+    length = next((i + 1 for i, (_, t) in enumerate(build.inputs)
+                   if LENGTH.text in varied and t.dim() > 1 and t.shape[1] == varied[LENGTH.text]), None)
+    dims = []
+    for i, (_, t) in enumerate(build.inputs):
+        # the sizes a step may have taken as constants: after the batch's, and after the length where it is followed
+        first = 2 if length is not None and t.dim() > 1 and t.shape[1] == varied[LENGTH.text] else 1
+        if set(t.shape[first:]) & build.ints:
+            dims.append((i + 1, first, tuple(t.shape[first:])))
+    program = TailProgram(mods, steps, number(build.where[id(final)]), k, dims, build.kept, length)
     return program, [source for source, _ in build.inputs], {**origins, **build.kept_keys}
 
 
@@ -318,6 +341,20 @@ def smaller_sample(sample: Any, rows: int) -> Any:
     def cut(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
             return value[:rows]
+        if isinstance(value, (tuple, list)):
+            return type(value)(cut(v) for v in value)
+        if isinstance(value, dict):
+            return {k: cut(v) for k, v in value.items()}
+        return value
+    return cut(sample)
+
+
+def shorter_sample(sample: Any, length: int) -> Any:
+    """The sample with every tensor whose second dimension is ``length`` cut to ``length - 1`` there (the token
+    inputs and their mask)."""
+    def cut(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value[:, :length - 1] if value.dim() > 1 and value.shape[1] == length else value
         if isinstance(value, (tuple, list)):
             return type(value)(cut(v) for v in value)
         if isinstance(value, dict):

@@ -34,9 +34,9 @@ from torch import nn
 from ...runtime.microbatch import batch_size
 from ..functional import INPUT, Functional
 from .carry import HIDDEN, leaves, template_of
-from .head import program_of, reads_input, smaller_sample
+from .head import BATCH, LENGTH, program_of, reads_input, shorter_sample, smaller_sample
 from .record import NotAStack, Run, call_model, count_calls, fixed_args, record
-from .stack_layers import BlockCall, Source, StackInput, find_source, hidden_and_last, install_stop, split_call
+from .stack_layers import BlockCall, Source, StackInput, find_source, hidden_and_last, install_stop, resolve, split_call
 from .tail import tail_layers
 
 __all__ = ["NotAStack", "find_stack", "stack_layers", "model_output", "call_model"]
@@ -250,19 +250,39 @@ def stack_layers(model: nn.Module, sample: Any, path: str, stack: nn.Module,
 def _head(found: Recorded, sample: Any, final: Any) -> Tuple[List[Layer], List[Source]]:
     """The steps after the last block as one layer replaying them (``head``: a head that reads the model's input or
     its own state, as BART adds ``final_logits_bias`` to the logits), recorded again on the sample's first rows to
-    tell the batch size from constants; and where the inputs it reads are."""
+    tell the batch size from constants, and where it reads an input's length, on the sample one position shorter;
+    and where the inputs it reads are."""
     model, name = found.model, found.name
     rows = batch_size(sample, name="sample")
     if rows < 2:
         raise NotAStack(f"the steps of {name} after its last block are no chain (a head that reads the model's input "
                         "or state) and are replayed as one layer, recorded on two batch sizes to tell the batch size "
                         f"from its constants: flatten with a sample of 2 or more rows (this one has {rows})")
-    with torch.no_grad():
-        smaller, _ = record(model, found.blocks, found.around, smaller_sample(sample, rows - 1), found.count)
     args, kwargs = split_call(sample, fixed_args(model))
-    program, inputs, origins = program_of(model, found.run, smaller, found.start, final, (rows, rows - 1),
-                                          {"args": args, "kwargs": kwargs})
-    return [("head", program, origins)], inputs
+    scope = {"args": args, "kwargs": kwargs}
+    others = [(_again(found, smaller_sample(sample, rows - 1)), (rows, rows - 1), BATCH)]
+    program, inputs, origins = program_of(model, found.run, others, found.start, final, scope)
+    read = [resolve(scope, source) for source in inputs]
+    lengths = sorted({t.shape[1] for t in read if isinstance(t, torch.Tensor) and t.dim() > 1 and t.shape[1] > 1})
+    if not lengths:
+        return [("head", program, origins)], inputs
+    try:  # the inputs it reads have a length: recorded once more, one position shorter
+        shorter = _again(found, shorter_sample(sample, lengths[0]))
+    except Exception:  # noqa: BLE001 - a model that cannot run shorter: the sizes a step took are checked per batch
+        return [("head", program, origins)], inputs
+    try:  # the length followed as the batch size is
+        followed = program_of(model, found.run, others + [(shorter, (lengths[0], lengths[0] - 1), LENGTH)],
+                              found.start, final, scope)
+    except NotAStack:  # it computes with the length otherwise: every batch must have the sample's
+        program.dims = [(i + 1, 1, tuple(t.shape[1:])) for i, t in enumerate(read) if t.dim() > 1]
+        return [("head", program, origins)], inputs
+    return [("head", followed[0], followed[2])], followed[1]
+
+
+def _again(found: Recorded, sample: Any) -> Run:
+    """The model recorded once more, on another sample."""
+    with torch.no_grad():
+        return record(found.model, found.blocks, found.around, sample, found.count)[0]
 
 
 def _shared(path: str, block: nn.Module, count: int, calls: List[Tuple[Tuple[Any, ...], Dict[str, Any]]],
