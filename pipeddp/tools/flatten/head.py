@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import torch
 from torch import nn
 
+from ...runtime.microbatch import tree_map
 from .carry import leaves
 from .record import Event, NotAStack, Run
 from .stack_layers import Source, find_source
@@ -338,26 +339,10 @@ def reads_input(run: Run) -> bool:
 
 def smaller_sample(sample: Any, rows: int) -> Any:
     """The sample's first ``rows`` rows (every tensor cut along dim 0)."""
-    def cut(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return value[:rows]
-        if isinstance(value, (tuple, list)):
-            return type(value)(cut(v) for v in value)
-        if isinstance(value, dict):
-            return {k: cut(v) for k, v in value.items()}
-        return value
-    return cut(sample)
+    return tree_map(lambda t: t[:rows], sample)
 
 
 def shorter_sample(sample: Any, length: int) -> Any:
     """The sample with every tensor whose second dimension is ``length`` cut to ``length - 1`` there (the token
     inputs and their mask)."""
-    def cut(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return value[:, :length - 1] if value.dim() > 1 and value.shape[1] == length else value
-        if isinstance(value, (tuple, list)):
-            return type(value)(cut(v) for v in value)
-        if isinstance(value, dict):
-            return {k: cut(v) for k, v in value.items()}
-        return value
-    return cut(sample)
+    return tree_map(lambda t: t[:, :length - 1] if t.dim() > 1 and t.shape[1] == length else t, sample)
