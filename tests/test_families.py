@@ -31,6 +31,24 @@ def loads_both_ways(pipe, model, kind, x):
     torch.testing.assert_close(pipe(x), logits(fresh(kind), x), rtol=0, atol=1e-12)
 
 
+def every_copy_has_the_gradient(pipe, reference, stages, by_first_name=True):
+    """Each parameter of ``reference`` is held by the pipeline (under its first name; else, without
+    ``by_first_name``, under any of its names), and every copy the pipeline holds of it, under any of its names (a
+    shared layer's copy per stage; T5's embedding, named in the encoder, the decoder and the model), has the
+    reference's gradient."""
+    names = pipe.key_names
+    copies = {}
+    for n, p in pipe.named_parameters():
+        copies.setdefault(names.original(n), []).append(p.grad)
+    aliases = {}
+    for name, p in reference.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), (p, []))[1].append(name)
+    for p, names_of_p in aliases.values():
+        assert any(copies.get(n) for n in (names_of_p[:1] if by_first_name else names_of_p)), names_of_p
+        for got in (g for n in names_of_p for g in copies.get(n, [])):
+            assert (got - p.grad).abs().max().item() < 1e-12, (stages, names_of_p)
+
+
 def over_micro_batches(model, x, y, chunks=CHUNKS):
     """The original model's gradients over the pipeline's micro-batches (equal rows, each loss weighted n_i/N)."""
     n = y.shape[0]
@@ -42,13 +60,19 @@ def over_micro_batches(model, x, y, chunks=CHUNKS):
     return {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
-def original(kind, x, y):
-    """The original model's logits and loss on the batch, and its gradients over the whole batch and over the
-    pipeline's micro-batches."""
+def reference_step(kind, x, y):
+    """A fresh original model, its logits and loss on the batch, the loss's gradients in it."""
     reference = MODELS[kind]()
     want = logits(reference, x)
     loss = loss_fn(want, y)
     loss.backward()
+    return reference, want, loss
+
+
+def original(kind, x, y):
+    """The original model's logits and loss on the batch, and its gradients over the whole batch and over the
+    pipeline's micro-batches."""
+    reference, want, loss = reference_step(kind, x, y)
     whole = {name: p.grad.clone() for name, p in reference.named_parameters()}
     reference.zero_grad()
     return want, loss, whole, over_micro_batches(reference, x, y)
@@ -85,12 +109,9 @@ def test_per_layer_masks_gemma2_equals_the_original(padded):
 
 @pytest.mark.parametrize("padded", [False, True])
 def test_a_layer_shared_by_every_block_albert_equals_the_original(padded):
-    reference = MODELS["albert"]()
     sample, _ = batch("albert", 4, 0, padded)
     x, y = batch("albert", 6, 1, padded)
-    want = logits(reference, x)
-    loss = loss_fn(want, y)
-    loss.backward()
+    reference, want, loss = reference_step("albert", x, y)
     group = "albert_encoder_albert_layer_groups_0"
     for stages, balance in ((2, [2, 4]), (4, [1, 1, 1, 3])) if padded else ((2, [2, 3]), (4, [1, 1, 1, 2])):
         model = MODELS["albert"]()
@@ -102,15 +123,9 @@ def test_a_layer_shared_by_every_block_albert_equals_the_original(padded):
         with pipeddp.Pipeline(flat, ["cpu"] * stages, chunks=CHUNKS, balance=balance) as pipe:
             assert abs(pipe.train_step(x, y, loss_fn).item() - loss.item()) < 1e-12
             assert (pipe(x) - want).abs().max().item() < 1e-12
-            grads = {name: p.grad for name, p in pipe.named_parameters()}
-            names = pipe.key_names
             # every copy of the shared group (one per stage it is used in) holds the whole weight's gradient: the
             # uses' gradients are summed over the stages
-            for name, p in reference.named_parameters():
-                copies = [g for n, g in grads.items() if names.original(n) == name]
-                assert copies, name
-                for got in copies:
-                    assert (got - p.grad).abs().max().item() < 1e-12, (stages, name)
+            every_copy_has_the_gradient(pipe, reference, stages)
             loads_both_ways(pipe, model, "albert", x)
 
 
@@ -118,12 +133,9 @@ def test_a_layer_shared_by_every_block_albert_equals_the_original(padded):
 def test_an_encoder_decoder_t5_opens_both_stacks(padded):
     """The encoder's blocks, then the decoder's: the batch travels through the encoder's blocks to the layer that
     gives the model the encoder's output; each stack's first block computes the position bias the later ones take."""
-    reference = MODELS["t5"]()
     sample, _ = batch("t5", 4, 0, padded)
     x, y = batch("t5", 6, 1, padded)
-    want = logits(reference, x)
-    loss = loss_fn(want, y)
-    loss.backward()
+    reference, want, loss = reference_step("t5", x, y)
     for stages, balance in ((2, [4, 7]), (4, [2, 2, 2, 5])):
         model = MODELS["t5"]()
         flat = flatten_sequential(model, sample)
@@ -134,16 +146,8 @@ def test_an_encoder_decoder_t5_opens_both_stacks(padded):
         with pipeddp.Pipeline(flat, ["cpu"] * stages, chunks=CHUNKS, balance=balance) as pipe:
             assert abs(pipe.train_step(x, y, loss_fn).item() - loss.item()) < 1e-12
             assert (pipe(x) - want).abs().max().item() < 1e-12
-            names = pipe.key_names
-            grads = {names.original(n): p.grad for n, p in pipe.named_parameters()}
-            aliases = {}  # T5's shared embedding has a name in the encoder, the decoder and the model
-            for name, p in reference.named_parameters(remove_duplicate=False):
-                aliases.setdefault(id(p), (p, []))[1].append(name)
-            for p, names_of_p in aliases.values():
-                found = [grads[n] for n in names_of_p if n in grads]
-                assert found, names_of_p
-                for g in found:
-                    assert (g - p.grad).abs().max().item() < 1e-12, (stages, names_of_p)
+            # T5's embedding: three names, one weight, held under the name its first place has in the flat model
+            every_copy_has_the_gradient(pipe, reference, stages, by_first_name=False)
             loads_both_ways(pipe, model, "t5", x)
 
 
