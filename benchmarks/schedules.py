@@ -31,7 +31,7 @@ from benchmarks.baselines import WORKLOADS, add_round_flags, names
 from benchmarks.common import BARRIER, LossFn, Run, at_least, barrier_rounds, barrier_timed, gather, log0, median_ratio
 from pipeddp.runtime.refine import action_samples
 from pipeddp.runtime.schedule import get_schedule, play
-from pipeddp.runtime.schedule.costed import Costs, build
+from pipeddp.runtime.schedule.costed import MOST_TRIED, Costs, build
 from pipeddp.tools.simulate import StageCost, simulate
 from pipeddp.tools.timeline import WORK, measured_bubble
 
@@ -135,8 +135,9 @@ def run_m(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, m: 
     checked = baselines.check_grads(steps, "accum", "accum")
     runs = {s.name: s.run for s in steps}
     barrier_rounds(runs, 0, opts["warmup"])
-    # auto settles its order in its first steps (the costs refined, then close orders timed on whole steps)
-    barrier_rounds({n: r for n, r in runs.items() if n.startswith("auto")}, 0, 8)
+    # auto settles its order in its first steps: two to refine the costs, then each candidate (the close orders and
+    # the fixed one) twice on whole steps
+    barrier_rounds({n: r for n, r in runs.items() if n.startswith("auto")}, 0, 2 + 2 * (MOST_TRIED + 1))
     # every other round reversed: each pair alternates which runs first
     rounds = [barrier_rounds(dict(reversed(runs.items())) if r % 2 else runs, 1)[0] for r in range(opts["rounds"])]
     bubbles = traced_bubbles(steps, rank)

@@ -131,8 +131,8 @@ def test_the_fastest_candidate_is_the_one_whose_slowest_process_took_least():
 
 
 def test_close_candidates_are_timed_on_real_steps_and_the_steps_stay_exact():
-    """Orders within a few percent on paper each run whole steps (A B C C B A); the fastest measured is kept; every
-    step of the trial trains the plain model's gradients, whichever order ran it."""
+    """Orders within a few percent on paper, and the fixed 1F1B, each run whole steps (A B C C B A); the fastest
+    measured is kept; every step of the trial trains the plain model's gradients, whichever order ran it."""
     model = make_mlp()
     names = [n for n, _ in model.named_parameters()]
     batches = global_batches(1, 10)
@@ -152,7 +152,7 @@ def test_close_candidates_are_timed_on_real_steps_and_the_steps_stay_exact():
             opt.step()
             ran.append(refiner.running)
         options = auto.close(auto.last)
-        assert len(options) == 2
+        assert len(options) == 3 and options[-1] == pipeddp.one_f_one_b(2, 4)  # two tie, and 1F1B is always timed
         tried = len(options)
         # step 2 refines the costs, then each candidate runs twice, in the order A B .. B A
         assert ran[1:1 + 2 * tried] == list(range(tried)) + list(range(tried - 1, -1, -1))
@@ -161,3 +161,40 @@ def test_close_candidates_are_timed_on_real_steps_and_the_steps_stay_exact():
         assert pipe._step._plan("train", 4)[0] == options[refiner.chosen]
         state = pipe.state_dict()
     assert max_diff([state[n] for n in names], params) < 1e-12
+
+
+def test_what_an_action_costs_beside_its_compute_is_measured_per_device():
+    from pipeddp.runtime.refine import action_overhead
+    from pipeddp.runtime.trace import Span
+
+    spans = [  # device 0: two actions and a send; 1.0 s between them is the engine's own
+        Span(0, "F", 0, 0.0, 2.0), Span(0, "send", 0, 2.0, 2.5, "comm"), Span(0, "B", 0, 3.0, 5.0),
+        # device 1: waits 4 s for its message, then two actions 0.2 s apart; the agreement after the step is not
+        # an action's
+        Span(1, "recv", 0, 0.0, 4.0, "comm"), Span(1, "F", 0, 4.0, 5.0), Span(1, "B", 0, 5.2, 6.2),
+        Span(1, "agree", -1, 6.2, 9.0, "comm"),
+    ]
+    assert action_overhead(spans) == pytest.approx([0.5, 0.1])
+    assert action_overhead([]) == []
+
+
+def test_an_engine_that_costs_more_per_action_than_a_split_backward_saves_keeps_whole_backwards():
+    """Splitting every backward into I and W is one action more per micro-batch: worth it where the bubble it fills
+    outweighs what an action costs the engine, not on a model whose actions take microseconds."""
+    split = Costs((1.0, 1.0), (0.0, 1.0), (2.0, 1.0))
+    assert any(a.kind is Kind.I for row in build(2, 8, 1, split) for a in row)
+    costly = Costs(split.forward, split.input, split.weight, overhead=4.0)
+    assert all(a.kind is not Kind.I for row in build(2, 8, 1, costly) for a in row)
+    assert Costs.unit(2).measured({}, (), [0.3, 0.1, 0.2]).overhead == 0.2
+
+
+def test_the_fixed_schedule_is_timed_even_where_paper_ranks_it_far_behind():
+    costs = Costs((1.0, 1.0, 1.0), (0.0, 0.4, 0.4), (2.0, 1.6, 1.6))
+    auto = AutoSchedule(costs)
+    options = auto.close((3, 8, 1))
+    assert options[-1] == pipeddp.one_f_one_b(3, 8) and len(options) >= 2
+    assert replay(options[0], costs).makespan * 1.05 < replay(options[-1], costs).makespan  # far behind on paper
+    v2 = AutoSchedule(Costs.unit(4)).close((2, 4, 2))
+    assert pipeddp.interleaved(2, 4, 2) in v2
+    tight = AutoSchedule(Costs.unit(2), max_activations=1).close((2, 4, 1))  # 1F1B needs 2: it does not fit
+    assert pipeddp.one_f_one_b(2, 4) not in tight

@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 from .schedule.costed import AutoSchedule, Costs, is_auto
 from .trace import Span, Trace
 
-__all__ = ["Refiner", "attach_auto", "action_samples", "fastest"]
+__all__ = ["Refiner", "attach_auto", "action_samples", "action_overhead", "fastest"]
 
 T = TypeVar("T")
 #: Per (stage, action kind): the measured seconds of each such action of a step.
@@ -45,6 +45,25 @@ def action_samples(spans: Sequence[Span]) -> Samples:
         if s.lane == "compute" and s.kind in ("F", "B", "I", "W"):
             samples.setdefault((s.stage, s.kind), []).append(s.duration)
     return samples
+
+
+def action_overhead(spans: Sequence[Span]) -> List[float]:
+    """Per device in ``spans`` (one step), its seconds per action outside the actions' compute and its waits.
+
+    From the device's first action or receive to its last action, what is
+    neither an action's compute nor a wait for a message (a receive) is the
+    engine's own: dispatching the action, posting its sends, the Python in
+    between. Divided by the device's actions, it is what one more action costs
+    (``Costs.overhead``), whatever the order.
+    """
+    out = []
+    for row in sorted({s.device for s in spans if s.lane == "compute"}):
+        mine = [s for s in spans if s.device == row and (s.lane == "compute" or s.kind == "recv")]
+        actions = [s for s in mine if s.lane == "compute"]
+        end = max(s.end for s in actions)
+        busy = sum(s.duration for s in mine if s.end <= end)
+        out.append(max(0.0, end - min(s.start for s in mine) - busy) / len(actions))
+    return out
 
 
 def _alone(local: Any) -> List[Any]:
@@ -102,7 +121,7 @@ class Refiner:
                 step.trace = None
             self.own = None
             receives = [s.duration for s in spans if s.kind == "recv"]
-            parts = self.gather((action_samples(spans), min(receives) if receives else None))
+            parts = self.gather((action_samples(spans), min(receives) if receives else None, action_overhead(spans)))
             self.refined = self.on_rank0(lambda: self._decide(parts, step.n_stages))
             self.auto.update(self.refined)
             step.reschedule()
@@ -128,13 +147,14 @@ class Refiner:
             self.chosen = self.auto.pick = self.on_rank0(lambda: fastest(parts))
         step.reschedule()
 
-    def _decide(self, parts: Sequence[Tuple[Samples, Optional[float]]], stages: int) -> Costs:
+    def _decide(self, parts: Sequence[Tuple[Samples, Optional[float], List[float]]], stages: int) -> Costs:
         merged: Samples = {}
-        for samples, _ in parts:
+        for samples, _, _ in parts:
             for key, times in samples.items():
                 merged.setdefault(key, []).extend(times)
         base = self.auto.costs or Costs.unit(stages)
-        return base.measured(merged, [t for _, t in parts if t is not None])
+        overheads = [o for _, _, extra in parts for o in extra]
+        return base.measured(merged, [t for _, t, _ in parts if t is not None], overheads)
 
 
 def fastest(parts: Sequence[Dict[int, List[float]]]) -> int:

@@ -52,13 +52,18 @@ class Costs:
     """Seconds of one micro-batch's F, I (input gradient) and W (weight gradient) per stage, and a transfer.
 
     ``transfer`` is the time an activation or a gradient takes from one device
-    to the next (it occupies neither device).
+    to the next (it occupies neither device). ``overhead`` is what the engine
+    spends on a device per action beside its compute (dispatch, posting its
+    messages, the Python between actions): on a model whose actions take tens
+    of microseconds it is what decides whether splitting each backward into
+    I and W, one action more per micro-batch, pays.
     """
 
     forward: Tuple[float, ...]
     input: Tuple[float, ...]
     weight: Tuple[float, ...]
     transfer: float = 0.0
+    overhead: float = 0.0
 
     @classmethod
     def unit(cls, stages: int) -> "Costs":
@@ -87,22 +92,27 @@ class Costs:
         return cls(tuple(fwd), tuple(inp), tuple(wgt), transfer)
 
     def of(self, kind: Kind, stage: Optional[int]) -> float:
-        """Seconds of one ``kind`` action on ``stage`` (B: its I and W together)."""
+        """Seconds of one ``kind`` action on ``stage`` (B: its I and W together), the engine's overhead included."""
         stage = 0 if stage is None else stage
         if kind is Kind.F:
-            return self.forward[stage]
-        if kind is Kind.I:
-            return self.input[stage]
-        if kind is Kind.W:
-            return self.weight[stage]
-        return self.input[stage] + self.weight[stage]
+            compute = self.forward[stage]
+        elif kind is Kind.I:
+            compute = self.input[stage]
+        elif kind is Kind.W:
+            compute = self.weight[stage]
+        else:
+            compute = self.input[stage] + self.weight[stage]
+        return compute + self.overhead
 
-    def measured(self, samples: Dict[Tuple[int, str], List[float]], transfers: Sequence[float] = ()) -> "Costs":
+    def measured(self, samples: Dict[Tuple[int, str], List[float]], transfers: Sequence[float] = (),
+                 overheads: Sequence[float] = ()) -> "Costs":
         """These costs with every (stage, kind) that was timed replaced by the median of its times.
 
         A stage timed as whole backwards (B) keeps its I : W proportion and
         takes the measured total. ``transfers``: times of receives whose
         message had already arrived; their median is the transfer time.
+        ``overheads``: each device's time per action outside its compute and
+        its waits (``refine.action_overhead``); their median is the overhead.
         """
         fwd, inp, wgt = list(self.forward), list(self.input), list(self.weight)
         for s in range(len(fwd)):
@@ -115,7 +125,8 @@ class Costs:
                 share = inp[s] / whole if whole > 0 else 0.5
                 inp[s], wgt[s] = got["B"] * share, got["B"] * (1 - share)
         link = statistics.median(transfers) if transfers else self.transfer
-        return Costs(tuple(fwd), tuple(inp), tuple(wgt), link)
+        extra = statistics.median(overheads) if overheads else self.overhead
+        return Costs(tuple(fwd), tuple(inp), tuple(wgt), link, extra)
 
 
 def activation_floor(virtual_stages: int) -> int:
@@ -344,13 +355,19 @@ class AutoSchedule:
         self._built: Dict[Tuple[int, int, int], List[Schedule]] = {}
 
     def close(self, key: Tuple[int, int, int]) -> List[Schedule]:
-        """The candidates for ``key`` within ``CLOSE`` of the shortest on paper (at most ``MOST_TRIED``)."""
+        """The candidates for ``key`` within ``CLOSE`` of the shortest on paper (at most ``MOST_TRIED``), and the
+        fixed schedule of that shape (1F1B, or interleaved 1F1B) where it fits the cap: paper is a model, and auto
+        must not run slower than the schedule a user would otherwise pick, so that one is always timed too."""
         if key not in self._built:
             stages, chunks, v = key
             costs = self.costs if self.costs is not None and len(self.costs.forward) == stages * v else None
             options = ranked(stages, chunks, v, costs, self.max_activations)
             best = options[0][0]
-            self._built[key] = [plan for span, plan in options if span <= best * CLOSE][:MOST_TRIED]
+            chosen = [plan for span, plan in options if span <= best * CLOSE][:MOST_TRIED]
+            base = _fixed(stages, chunks, v)[0]
+            if base not in chosen and any(plan == base for _, plan in options):
+                chosen.append(base)
+            self._built[key] = chosen
         return self._built[key]
 
     def __call__(self, stages: int, chunks: int, virtual_stages: int = 1) -> Schedule:
