@@ -211,6 +211,35 @@ def batchnorm_job(mode: str) -> Dict[str, Any]:
 
 
 
+class ScaledBy(nn.Module):
+    """Multiplies by a buffer: autograd saves the buffer for the input's gradient, so a buffer changed in place
+    between this forward and its backward makes the backward refuse to run."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, width, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+def scaled_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 12), ScaledBy(12), nn.Tanh(), nn.Linear(12, 12), ScaledBy(12),
+                         nn.Linear(12, 12)).double()
+
+
+def buffer_in_backward_job(mode: str) -> Dict[str, Any]:
+    """DDP's buffers broadcast (the default) with a buffer that the backward reads: the step trains as the plain
+    model does, and every replica holds the first's buffers after it."""
+    init()
+    engine = pipeddp.HybridParallel(scaled_model(), stages=2, mode=mode, chunks=2, balance=[3, 3])
+    train(engine, global_batches(2, 2), local=10)
+    state = {k: v.clone() for k, v in engine.local_state_dict().items()}
+    engine.close()
+    return state
+
+
 def forward_backward_job() -> List[torch.Tensor]:
     """Replica mode, 2 replicas: loss_fn(engine(x), y).backward() averages the gradients like train_step."""
     init()

@@ -88,7 +88,10 @@ class Counts:
         from pipeddp.distributed.shard import GlooAllGather, GlooReduceScatter
 
         self.calls = {"all_gather": 0, "reduce_scatter": 0}
-        self._saved = (dist.all_gather_single, dist.reduce_scatter_single)
+        # the names FSDP2 calls: *_single in newer torch, *_into_tensor / *_tensor in older (2.11)
+        self._names = (("all_gather_single", "reduce_scatter_single") if hasattr(dist, "all_gather_single")
+                       else ("all_gather_into_tensor", "reduce_scatter_tensor"))
+        self._saved = tuple(getattr(dist, n) for n in self._names)
         self._gloo = (GlooAllGather.calls, GlooReduceScatter.calls)
 
         def counting(name, fn):
@@ -97,14 +100,15 @@ class Counts:
                 return fn(*args, **kwargs)
             return call
 
-        dist.all_gather_single = counting("all_gather", self._saved[0])
-        dist.reduce_scatter_single = counting("reduce_scatter", self._saved[1])
+        setattr(dist, self._names[0], counting("all_gather", self._saved[0]))
+        setattr(dist, self._names[1], counting("reduce_scatter", self._saved[1]))
 
     def close(self) -> None:
         """Stop counting; add the calls FSDP made through pipeddp's gloo collectives."""
         from pipeddp.distributed.shard import GlooAllGather, GlooReduceScatter
 
-        dist.all_gather_single, dist.reduce_scatter_single = self._saved
+        for name, fn in zip(self._names, self._saved):
+            setattr(dist, name, fn)
         self.calls["all_gather"] += GlooAllGather.calls - self._gloo[0]
         self.calls["reduce_scatter"] += GlooReduceScatter.calls - self._gloo[1]
 

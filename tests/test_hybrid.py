@@ -237,6 +237,26 @@ def test_batchnorm_buffers_follow_broadcast_buffers(mode, nprocs):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode,nprocs", [("replica", 2), ("stage", 4)])
+def test_buffers_are_broadcast_after_the_backward_that_reads_them(mode, nprocs):
+    """A layer whose backward reads a buffer (autograd saved it; BatchNorm's running statistics in some torch
+    releases): DDP's broadcast_buffers overwrites buffers in place before the forward it runs, which in pipeddp is
+    the arming before the stage's last backward; a torch whose DDP does not preserve the buffers' version counters
+    there (2.11) then refuses that backward. The broadcast runs after it, and the replicas train the plain model."""
+    from hybrid_jobs import buffer_in_backward_job, global_batches, scaled_model
+
+    model = scaled_model()
+    _, params = reference_training(model, global_batches(2, 2), LOSS)
+    names = [n for n, _ in model.named_parameters()]
+    for state in pipeddp.spawn(buffer_in_backward_job, nprocs, args=(mode,), timeout=100):
+        mine = [n for n in names if n in state]
+        assert mine and max_diff([state[n] for n in mine], [params[names.index(n)] for n in mine]) < 1e-12
+        for n, buf in model.named_buffers():
+            if n in state:
+                assert torch.equal(state[n], buf), n
+
+
+@pytest.mark.timeout(120)
 def test_forward_then_backward_averages_gradients_over_replicas():
     from hybrid_jobs import forward_backward_job
 

@@ -22,6 +22,15 @@ stages before it.
 
 Recompute is safe: it is a plain forward of the bare module, so DDP hooks
 (which fire in backward) run once per parameter per step.
+
+Buffers (``broadcast_buffers``, DDP's default): DDP would broadcast them from
+the group's first rank in that arming forward, in place, *before* the last
+backward; where autograd saved a buffer for that backward (BatchNorm's running
+statistics, in some torch releases) the backward then refuses a tensor changed
+since. So DDP is built without it and the stage broadcasts its buffers itself
+right *after* its last backward (``DDPSync.finish``), coalesced per dtype: the
+same values (nothing runs a forward in between), and every replica starts the
+next step with the first rank's, as under DDP.
 """
 
 from __future__ import annotations
@@ -31,7 +40,9 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.nn.parallel import DistributedDataParallel
 
 from ..runtime.gradsync import GradSync
@@ -39,6 +50,13 @@ from ..runtime.stage import Stage
 from ..runtime.trace import Span, Trace
 
 __all__ = ["attach_ddp", "attach_stages", "check_ddp_kwargs", "with_sync_batchnorm", "COMM_HOOKS"]
+
+
+#: DDP's options that sync buffers: ``broadcast_buffers`` (at init and before every forward) and, in newer torch,
+#: ``forward_sync_buffers`` (before every forward only); the one that turns the per-forward sync off alone
+_BUFFER_SYNC = ("broadcast_buffers", "forward_sync_buffers")
+_FORWARD_SYNC = next((k for k in reversed(_BUFFER_SYNC) if k in inspect.signature(DistributedDataParallel).parameters),
+                     "broadcast_buffers")
 
 
 class _Arm:
@@ -138,6 +156,12 @@ def attach_ddp(stage: Stage, group: Any, *, ddp_kwargs: Optional[Dict[str, Any]]
     if not any(p.requires_grad for p in stage.module.parameters()):
         return None
     device_ids = [stage.device.index] if stage.device.type == "cuda" else None
+    asked = {k: kwargs.pop(k) for k in _BUFFER_SYNC if k in kwargs}
+    broadcast = all(asked.values())
+    if not broadcast:
+        kwargs.update(asked)  # the user's own choice, as given
+    else:  # DDP syncs the buffers at init (torch's newer option) or not at all (older): then the sync below does
+        kwargs[_FORWARD_SYNC] = False
     ddp = DistributedDataParallel(_Armable(stage.module), device_ids=device_ids, process_group=group, **kwargs)
     if comm_hook is not None or trace is not None:
         if comm_hook is None:
@@ -147,20 +171,47 @@ def attach_ddp(stage: Stage, group: Any, *, ddp_kwargs: Optional[Dict[str, Any]]
         state, fn = _hook(comm_hook, group) if isinstance(comm_hook, str) else (group, comm_hook)
         ddp.register_comm_hook(state, _traced(fn, trace, stage.index) if trace is not None else fn)
 
-    stage.grad_sync = DDPSync(ddp)
+    ignored = set(getattr(stage.module, "_ddp_params_and_buffers_to_ignore", ()))
+    buffers = [b for name, b in stage.module.named_buffers() if name not in ignored] if broadcast else []
+    stage.grad_sync = sync = DDPSync(ddp, group, buffers)
+    if _FORWARD_SYNC == "broadcast_buffers":
+        sync.broadcast()  # what DDP's init does with broadcast_buffers=True: every replica starts from the first's
     return ddp
 
 
 class DDPSync(GradSync):
     """DDP's reduction at the stage's last weight action: the roots go through one forward of the wrapper, which
-    arms the reducer, so the backward that follows all-reduces every bucket once."""
+    arms the reducer, so the backward that follows all-reduces every bucket once; after it, the stage's
+    ``buffers`` are broadcast from the group's first rank (see the module docstring)."""
 
-    def __init__(self, ddp: DistributedDataParallel) -> None:
+    def __init__(self, ddp: DistributedDataParallel, group: Any = None,
+                 buffers: Sequence[torch.Tensor] = ()) -> None:
         self.ddp = ddp
+        self.group = group
+        self.buffers = list(buffers)
 
     def arm(self, roots: List[torch.Tensor]) -> List[torch.Tensor]:
         with torch.enable_grad():  # DDP arms its reducer only when grad mode is on
             return list(self.ddp(_ARM, roots))
+
+    def finish(self) -> None:
+        self.broadcast()
+
+    def broadcast(self) -> None:
+        """The stage's buffers from the group's first rank to the others (a collective of the group)."""
+        if not self.buffers:
+            return
+        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        by_kind: Dict[Any, List[torch.Tensor]] = {}
+        for b in self.buffers:
+            by_kind.setdefault((b.dtype, b.device), []).append(b)
+        with torch.no_grad():
+            for same in by_kind.values():
+                flat = _flatten_dense_tensors(same)
+                dist.broadcast(flat, src=src, group=self.group)
+                if dist.get_rank() != src:
+                    for b, value in zip(same, _unflatten_dense_tensors(flat, same)):
+                        b.copy_(value)
 
 
 def attach_stages(stages: Sequence[Stage], groups: Dict[int, Any], *, ddp_kwargs: Optional[Dict[str, Any]] = None,

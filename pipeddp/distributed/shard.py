@@ -132,7 +132,7 @@ class StageShard(GradSync):
         try:
             state = self._state
             for st in state._state_ctx.all_states:
-                for group in st._fsdp_param_groups:
+                for group in _param_groups(st):
                     group.post_backward()
             state._root_post_backward_final_callback()
         finally:
@@ -208,6 +208,16 @@ class GlooReduceScatter:
         k = dist.get_rank(group)
         dist.all_reduce(input_tensor, op=op, group=group)
         output_tensor.view(-1).copy_(input_tensor.view(-1)[k * n:(k + 1) * n])
+
+
+def _param_groups(state: Any) -> List[Any]:
+    """The parameter groups of one FSDP2 state: a list in the torch this is developed on (``_fsdp_param_groups``),
+    at most one in older releases (``_fsdp_param_group``; torch 2.11 has it)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    one = getattr(state, "_fsdp_param_group", None)
+    return [] if one is None else [one]
 
 
 def _own_layers(module: nn.Module) -> List[nn.Module]:
