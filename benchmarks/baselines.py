@@ -1,6 +1,6 @@
-"""What the benchmarks time: the models, in one registry, and every configuration, each a ``Step``.
+"""What the benchmarks time: every configuration, each a ``Step``, of a model of the registry (``workloads.py``).
 
-One registry, so that "the MLP" and "resnet50" mean the same model, input, target and loss in every table. A step
+A step
 zeroes the gradients, runs one forward and backward of the batch and returns the detached loss; no optimizer step.
 Every baseline owns a deep copy of the model, so that its gradients can be checked against a reference before
 anything is timed (benchmarks/README.md, "Nothing wrong is timed").
@@ -8,7 +8,6 @@ anything is timed (benchmarks/README.md, "Nothing wrong is timed").
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import itertools
@@ -25,102 +24,11 @@ from torch import nn
 
 import pipeddp
 from benchmarks import common
-from benchmarks.common import Grads, LossFn, at_least, devices, gather, grad_rel_diff, grad_snapshot, here, synced
+from benchmarks.common import Grads, LossFn, devices, gather, grad_rel_diff, grad_snapshot, here, synced
 from pipeddp.runtime.microbatch import split, split_sizes
 from pipeddp.runtime.trace import Span, Trace
-from pipeddp.tools.models import mlp, resnet
 
 Breakdown = Dict[int, Dict[str, float]]  # stage -> {"F_ms", "B_ms", ...}
-
-
-@dataclass(frozen=True)
-class Workload:
-    """A model, how to make a batch for it, and its loss; ``batch`` and ``rounds``: each script's defaults (by
-    the script's name), chosen so that a full run fits its time in README.md."""
-
-    name: str
-    model_text: str
-    build: Callable[[], nn.Sequential]
-    inputs: Callable[[int, Optional[int]], torch.Tensor]
-    targets: Callable[[int], torch.Tensor]
-    loss_fn: LossFn
-    loss_text: str
-    batch: Dict[str, int] = field(default_factory=dict)
-    rounds: Dict[str, int] = field(default_factory=dict)
-    warmup: int = 0
-
-    def seeded(self, n: int, seed: int, side: Optional[int] = None) -> Tuple[nn.Sequential, torch.Tensor, torch.Tensor]:
-        """Model (train mode), x and y of ``n`` samples (``side``: image side), drawn in this order after
-        ``torch.manual_seed(seed)``: every rank of a job, and every run of a script, builds the same."""
-        torch.manual_seed(seed)
-        model = self.build().train()
-        return model, self.inputs(n, side), self.targets(n)
-
-    def describe(self, n: int, side: Optional[int] = None) -> str:
-        shape = "" if side is None or "MLP" in self.model_text else f", 3x{side}x{side}"
-        return f"{self.model_text}{shape}, batch {n}, {self.loss_text}"
-
-    def rounds_of(self, script: str, args: argparse.Namespace, quick_rounds: int = 1) -> Tuple[int, int]:
-        """``(rounds, warmup)`` for this model: the flags where given, else its defaults (--quick: no warm-up)."""
-        rounds = args.rounds if args.rounds is not None else quick_rounds if args.quick else self.rounds[script]
-        warmup = getattr(args, "warmup", None)
-        return rounds, warmup if warmup is not None else (0 if args.quick else self.warmup)
-
-
-def mlp_workload(layers: int = 16, width: int = 1024, **defaults: object) -> Workload:
-    """``layers`` x (Linear(width, width) + ReLU), MSE against random targets."""
-    return Workload(f"mlp{'' if (layers, width) == (16, 1024) else f'-{layers}x{width}'}",
-                    f"MLP {layers} x (Linear({width},{width})+ReLU)", lambda: mlp(layers, width, width, width),
-                    lambda n, side=None: torch.randn(n, width), lambda n: torch.randn(n, width),
-                    nn.functional.mse_loss, "MSE vs random targets", **defaults)  # type: ignore[arg-type]
-
-
-def resnet_workload(name: str, layers: int, **defaults: object) -> Workload:
-    """A torchvision ResNet flattened to ``layers`` children, 3x64x64 images (or ``side``), 1000 random labels."""
-    return Workload(name, f"{name} (flattened, {layers} layers)", lambda: resnet(name),
-                    lambda n, side=None: torch.randn(n, 3, side or 64, side or 64),
-                    lambda n: torch.randint(0, 1000, (n,)), nn.functional.cross_entropy,
-                    "cross-entropy vs random labels (1000 classes)", **defaults)  # type: ignore[arg-type]
-
-
-WORKLOADS: Dict[str, Workload] = {
-    # ~0.3-0.9 s per step at 1 thread: cheap, so many rounds for a tight median.
-    "mlp": mlp_workload(
-        batch={"pipeline_cpu": 256, "hybrid_cpu": 256, "split_sizes": 240, "partition_quality": 64,
-               "iteration_table": 128, "simulator_accuracy": 256, "schedules": 256},
-        rounds={"pipeline_cpu": 10, "hybrid_cpu": 8, "split_sizes": 12, "partition_quality": 25,
-                "iteration_table": 8, "simulator_accuracy": 12, "schedules": 8},
-        warmup=1),
-    # ~2-6 s per step at batch 64, ~11 s at 120: few rounds; the check step before timing warms it up.
-    "resnet50": resnet_workload(
-        "resnet50", 23,
-        batch={"pipeline_cpu": 64, "hybrid_cpu": 64, "split_sizes": 120, "partition_quality": 32,
-               "iteration_table": 128, "schedules": 64},
-        rounds={"pipeline_cpu": 4, "hybrid_cpu": 4, "split_sizes": 5, "partition_quality": 8, "iteration_table": 8,
-                "schedules": 4}),
-    # a model too small to hide anything: the engine's fixed costs per step and per action, against torch's
-    "tiny": mlp_workload(8, 64, batch={"schedules": 32}, rounds={"schedules": 30}, warmup=3),
-    "resnet18": resnet_workload(
-        "resnet18", 15, batch={"partition_quality": 32, "iteration_table": 128},
-        rounds={"partition_quality": 11, "iteration_table": 8}),
-}
-
-
-def names(script: str) -> List[str]:
-    """The workloads a script has defaults for, in registry order (its ``--models`` choices)."""
-    return [k for k, w in WORKLOADS.items() if script in w.batch]
-
-
-def add_round_flags(p: argparse.ArgumentParser, script: str, what: str = "timed rounds per (model, m)",
-                    warmup: bool = True, quick_rounds: int = 1) -> None:
-    """--rounds (>= 1) and --warmup (>= 0), their help naming each model's default."""
-    choices = names(script)
-    per_model = ", ".join(f"{k} {WORKLOADS[k].rounds[script]}" for k in choices)
-    p.add_argument("--rounds", type=at_least(1), default=None,
-                   help=f"{what}; default per model: {per_model}; {quick_rounds} with --quick")
-    if warmup:
-        p.add_argument("--warmup", type=at_least(0), default=None, help="untimed rounds before them; default per "
-                       "model: " + ", ".join(f"{k} {WORKLOADS[k].warmup}" for k in choices) + "; 0 with --quick")
 
 
 @dataclass

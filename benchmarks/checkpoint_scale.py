@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # started as a script
 import pipeddp
-from benchmarks.baselines import mlp_workload
 from benchmarks.common import Run, gather, init_job, log0, median_ratio, parser, proc_status
+from benchmarks.workloads import mlp_workload
 
 STAGES = 4
 CONFIGS = ("consolidated", "sharded", "sharded-async")

@@ -18,8 +18,8 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # started as a script
 import pipeddp
 from benchmarks import baselines, common
-from benchmarks.baselines import WORKLOADS, add_round_flags, names
 from benchmarks.common import LossFn, Run, StepTime, at_least, fmt, gather, log0, median_ms, median_ratio
+from benchmarks.workloads import WORKLOADS, add_round_flags, names
 from pipeddp.runtime.microbatch import split_sizes
 from pipeddp.tools.simulate import bubble_bound
 

@@ -19,8 +19,9 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # started as a script
 import pipeddp
 from benchmarks import baselines, common
-from benchmarks.baselines import WORKLOADS, Workload, add_round_flags, layers, mb_text, names
+from benchmarks.baselines import layers, mb_text
 from benchmarks.common import LossFn, Run, fmt, gather, here, log0, median_ms, median_ratio, on_rank0, timed_call
+from benchmarks.workloads import WORKLOADS, Workload, add_round_flags, names
 from pipeddp.partitioning.solve import block_move
 from pipeddp.runtime.microbatch import split_sizes
 

@@ -27,8 +27,8 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # started as a script
 import pipeddp
-from benchmarks.baselines import mlp_workload
 from benchmarks.common import Run, barrier_timed, gather, init_job, parser, proc_status
+from benchmarks.workloads import mlp_workload
 
 MB = 1 << 20
 SHARDS = ("none", "optimizer", "full")

@@ -19,8 +19,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # started as a script
 from benchmarks import baselines
-from benchmarks.baselines import WORKLOADS, Step, Workload, add_round_flags, mb_text, mlp_workload, names
+from benchmarks.baselines import Step, mb_text
 from benchmarks.common import Run, at_least, here, interleaved, median_ms, median_ratio, parser, timed_call
+from benchmarks.workloads import WORKLOADS, Workload, add_round_flags, mlp_workload, names
 from pipeddp.runtime.microbatch import split_sizes
 from pipeddp.runtime.schedule import get_schedule, play
 from pipeddp.tools.simulate import bubble_bound

@@ -20,8 +20,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks.baselines import WORKLOADS, record
+from benchmarks.baselines import record
 from benchmarks.common import barrier_timed
+from benchmarks.workloads import WORKLOADS
 from pipeddp.partitioning.profile import LayerCost, profile_layers
 from pipeddp.runtime.channels import Inbox
 from pipeddp.tools.simulate import Link, StageCost, simulate

@@ -32,7 +32,7 @@ from torch import nn
 from .flatten import flatten_sequential
 from .functional import Functional
 
-__all__ = ["mlp", "flatten_resnet", "flatten_sequential", "Functional", "resnet", "build", "MODELS"]
+__all__ = ["mlp", "flatten_resnet", "flatten_sequential", "Functional", "resnet", "language_model", "build", "MODELS"]
 
 
 def mlp(layers: int = 16, width: int = 1024, in_features: int = 1024, out_features: int = 1024) -> nn.Sequential:
@@ -65,6 +65,22 @@ def resnet(name: str = "resnet50", num_classes: int = 1000) -> nn.Sequential:
     return flatten_resnet(builder(weights=None, num_classes=num_classes))
 
 
+def language_model(vocab: int = 16384, width: int = 256, heads: int = 4, hidden: int = 1024,
+                   blocks: int = 8) -> nn.Sequential:
+    """A language model whose head weighs as much as several blocks: Embedding(vocab, width), ``blocks`` x
+    TransformerEncoderLayer(width, heads, hidden) (no dropout, batch first), LayerNorm and Linear(width, vocab).
+    With the defaults the head's matrix (4.2 M weights) outweighs five blocks (0.8 M each): where an equal number
+    of layers per stage is not an equal share of the work."""
+    return nn.Sequential(nn.Embedding(vocab, width),
+                         *(nn.TransformerEncoderLayer(width, heads, hidden, dropout=0.0, batch_first=True)
+                           for _ in range(blocks)),
+                         nn.LayerNorm(width), nn.Linear(width, vocab))
+
+
+def _token_sample(batch: int, tokens: int = 64, vocab: int = 16384) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, tokens))
+
+
 def _mlp_sample(batch: int) -> torch.Tensor:
     return torch.randn(batch, 1024)
 
@@ -78,6 +94,7 @@ MODELS: Dict[str, Tuple[Callable[[], nn.Sequential], Callable[[int], torch.Tenso
     "mlp": (mlp, _mlp_sample),
     "resnet18": (lambda: resnet("resnet18"), _image_sample),
     "resnet50": (lambda: resnet("resnet50"), _image_sample),
+    "lm": (language_model, _token_sample),
 }
 
 
@@ -85,7 +102,8 @@ def build(name: str, *, small: bool = False) -> Tuple[nn.Sequential, Callable[[i
     """The model called ``name`` and a function making a sample batch for it.
 
     ``small=True`` gives a quicker variant for pictures and smoke runs: an
-    MLP of 8 x 512, or ResNet inputs of 32 x 32 instead of 64 x 64.
+    MLP of 8 x 512, a language model of 4 blocks of width 128 over 2048 tokens,
+    or ResNet inputs of 32 x 32 instead of 64 x 64.
     """
     if ":" in name:
         return user_model(name)
@@ -95,6 +113,8 @@ def build(name: str, *, small: bool = False) -> Tuple[nn.Sequential, Callable[[i
     builder, sample = MODELS[name]
     if small and name == "mlp":
         return mlp(8, 512, 512, 512), lambda b: torch.randn(b, 512)
+    if small and name == "lm":
+        return language_model(2048, 128, 4, 512, 4), lambda b: _token_sample(b, 32, 2048)
     if small:
         return builder(), lambda b: _image_sample(b, 32)
     return builder(), sample
