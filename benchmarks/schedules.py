@@ -29,7 +29,7 @@ import pipeddp
 from benchmarks import baselines, common
 from benchmarks.common import BARRIER, LossFn, Run, at_least, barrier_rounds, barrier_timed, gather, log0, median_ratio
 from benchmarks.workloads import WORKLOADS, add_round_flags, names
-from pipeddp.runtime.refine import action_samples
+from pipeddp.runtime.refine import Refiner, action_samples
 from pipeddp.runtime.schedule import get_schedule, play
 from pipeddp.runtime.schedule.costed import MOST_TRIED, Costs, build
 from pipeddp.tools.simulate import StageCost, simulate
@@ -94,6 +94,16 @@ def best_order(spans: Sequence[Any], m: int, v: int) -> Optional[float]:
     return play(build(DEVICES, m, v, costs, max_activations=m * v), lambda row, a: costs.of(a.kind, a.stage)).bubble
 
 
+def trial_of(step: baselines.Step) -> Dict[str, Any]:
+    """For ``auto``: how its trial went on this rank (the candidate kept, and each one's quickest step in ms; the
+    last candidate is the fixed schedule); nothing for a fixed schedule."""
+    refiners = [h for h in step.module._step.after_backward if isinstance(h, Refiner)]
+    if not refiners:
+        return {}
+    r = refiners[0]
+    return {"trial": {"chosen": r.chosen, "quickest_ms": {k: min(v) * 1e3 for k, v in r.times.items()}}}
+
+
 def traced_bubbles(steps: Sequence[baselines.Step], rank: int) -> Dict[str, Dict[str, Any]]:
     """One traced step per pipeddp configuration: its bubbles (see the module docstring; rank 0's result)."""
     out: Dict[str, Dict[str, Any]] = {}
@@ -116,7 +126,8 @@ def traced_bubbles(steps: Sequence[baselines.Step], rank: int) -> Dict[str, Dict
         replayed = play(plan, lambda row, a, w=work: w.get((a.stage, a.kind.value, a.mb), 0.0))
         equal = simulate([StageCost(1.0, 2.0)] * (DEVICES * v), schedule, stages=DEVICES, chunks=m, virtual_stages=v)
         out[step.name] = {"measured_bubble": bubble, "traced_ms": makespan * 1e3, "equal_stages_bubble": equal.bubble,
-                          "replayed_bubble": replayed.bubble, "best_order_bubble": best_order(every, m, v)}
+                          "replayed_bubble": replayed.bubble, "best_order_bubble": best_order(every, m, v),
+                          **trial_of(step)}
     return out
 
 
@@ -241,6 +252,12 @@ def report(res: Dict[str, Any], run: Run) -> Dict[str, Any]:
                                min(split) / one, "(what reordering can reach)"])
         for r in rows:
             log0(f"  m={r['m']}: torch failed: {r['torch_failed'] or 'none'}")
+            for a in ("auto", "auto-v2"):
+                trial = r["bubbles"].get(a, {}).get("trial")
+                if trial and trial["quickest_ms"]:
+                    quickest = ", ".join(f"{k}: {t:.1f}" for k, t in sorted(trial["quickest_ms"].items()))
+                    log0(f"  m={r['m']}: {a} kept candidate {trial['chosen']} (quickest step, ms: {quickest}; the "
+                         "last is the fixed schedule)")
         targets[name] = run.targets(checks, f"{name}: against the targets")
     return targets
 

@@ -101,6 +101,40 @@ def check_cut() -> None:
     train_pipeline(["cpu", "cuda:0"])
 
 
+def tied(seed: int = 0) -> nn.Sequential:
+    """An embedding tied to the output head: one parameter at both ends of the model."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Embedding(10, 12), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 10)).double()
+    model[3].weight = model[0].weight
+    return model
+
+
+def train_tied(devices: Sequence[str]) -> None:
+    """The tied model on stages of different devices trains as the plain model: each stage computes with the
+    weight on its own device, whichever stage moved the one parameter last."""
+    g = torch.Generator().manual_seed(2)
+    data = [(torch.randint(0, 10, (9,), generator=g), torch.randint(0, 10, (9,), generator=g)) for _ in range(3)]
+    loss = nn.functional.cross_entropy
+    model = tied()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in data:
+        opt.zero_grad()
+        loss(model(x), y).backward()
+        opt.step()
+    with pipeddp.Pipeline(tied(), [dev(d) for d in devices], chunks=3, balance=[1, 3]) as pipe:
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        for x, y in data:
+            opt.zero_grad()
+            pipe.train_step(x, y, loss)
+            opt.step()
+        assert_close(model.state_dict(), pipe.state_dict(), f"tied {devices}")
+
+
+def check_tied() -> None:
+    train_tied(["cuda:0", "cpu"])
+    train_tied(["cpu", "cuda:0"])
+
+
 def check_autocast() -> None:
     class Sees(nn.Module):
         def __init__(self) -> None:
@@ -173,6 +207,7 @@ def check_syncs() -> None:
 def check_two_gpus() -> None:
     train_pipeline(["cuda:0", "cuda:1"])
     train_pipeline(["cuda:1", "cuda:0", "cpu"])
+    train_tied(["cuda:0", "cuda:1"])
 
 
 def nccl_job(fake: bool) -> Dict[str, torch.Tensor]:
@@ -207,7 +242,7 @@ def check_nccl() -> None:
         assert_close(expect, state, "nccl stage mode")
 
 
-CHECKS = {"one-gpu": check_one_gpu, "cut": check_cut, "autocast": check_autocast, "dropout": check_dropout,
+CHECKS = {"one-gpu": check_one_gpu, "cut": check_cut, "tied": check_tied, "autocast": check_autocast, "dropout": check_dropout,
           "syncs": check_syncs, "two-gpus": check_two_gpus, "nccl": check_nccl}
 
 if __name__ == "__main__":

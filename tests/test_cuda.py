@@ -1,7 +1,7 @@
-"""CUDA: several stages on one GPU, GPU-to-CPU cuts, autocast, dropout's masks under every schedule and recompute
-policy, no device-to-host sync in a step, the stream sanitizer, and with two GPUs real cross-device stages and
-nccl. The checks (``cuda_checks.py``) run in subprocesses that see the machine's GPUs (the rest of the suite hides
-them, see conftest.py); on a machine without a GPU every test here is skipped."""
+"""CUDA: several stages on one GPU, GPU-to-CPU cuts (a tied weight across one too), autocast, dropout's masks under
+every schedule and recompute policy, no device-to-host sync in a step, the stream sanitizer, and with two GPUs real
+cross-device stages and nccl. The checks (``cuda_checks.py``) run in subprocesses that see the machine's GPUs (the
+rest of the suite hides them, see conftest.py); on a machine without a GPU every test here is skipped."""
 
 import functools
 import subprocess
@@ -43,13 +43,13 @@ def need(count: int) -> None:
 @pytest.mark.timeout(600)
 def test_stages_on_one_gpu_and_cuts_to_the_cpu_equal_the_plain_model():
     need(1)
-    run("one-gpu", "cut", "autocast", "dropout", "syncs")
+    run("one-gpu", "cut", "tied", "autocast", "dropout", "syncs")
 
 
 @pytest.mark.timeout(600)
 def test_the_stream_sanitizer_finds_no_unsynchronised_access():
     need(1)
-    stderr = run("one-gpu", "cut", "dropout", sanitizer=True)
+    stderr = run("one-gpu", "cut", "tied", "dropout", sanitizer=True)
     assert "CSAN" not in stderr and "data race" not in stderr.lower(), stderr[-6000:]
 
 
@@ -61,8 +61,8 @@ def test_two_gpus_and_nccl():
 
 def test_the_checks_themselves_on_the_cpu():
     """The checks' logic, with every CUDA device mapped to the CPU: it must hold wherever the suite runs."""
-    proc = subprocess.run([sys.executable, str(CHECKS), "one-gpu", "cut", "autocast", "dropout", "two-gpus",
-                           "nccl", "--fake-cpu"], capture_output=True, text=True, timeout=300)
+    checks = ["one-gpu", "cut", "tied", "autocast", "dropout", "two-gpus", "nccl"]
+    proc = subprocess.run([sys.executable, str(CHECKS), *checks, "--fake-cpu"], capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.split() == ["ok", "one-gpu", "ok", "cut", "ok", "autocast", "ok", "dropout", "ok", "two-gpus",
-                                     "ok", "nccl"]
+    assert proc.stdout.split() == [word for check in checks for word in ("ok", check)]

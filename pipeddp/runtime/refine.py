@@ -15,14 +15,14 @@ The costs are a model: two orders within a few percent of each other on
 paper (``costed.CLOSE``) may come out the other way round on the machine.
 So when several are that close, each runs whole steps, in the order
 A B C C B A (a drift in the host's speed weighs on each alike), and the one
-with the shortest median step, as rank 0 finds from every process's times,
-is kept. Every order is exact, so the steps of the trial train the model as
-any other step would.
+with the shortest step, as rank 0 finds from every process's times, is
+kept; the fixed 1F1B (or interleaved) order is always among them. Every
+order is exact, so the steps of the trial train the model as any other step
+would.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
@@ -102,7 +102,6 @@ class Refiner:
         self.trial: List[int] = []
         self.times: Dict[int, List[float]] = {}
         self.running: Optional[int] = None
-        self._mark = 0.0
         #: the candidate kept after the trial (None: no trial, or not yet over)
         self.chosen: Optional[int] = None
 
@@ -129,12 +128,10 @@ class Refiner:
             tried = len(self.auto.close(key)) if key is not None else 0
             if tried > 1:
                 self.trial = list(range(tried)) + list(range(tried - 1, -1, -1))
-                self._mark = time.perf_counter()
                 self._next(step)
         elif self.running is not None:
-            now = time.perf_counter()
-            self.times.setdefault(self.running, []).append(now - self._mark)
-            self._mark = now
+            # the step alone, from its first forward to here: not what the caller ran between steps
+            self.times.setdefault(self.running, []).append(time.perf_counter() - step.started)
             self._next(step)
 
     def _next(self, step: Any) -> None:
@@ -158,12 +155,13 @@ class Refiner:
 
 
 def fastest(parts: Sequence[Dict[int, List[float]]]) -> int:
-    """The candidate whose step took least: per process the median of its steps, the slowest process's counting
-    (a step ends when its last process does)."""
+    """The candidate whose step took least: per process the quickest of its steps (what else runs on the host
+    only ever slows a step down, so the quickest is the one it disturbed least), the slowest process's counting (a
+    step ends when its last process does)."""
     candidates = set().union(*parts) if parts else set()
     if not candidates:
         return 0
-    return min(sorted(candidates), key=lambda c: max(statistics.median(p[c]) for p in parts if p.get(c)))
+    return min(sorted(candidates), key=lambda c: max(min(p[c]) for p in parts if p.get(c)))
 
 
 def attach_auto(step: Any, layers: Sequence[Any], balance: Sequence[int], max_activations: Optional[int], *,

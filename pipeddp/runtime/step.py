@@ -23,6 +23,7 @@ of ``HybridParallel`` train, evaluate and recompute with the same code.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, Union
 
 import torch
@@ -104,6 +105,9 @@ class Step:
         self.before_forward: List[Callable[[], None]] = [self.ties.refresh] + [d.reset for d in self.deferred]
         self.after_forward: List[Callable[[], None]] = [d.commit for d in self.deferred]
         self.after_backward: List[Callable[[], None]] = [self.ties.fold]
+        #: when the current (or last) training step began: its first pass, or a forward that backward will follow
+        #: (what ``refine`` times the candidate orders by, nothing the caller runs between steps included)
+        self.started = 0.0
         self._plans: Dict[Tuple[str, int], Tuple[List[List[Action]], Schedule]] = {}
         #: whether the last training step's loss_fn returned (total, count) (None: no step yet), and that step's
         #: count and the gradients it started from (see ``counted``)
@@ -189,6 +193,7 @@ class Step:
                         targets=self._split_to(self.last, y, sizes), weights=[k / n * share for k in sizes],
                         sync=self.sync and final, autocast=Autocast.capture(), loss_scale=loss_scale)
         if first:
+            self.started = time.perf_counter()
             self.ties.begin()
         self._call(self.before_forward)
         rows, plan = self._plan("train", m)
@@ -252,6 +257,8 @@ class Step:
                                "this process; train with train_step(x, y, loss_fn), or evaluate under torch.no_grad()")
         spec = StepSpec(grad=need_grad, recompute=recompute_policy(self.checkpoint, m), seed=self._seed(),
                         autocast=Autocast.capture())
+        if need_grad:
+            self.started = time.perf_counter()
         x = self._to(self.first, x)  # the graph hangs on the moved input, whose grad lives on stage 0's device
         xs = None if x is None else split(x, sizes)
         self._call(self.before_forward)

@@ -161,7 +161,11 @@ class LocalTies:
                 current = getattr(module, attr)
                 if stage not in group:
                     original = next(iter(group.values()), None)
-                    if original is not None and (current is original or current.device != st.device):
+                    if original is None and current.device != st.device:
+                        # every stage moved the one parameter to its device in turn, the last one winning: it
+                        # belongs on the first stage's
+                        current.data = current.data.to(st.device)
+                    elif original is not None and (current is original or current.device != st.device):
                         current = nn.Parameter(original.detach().to(st.device, copy=True),
                                                requires_grad=original.requires_grad)
                     group[stage] = current
