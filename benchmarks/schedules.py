@@ -96,7 +96,7 @@ def best_order(spans: Sequence[Any], m: int, v: int) -> Optional[float]:
 
 def trial_of(step: baselines.Step) -> Dict[str, Any]:
     """For ``auto``: how its trial went on this rank (the candidate kept, and each one's quickest step in ms; the
-    last candidate is the fixed schedule); nothing for a fixed schedule."""
+    fixed schedules are the last candidates); nothing for a fixed schedule."""
     refiners = [h for h in step.module._step.after_backward if isinstance(h, Refiner)]
     if not refiners:
         return {}
@@ -156,8 +156,8 @@ def run_m(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, m: 
     runs = {s.name: s.run for s in steps}
     barrier_rounds(runs, 0, opts["warmup"])
     # auto settles its order in its first steps: two to refine the costs, then each candidate (the close orders and
-    # the fixed one) twice on whole steps
-    barrier_rounds({n: r for n, r in runs.items() if n.startswith("auto")}, 0, 2 + 2 * (MOST_TRIED + 1))
+    # the two fixed ones) twice on whole steps
+    barrier_rounds({n: r for n, r in runs.items() if n.startswith("auto")}, 0, 2 + 2 * (MOST_TRIED + 2))
     # every other round reversed: each pair alternates which runs first
     rounds = [barrier_rounds(dict(reversed(runs.items())) if r % 2 else runs, 1)[0] for r in range(opts["rounds"])]
     bubbles = traced_bubbles(steps, rank)
@@ -257,7 +257,7 @@ def report(res: Dict[str, Any], run: Run) -> Dict[str, Any]:
                 if trial and trial["quickest_ms"]:
                     quickest = ", ".join(f"{k}: {t:.1f}" for k, t in sorted(trial["quickest_ms"].items()))
                     log0(f"  m={r['m']}: {a} kept candidate {trial['chosen']} (quickest step, ms: {quickest}; the "
-                         "last is the fixed schedule)")
+                         "fixed schedules are the last)")
         targets[name] = run.targets(checks, f"{name}: against the targets")
     return targets
 

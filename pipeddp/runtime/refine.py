@@ -16,9 +16,9 @@ paper (``costed.CLOSE``) may come out the other way round on the machine.
 So when several are that close, each runs whole steps, in the order
 A B C C B A (a drift in the host's speed weighs on each alike), and the one
 with the shortest step, as rank 0 finds from every process's times, is
-kept; the fixed 1F1B (or interleaved) order is always among them. Every
-order is exact, so the steps of the trial train the model as any other step
-would.
+kept; the fixed orders (1F1B and zero-bubble, or their interleaved forms)
+are always among them. Every order is exact, so the steps of the trial
+train the model as any other step would.
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ def _here(choose: Callable[[], T]) -> T:
 
 
 class Refiner:
-    """An ``after_backward`` hook of a step: times one early training step, then rebuilds the schedule from it.
+    """An ``after_backward`` hook of a step: times one early training step, then rebuilds the schedule from it;
+    where orders come out close, ``ended`` (an ``after_step`` hook) times each on whole steps.
 
     The profile times each layer alone; the pipeline's actions run with their
     neighbours on the same cores, receive and send, and split the backward, so
@@ -102,6 +103,7 @@ class Refiner:
         self.trial: List[int] = []
         self.times: Dict[int, List[float]] = {}
         self.running: Optional[int] = None
+        self._starting = False
         #: the candidate kept after the trial (None: no trial, or not yet over)
         self.chosen: Optional[int] = None
 
@@ -128,9 +130,19 @@ class Refiner:
             tried = len(self.auto.close(key)) if key is not None else 0
             if tried > 1:
                 self.trial = list(range(tried)) + list(range(tried - 1, -1, -1))
-                self._next(step)
+                self._starting = True  # the first candidate runs from the next step on (see ``ended``)
+
+    def ended(self) -> None:
+        """A step is over (``Step.after_step``: after the agreement at its end, which waits for every process, so
+        a step's time is the slowest process's): the trial's next candidate, timed from the step's first forward
+        to here, not what the caller ran between steps."""
+        step = self._step()
+        if step is None:
+            return
+        if self._starting:
+            self._starting = False
+            self._next(step)
         elif self.running is not None:
-            # the step alone, from its first forward to here: not what the caller ran between steps
             self.times.setdefault(self.running, []).append(time.perf_counter() - step.started)
             self._next(step)
 
@@ -175,4 +187,5 @@ def attach_auto(step: Any, layers: Sequence[Any], balance: Sequence[int], max_ac
     step.schedule = auto
     refiner = Refiner(auto, step, gather=gather, on_rank0=on_rank0)
     step.after_backward.append(refiner)
+    step.after_step.append(refiner.ended)
     return refiner

@@ -105,6 +105,9 @@ class Step:
         self.before_forward: List[Callable[[], None]] = [self.ties.refresh] + [d.reset for d in self.deferred]
         self.after_forward: List[Callable[[], None]] = [d.commit for d in self.deferred]
         self.after_backward: List[Callable[[], None]] = [self.ties.fold]
+        #: called when a training step is over: after the engine's agreement at its end (``finish_counted``), or
+        #: after the backwards of a forward's output (``refine`` times whole steps by it)
+        self.after_step: List[Callable[[], None]] = []
         #: when the current (or last) training step began: its first pass, or a forward that backward will follow
         #: (what ``refine`` times the candidate orders by, nothing the caller runs between steps included)
         self.started = 0.0
@@ -242,6 +245,7 @@ class Step:
         if counted and self.baseline is not None:
             self.baseline.scale(replicas / count if count else float("nan"))  # nothing counted: 0/0, as the plain model
         self.baseline = None
+        self._call(self.after_step)
 
     def forward(self, x: Any, n: int, *, need_grad: bool) -> Any:
         """Forward of a batch of ``n``; the merged output where this process runs the last stage, else None.
@@ -277,6 +281,7 @@ class Step:
             rows, plan = self._plan("backward", m)
             res = self.runner.run(rows, spec, plan=plan, output_grads=grads, grad_event=event, trace=self.trace)
             self._call(self.after_backward)
+            self._call(self.after_step)
             return [res[0].input_grads[i] for i in range(m)]
 
         return _bridge.attach(run_backward, sizes, outputs, x)

@@ -356,17 +356,18 @@ class AutoSchedule:
 
     def close(self, key: Tuple[int, int, int]) -> List[Schedule]:
         """The candidates for ``key`` within ``CLOSE`` of the shortest on paper (at most ``MOST_TRIED``), and the
-        fixed schedule of that shape (1F1B, or interleaved 1F1B) where it fits the cap: paper is a model, and auto
-        must not run slower than the schedule a user would otherwise pick, so that one is always timed too."""
+        fixed schedules of that shape (1F1B and zero-bubble, or interleaved 1F1B and interleaved zero-bubble) that
+        fit the cap: paper is a model, and auto must not run slower than a schedule a user would otherwise pick,
+        so those are always timed too."""
         if key not in self._built:
             stages, chunks, v = key
             costs = self.costs if self.costs is not None and len(self.costs.forward) == stages * v else None
             options = ranked(stages, chunks, v, costs, self.max_activations)
             best = options[0][0]
             chosen = [plan for span, plan in options if span <= best * CLOSE][:MOST_TRIED]
-            base = _fixed(stages, chunks, v)[0]
-            if base not in chosen and any(plan == base for _, plan in options):
-                chosen.append(base)
+            for base in _fixed(stages, chunks, v):
+                if base not in chosen and any(plan == base for _, plan in options):
+                    chosen.append(base)
             self._built[key] = chosen
         return self._built[key]
 
