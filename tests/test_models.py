@@ -123,6 +123,30 @@ def test_resnet_trains_in_a_pipeline_like_the_flat_model():
         torch.testing.assert_close(grads[k], p.grad, rtol=0, atol=1e-9)
 
 
+def test_the_language_model_s_head_outweighs_five_blocks_and_trains_in_a_pipeline():
+    """The benchmarks' language model (``build("lm")``): where equal layers per stage are not equal work."""
+    from pipeddp.tools.models import build, language_model
+
+    full = language_model()
+    assert len(full) == 11
+    block = sum(p.numel() for p in full[1].parameters())
+    assert full[-1].weight.numel() > 5 * block
+    torch.manual_seed(0)
+    model, sample = build("lm", small=True)
+    model = model.double()
+    x, y = sample(6), sample(6)
+    loss_fn = lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten())  # noqa: E731
+    ref = copy.deepcopy(model)
+    with pipeddp.Pipeline(model, ["cpu", "cpu"], chunks=2, balance=[4, 3]) as pipe:
+        loss = pipe.train_step(x, y, loss_fn)
+        grads = {k: p.grad for k, p in pipe.named_parameters()}
+    want = loss_fn(ref(x), y)
+    want.backward()
+    assert abs(loss.item() - want.item()) < 1e-10
+    for k, p in ref.named_parameters():
+        torch.testing.assert_close(grads[k], p.grad, rtol=0, atol=1e-10)
+
+
 def test_flatten_resnet_keeps_its_23_layers():
     model = torchvision.models.resnet50(weights=None)
     flat = flatten_resnet(model)
