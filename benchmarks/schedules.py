@@ -6,9 +6,10 @@ plain model over the same m micro-batches); pipeddp's ``gpipe``, ``1f1b``, ``zb`
 ``interleaved``, ``zb-v2``, ``auto-v2`` with 2 virtual stages on its 4-stage cut; torch's ScheduleGPipe and
 Schedule1F1B on the 2-stage cut, ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble on the 4-stage cut
 (placed as pipeddp places them) and ScheduleZBVZeroBubble on it in its V; ``1f1b`` and ``interleaved`` in replica
-mode. Then one traced step of each pipeddp configuration: its bubble beside the schedule's with equal stages,
-replayed with the step's measured action times, and the best order ``auto``'s builder finds for those times with
-any memory; and one step of each same-cut pair split by category (``baselines.COLUMNS``).
+mode (``--torch-cut equal``: torch's stages at equal layers per stage instead, pipeddp keeping its measured cut).
+Then one traced step of each pipeddp configuration: its bubble beside the schedule's with equal stages, replayed
+with the step's measured action times, and the best order ``auto``'s builder finds for those times with any memory,
+and for ``auto`` how its trial went; and one step of each pair with torch split by category (``baselines.COLUMNS``).
 """
 
 from __future__ import annotations
@@ -168,8 +169,8 @@ def run_m(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, m: 
     if rank != 0:
         return None
     walls = {k: [t.wall for got in rounds for t in got[k]] for k in runs}
-    return {"m": m, "balance": balance, "torch_balance": torch_balance, "check": checked, "torch_failed": failed,
-            "times_s": walls,
+    return {"m": m, "balance": balance, "torch_cut": opts["torch_cut"], "torch_balance": torch_balance,
+            "check": checked, "torch_failed": failed, "times_s": walls,
             "vs_accum": {name: median_ratio(walls["accum"], walls[name]) for name in walls if name != "accum"},
             "vs_torch": {a: median_ratio(walls[b], walls[a]) for a, b in SAME if b in walls},
             "vs_own_1f1b": {a: median_ratio(walls["1f1b"], walls[a]) for a in PIPEDDP if a != "1f1b"},
@@ -207,7 +208,7 @@ def report(res: Dict[str, Any], run: Run) -> Dict[str, Any]:
     targets: Dict[str, Any] = {}
     for name, doc in res.items():
         rows = doc["by_m"]
-        cut = "the same cut" if rows[0]["torch_balance"] == rows[0]["balance"] else "equal layers per stage (torch)"
+        cut = "the same cut" if rows[0]["torch_cut"] == "same" else "equal layers per stage (torch)"
         names = [*PIPEDDP, *REPLICA]
         run.table(f"{doc['workload']}: speedup over accumulation (medians of per-round ratios)",
                   ["m"] + names + [t for t in TORCH], [[r["m"]] + [r["vs_accum"].get(n) for n in names]
