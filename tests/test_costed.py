@@ -127,7 +127,7 @@ def test_the_fastest_candidate_is_the_one_whose_slowest_process_took_least():
     parts = [{0: [1.0, 1.2, 1.1], 1: [0.9, 0.95, 2.0]}, {0: [1.0, 1.05], 1: [1.3, 1.2]}]
     assert fastest(parts) == 0
     assert fastest([{0: [2.0, 2.1], 1: [1.5, 1.6], 2: [1.7, 1.4]}]) == 2
-    # the host only ever slows a step down: one disturbed step does not lose a candidate the trial
+    # the host only ever slows a step down: one disturbed step does not lose a candidate its trial
     assert fastest([{0: [1.0, 1.02], 1: [0.9, 3.0]}]) == 1
     assert fastest([{}]) == 0
 
