@@ -64,6 +64,25 @@ def shapes_of(x: Any, y: Any) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
+def _not_finite(grads: Sequence[torch.Tensor], dev: torch.device) -> torch.Tensor:
+    """1.0 where any of ``grads`` holds a NaN or an infinity, else 0.0 (float64 on ``dev``; no host sync).
+
+    One fused inf-norm per device and dtype (a largest magnitude is finite exactly when every element is, and
+    NaN propagates through it), not two ops per gradient. A sharded gradient votes with its own shard (the gather
+    joins every rank's); an empty one has nothing to vote with.
+    """
+    groups: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
+    for g in grads:
+        t = local_tensor(g)
+        if t.numel():
+            groups.setdefault((t.device, t.dtype), []).append(t)
+    if not groups:
+        return torch.zeros((), dtype=torch.float64, device=dev)
+    largest = torch.cat([torch.stack(torch._foreach_norm(ts, math.inf)).to(dev, torch.float64)
+                         for ts in groups.values()])
+    return (~largest.isfinite().all()).to(torch.float64)
+
+
 class CallCheck:
     """Which of the engine's collective calls each rank is in: checked by the first collective of every one.
 
@@ -253,8 +272,7 @@ class Agreement(CallCheck):
                                                                                                       device=dev)
         bad_grads = torch.zeros((), dtype=f64, device=dev)
         if (skip_nonfinite or overflow_to_scaler) and grads:
-            finite = torch.stack([torch.isfinite(local_tensor(g)).all().to(dev) for g in grads]).all()
-            bad_grads = (~finite).to(f64)  # a sharded gradient votes with its own shard; the gather joins every rank
+            bad_grads = _not_finite(grads, dev)
         rest = torch.tensor([count or 0.0, count is not None], dtype=f64, device=dev)
         mine = torch.cat([loss.reshape(1), bad_grads.reshape(1), rest])
         if self.distributed:
