@@ -239,7 +239,7 @@ def _convert(args: argparse.Namespace, console: Console) -> int:
 LINK_NAMES = "nvlink, pcie, infiniband, ethernet, local"
 
 #: what ``--model`` takes, for every subcommand's help
-MODEL_HELP = ("mlp, resnet18, resnet50, or your own as package.module:function, a function returning "
+MODEL_HELP = ("mlp, resnet18, resnet50, lm, or your own as package.module:function, a function returning "
               "(nn.Sequential, one input batch), importable from the current folder")
 
 
