@@ -9,7 +9,8 @@ from torch import nn
 import pipeddp
 from conftest import data, max_diff
 from tied_jobs import (LOSS, accumulated_batches, accumulated_reference, global_batches, hybrid_accumulation_job,
-                        hybrid_tied_job, reference_state, stage_unet_job, tied_model, unet, zero_grad_between)
+                        hybrid_tied_job, reference_state, stage_refresh_job, stage_unet_job, tied_model, unet,
+                       zero_grad_between)
 
 
 def test_tied_weights_on_two_stages_train_like_the_plain_model():
@@ -28,6 +29,66 @@ def test_tied_weights_on_two_stages_train_like_the_plain_model():
         got = pipe.state_dict()
     assert list(got) == list(expect) == ["0.weight", "2.weight", "2.bias", "4.weight"]
     assert max_diff(expect.values(), got.values()) < 1e-12
+
+
+def test_a_copy_of_a_tie_is_refreshed_only_where_a_use_changed():
+    """The head's copy takes the embedding's value before a forward where either changed since the last refresh
+    (an edit in place, a replaced tensor, a load, a backward: an update through ``.data``, which no version counter
+    sees, follows one), and not between the forwards of an evaluation, which read the same weight. Each refresh
+    writes the copy, so its version counter tells whether one ran; every output is the plain model's."""
+    model = tied_model()
+    ref = copy.deepcopy(model)
+    x, y = data(6, width=6, seed=5)
+    with pipeddp.Pipeline(copy.deepcopy(model), ["cpu", "cpu"], chunks=3, balance=[2, 3]) as pipe:
+        first, last = pipe.stages[0].module[0].weight, pipe.stages[1].module[2].weight
+
+        def forward() -> int:
+            with torch.no_grad():
+                assert max_diff([ref(x)], [pipe(x)]) < 1e-12
+            return last._version
+
+        seen = forward()
+        assert forward() == forward() == seen  # an evaluation: no copy
+        for edit in (lambda w: w.mul_(0.5), lambda w: setattr(w, "data", w.data * 3)):  # in place; a new tensor
+            with torch.no_grad():
+                edit(first)
+                edit(ref[0].weight)
+            seen, before = forward(), seen
+            assert seen > before and forward() == seen
+        pipe.train_step(x, y, LOSS)  # a backward, then an update through .data alone
+        first.data.sub_(0.1 * first.grad)
+        ref[0].weight.data.sub_(0.1 * first.grad)
+        seen, before = forward(), seen
+        assert seen > before and forward() == seen and torch.equal(first, last)
+        pipe.load_state_dict({k: v + 1 for k, v in pipe.state_dict().items()})  # the embedding's key only
+        ref.load_state_dict({k: v + 1 for k, v in ref.state_dict().items()})
+        assert forward() > seen and torch.equal(first, last)
+
+
+@pytest.mark.timeout(120)
+def test_a_tie_across_processes_is_broadcast_only_where_a_use_changed():
+    """Stage mode: the embedding in one process, the head's copy in the other. The forwards of an evaluation
+    broadcast the weight once; an edit in place on the embedding's process alone reaches the head at the next
+    forward (the flag rides on the batch check every forward makes); a training step's update too."""
+    model = tied_model()
+    x, y = data(6, width=6, seed=5)
+    expect = []
+    with torch.no_grad():
+        expect += [model(x)] * 3
+        model[0].weight.mul_(0.5)
+        expect += [model(x)] * 2
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    LOSS(model(x), y).backward()
+    opt.step()
+    with torch.no_grad():
+        expect.append(model(x))
+    results = pipeddp.spawn(stage_refresh_job, 2, timeout=100)
+    (last,) = [r for r in results if r["last"]]
+    assert len(last["outs"]) == len(expect) and max_diff(expect, last["outs"]) < 1e-12
+    v = last["versions"]
+    assert v[0] == v[1] == v[2] < v[3] == v[4] < v[5]  # broadcasts: the first forward's, after the edit, the step's
+    assert torch.equal(results[0]["weight"], results[1]["weight"])  # one weight in both processes: the plain one
+    assert max_diff([model[4].weight], [last["weight"]]) < 1e-12
 
 
 def test_closing_gives_the_model_back_one_weight_that_a_second_engine_trains_on():

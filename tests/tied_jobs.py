@@ -210,3 +210,36 @@ def hybrid_accumulation_job(mode: str, clip: float) -> Dict[str, Any]:
     out = {"grads": grads, "norms": norms, "state": engine.state_dict(), "rank": engine.topology.rank}
     engine.close()
     return out
+
+
+def stage_refresh_job() -> Dict[str, Any]:
+    """2 stages in 2 processes, the embedding's weight tied to the head's: the head's copy (in the other process)
+    across evaluation forwards, an edit in place on the embedding's process alone, and a training step. Returns
+    the last rank's outputs and the head copy's version counter after each forward (each broadcast writes it)."""
+    model = tied_model()
+    x, y = data(6, width=6, seed=5)
+    engine = pipeddp.HybridParallel(model, stages=2, mode="stage", chunks=3, balance=[2, 3])
+    opt = torch.optim.SGD(engine.parameters(), lr=0.1)
+    mine = engine.stages[0].module[0 if engine.is_first else 2].weight  # the embedding, or the head's copy
+    outs, versions = [], []
+
+    def evaluate() -> None:
+        with torch.no_grad():
+            out = engine(x if engine.is_first else None)
+        outs.append(out)
+        versions.append(mine._version)
+
+    for _ in range(3):
+        evaluate()
+    if engine.is_first:
+        with torch.no_grad():
+            mine.mul_(0.5)  # on this process only: the next forward's check finds it
+    evaluate()
+    evaluate()
+    opt.zero_grad()
+    engine.train_step(x if engine.is_first else None, y if engine.is_last else None, LOSS)
+    opt.step()
+    evaluate()
+    out = {"outs": outs, "versions": versions, "weight": mine.detach().clone(), "last": engine.is_last}
+    engine.close()
+    return out

@@ -8,9 +8,10 @@ then all ranks raise, or proceed, alike::
     the call        which of the engine's collectives each rank entered, carried by the first
                     collective of every one of them: a rank that called save while another
                     called train_step gets an error naming both, never a mismatched collective
-    batch sizes     one int64 all-gather per step: (call, x size, y size, error flag, shapes); where every
-                    rank's row equals the previous call's, the shapes repeat (``repeated``) and activations
-                    cross between processes without a header
+    batch sizes     one int64 all-gather per step: (call, x size, y size, error flag, shapes, flag); where
+                    every rank's row equals the previous call's, the shapes repeat (``repeated``) and
+                    activations cross between processes without a header; ``flagged``: whether any rank raised
+                    its flag (a tied weight changed since the processes last synchronised it)
     the loss        one float64 all-gather: (local loss, loss not finite, grads not finite)
     replicas        a CRC32 of every parameter, compared within each stage's group
     a partition     rank 0 measures, every rank uses rank 0's cut (DDP needs identical replicas)
@@ -99,10 +100,10 @@ class CallCheck:
     def enter(self, call: str) -> None:
         """Every rank enters the collective ``call`` together (see ``_calls``); nothing else is exchanged."""
         if self.distributed:
-            self._calls(call, [0, 0, 0, 0], self.topology.group, self.topology.job_ranks)
+            self._calls(call, [0, 0, 0, 0, 0], self.topology.group, self.topology.job_ranks)
 
     def _calls(self, call: str, payload: List[int], group: Any, ranks: List[int]) -> List[List[int]]:
-        """Every rank's ``payload`` (four ints), gathered with the name of the collective call each rank is in.
+        """Every rank's ``payload`` (five ints), gathered with the name of the collective call each rank is in.
 
         The same small all-gather opens every collective call, so a rank in
         ``save`` meets a rank in ``train_step`` here and both raise naming the
@@ -146,6 +147,8 @@ class Agreement(CallCheck):
         self.comm_device = comm_device
         #: whether the last batch check found every rank's call and batch shapes as in the one before it
         self.repeated = False
+        #: whether some rank raised the flag of the last batch check (see ``local_batch``)
+        self.flagged = True
         self._previous: Dict[Tuple[str, int], List[Any]] = {}
 
     # -- rank 0's choice -----------------------------------------------------------------------------
@@ -175,7 +178,7 @@ class Agreement(CallCheck):
     # -- batch sizes ---------------------------------------------------------------------------------
 
     def _gather_sizes(self, x: Any, y: Any, group: Any, ranks: List[int],
-                      call: str = "train_step") -> List[Tuple[int, int, str]]:
+                      call: str = "train_step", flag: bool = True) -> List[Tuple[int, int, str]]:
         """Every rank's (x size, y size, error) in ``group``; never raises before the collective."""
 
         def size(v: Any, name: str) -> Tuple[int, str]:
@@ -189,11 +192,13 @@ class Agreement(CallCheck):
         nx, ex = size(x, "x")
         ny, ey = size(y, "y")
         mine = (nx, ny, ex or ey)
-        self.repeated = False
+        self.repeated, self.flagged = False, flag
         if not self.distributed:
             return [mine]
         # One small tensor collective per step; messages travel only when some rank has one.
-        rows = self._calls(call, [nx, ny, 1 if mine[2] else 0, shapes_of(x, y)], group, ranks)
+        rows = self._calls(call, [nx, ny, 1 if mine[2] else 0, shapes_of(x, y), int(flag)], group, ranks)
+        self.flagged = any(r[4] for r in rows)
+        rows = [r[:4] for r in rows]
         key = (call, id(group))
         self.repeated = not mine[2] and self._previous.get(key) == rows
         self._previous[key] = rows
@@ -202,17 +207,19 @@ class Agreement(CallCheck):
             dist.all_gather_object(messages, mine[2], group=group)
         return [(r[0], r[1], m) for r, m in zip(rows, messages)]
 
-    def local_batch(self, x: Any, y: Any, *, need_y: bool, group: Any = None, call: str = "train_step") -> int:
+    def local_batch(self, x: Any, y: Any, *, need_y: bool, group: Any = None, call: str = "train_step",
+                    flag: bool = True) -> int:
         """Check every rank's batch (the ranks of ``group``, default all) and return the common local size.
 
         The rank of stage 0 must pass ``x``, the rank of the last stage ``y``
-        when ``need_y``; every replica the same number of samples.
+        when ``need_y``; every replica the same number of samples. ``flag`` rides
+        along at no cost: ``flagged`` then tells whether any rank raised it.
         """
         topo = self.topology
         group = topo.group if group is None else group
         ranks = dist.get_process_group_ranks(group) if (group is not None and self.distributed) \
             else topo.job_ranks
-        infos = self._gather_sizes(x, y, group, ranks, call)
+        infos = self._gather_sizes(x, y, group, ranks, call, flag)
         for r, (_, _, err) in zip(ranks, infos):
             if err:
                 raise ValueError(f"rank {r}: {err}")

@@ -74,7 +74,7 @@ class Replica:
               skip_nonfinite: bool) -> torch.Tensor:
         """One optimizer step's gradients on this rank's batch; the global mean loss, the same on every rank."""
         with self._agreeing():
-            n = self.agreement.local_batch(x, y, need_y=True)  # a collective: every rank sees the same n
+            n = self.agreement.local_batch(x, y, need_y=True, flag=self.ties.changed())  # a collective
         self._agreed("train_step")
         if scaler is not None:
             scaler.scale(torch.ones((), device=self.devices[0]))  # every rank's scaler is set up, not only the last's
@@ -94,7 +94,8 @@ class Replica:
 
     def _agreed(self, call: str) -> None:
         """Tell a stage-mode runner what the batch check found (activations then cross without headers where every
-        rank's batch is shaped as in its previous ``call``)."""
+        rank's batch is shaped as in its previous ``call``), and the ties whether a use changed on any rank."""
+        self.ties.due = self.agreement.flagged
         agreed = getattr(self.runner, "agreed", None)
         if agreed is not None:
             agreed(call, self.agreement.repeated)
@@ -110,7 +111,8 @@ class Replica:
         if self.topology.mode == "replica":
             n = samples_of(x, name="input")
         else:
-            n = self.agreement.local_batch(x, None, need_y=False, group=self.groups.pipeline, call="forward")
+            n = self.agreement.local_batch(x, None, need_y=False, group=self.groups.pipeline, call="forward",
+                                           flag=self.ties.changed())
             self._agreed("forward")
         out = self.step.forward(x, n, need_grad=need_grad)
         for sh in self.shards if not (need_grad or self._gathered) else ():  # an evaluation forward frees what

@@ -6,7 +6,10 @@ group per replica: the ranks of that replica holding a use of the tie::
 
     replica r:  rank of stage 0 (embedding)  <-- group -->  rank of stage S-1 (head)
     after the step:   all_reduce(SUM) of what each use gained in the step   (averaged over replicas by DDP)
-    before a forward: broadcast of the value from the first stage's rank
+    before a forward: broadcast of the value from the first stage's rank, where a use changed since
+                      (``due``: decided alike on every rank, from a flag each rank adds to the batch
+                      check that precedes every forward, so the forwards of an evaluation broadcast
+                      nothing, and a deciding collective costs nothing extra)
 
 Only the gains travel (``LocalTies.fold`` computes them and calls ``sum``
 here), so a user's accumulation over several calls stays exact.
@@ -21,13 +24,13 @@ takes part with the sum of their gains and hands the result to each of them.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..runtime.tied import LocalTies, Tie, local
+from ..runtime.tied import LocalTies, Tie, fingerprint, local
 from .groups import subgroup
 from .topology import Topology
 
@@ -45,6 +48,10 @@ class TieExchange:
         #: per tie shared with other processes: this process's uses (first one first), the group, the owner's rank
         self.items: List[Tuple[List[nn.Parameter], Any, int]] = []
         self._groups: Dict[Tie, Any] = {}
+        #: this process's uses' fingerprint at the last broadcast (None: one is due)
+        self._synced: Optional[Tuple[Tuple[int, int], ...]] = None
+        #: whether the next ``refresh`` broadcasts: set from every rank's ``changed`` by the check before a forward
+        self.due = True
         rows = topology.stages
         for tie in ties:
             for r in range(topology.replicas):
@@ -64,17 +71,30 @@ class TieExchange:
         """Whether other processes hold uses of ``tie``."""
         return tie in self._groups
 
+    def changed(self) -> bool:
+        """Whether this process's uses may have changed since the last broadcast (as ``LocalTies.changed``)."""
+        return bool(self.items) and (self._synced is None or self._synced != self._fingerprint())
+
+    def _fingerprint(self) -> Tuple[Tuple[int, int], ...]:
+        return fingerprint(p for params, _, _ in self.items for p in params)
+
     def sum(self, tie: Tie, gain: torch.Tensor) -> torch.Tensor:
         """``gain`` (this process's uses' gradient gains) summed over the processes that use ``tie``."""
+        self._synced = None  # an optimizer step may follow, maybe through .data
         buf = gain.detach().to(self.comm_device, copy=True)
         dist.all_reduce(buf, group=self._groups[tie])
         return buf.to(gain.device)
 
     @torch.no_grad()
     def refresh(self) -> None:
-        """Every use of a tie takes the value of its first stage's copy."""
+        """Every use of a tie takes the value of its first stage's copy, where one is ``due`` (a collective of
+        each tie's group, entered alike by its ranks)."""
+        if not self.due:
+            return
         for params, group, src in self.items:
             buf = local(params[0].detach()).to(self.comm_device, copy=True)  # with shard=: the replica's shard
             dist.broadcast(buf, src=src, group=group)
             for p in params:
                 local(p).copy_(buf)
+        self.due = False  # until a check finds a change: the passes of a step broadcast once
+        self._synced = self._fingerprint()

@@ -12,6 +12,8 @@ the copies are kept one weight::
     after the step's backward:   both .grad = b + gain(stage 0) + gain(stage 1),
                                  gain = .grad - b, what the step added    (``fold``)
     before the next forward:     copy <- original                          (``refresh``)
+                                 where either changed since: an optimizer step, a load, a
+                                 backward (not between an evaluation's forwards)
 
 Summing only the gains makes a user's own accumulation exact: two calls
 without ``zero_grad`` between give each copy ``g1 + g2`` of the plain model,
@@ -36,7 +38,7 @@ job finds the same ties in the same order.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -97,6 +99,13 @@ class StageLike(Protocol):
 
     @property
     def device(self) -> torch.device: ...
+
+
+def fingerprint(params: Iterable[torch.Tensor]) -> Tuple[Tuple[int, int], ...]:
+    """Each tensor's (version, address): it changes where a tensor is written in place (an optimizer step moves
+    the version counter) or replaced, so an unchanged fingerprint means values not written since, but through
+    ``.data``, which no counter sees."""
+    return tuple((local(p)._version, local(p).data_ptr()) for p in params)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -179,6 +188,8 @@ class LocalTies:
         self.across: Optional[Across] = None
         #: each tied parameter's gradient before the step's backwards (``begin``); None outside a step
         self._before: Optional[Dict[int, Optional[torch.Tensor]]] = None  # by id(parameter)
+        #: every use's fingerprint at the last refresh (None: refresh before the next forward)
+        self._synced: Optional[Tuple[Tuple[int, int], ...]] = None
 
     def rebind(self, stages: Sequence[StageLike]) -> None:
         """Take the stages' current parameters for every tie (after a sharding engine replaced them).
@@ -216,12 +227,22 @@ class LocalTies:
         """Every parameter here but each tie's first: what a norm over the plain model's weights leaves out."""
         return [c for _, (first, *rest) in self.entries for c in rest]
 
+    def changed(self) -> bool:
+        """Whether a use may differ from its tie's first since the last ``refresh``: one was written in place (an
+        optimizer step) or replaced since, or a backward folded gradients in (an update through ``.data``, which
+        no version counter sees, follows one), or none has been made yet."""
+        return self._synced is None or self._synced != fingerprint(p for group in self.groups for p in group)
+
     @torch.no_grad()
     def refresh(self) -> None:
-        """Copy each tie's first parameter into the others (before a step's forwards)."""
+        """Copy each tie's first parameter into the others (before a step's forwards), where they may differ:
+        not again for the forwards of an evaluation, or the passes of one step, that nothing changed between."""
+        if not self.changed():
+            return
         for first, *copies in self.groups:
             for c in copies:
                 local(c).copy_(local(first))
+        self._synced = fingerprint(p for group in self.groups for p in group)
 
     @torch.no_grad()
     def begin(self) -> None:
@@ -278,3 +299,4 @@ class LocalTies:
                 else:
                     p.grad = mine
         self._before = None
+        self._synced = None  # an optimizer step may follow, maybe through .data: the next forward refreshes
