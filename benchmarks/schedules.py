@@ -30,9 +30,9 @@ import pipeddp
 from benchmarks import baselines, common
 from benchmarks.common import BARRIER, LossFn, Run, at_least, barrier_rounds, barrier_timed, gather, log0, median_ratio
 from benchmarks.workloads import WORKLOADS, add_round_flags, names
-from pipeddp.runtime.refine import Refiner, action_samples
+from pipeddp.runtime.refine import Refiner, action_samples, typical
 from pipeddp.runtime.schedule import get_schedule, play
-from pipeddp.runtime.schedule.costed import MOST_TRIED, Costs, build
+from pipeddp.runtime.schedule.costed import Costs, build
 from pipeddp.tools.simulate import StageCost, simulate
 from pipeddp.tools.timeline import WORK, measured_bubble
 
@@ -95,14 +95,29 @@ def best_order(spans: Sequence[Any], m: int, v: int) -> Optional[float]:
     return play(build(DEVICES, m, v, costs, max_activations=m * v), lambda row, a: costs.of(a.kind, a.stage)).bubble
 
 
+def refiner_of(step: baselines.Step) -> Optional[Refiner]:
+    """The ``auto`` engine's refiner (None for a fixed schedule, or where this rank sits the step out)."""
+    if step.run is None or step.module is None:
+        return None
+    return next((h for h in step.module._step.after_backward if isinstance(h, Refiner)), None)
+
+
+def trial_left(steps: Sequence[baselines.Step]) -> int:
+    """The most steps any ``auto`` engine's trial still runs, on any rank (the same number on every rank)."""
+    left = [len(r.trial) + (r.running is not None) for r in map(refiner_of, steps) if r is not None]
+    most = torch.tensor([max(left, default=0)])
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return int(most.item())
+
+
 def trial_of(step: baselines.Step) -> Dict[str, Any]:
-    """For ``auto``: how its trial went on this rank (the candidate kept, and each one's quickest step in ms; the
-    fixed schedules are the last candidates); nothing for a fixed schedule."""
-    refiners = [h for h in step.module._step.after_backward if isinstance(h, Refiner)]
-    if not refiners:
+    """For ``auto``: how its trial went on this rank (the candidate kept, the steps each ran, and each one's typical
+    step in ms, the lower median; the fixed schedules are the last candidates); nothing for a fixed schedule."""
+    r = refiner_of(step)
+    if r is None:
         return {}
-    r = refiners[0]
-    return {"trial": {"chosen": r.chosen, "quickest_ms": {k: min(v) * 1e3 for k, v in r.times.items()}}}
+    return {"trial": {"chosen": r.chosen, "samples": r.samples,
+                      "typical_ms": {k: typical(v) * 1e3 for k, v in r.times.items()}}}
 
 
 def traced_bubbles(steps: Sequence[baselines.Step], rank: int) -> Dict[str, Dict[str, Any]]:
@@ -157,8 +172,10 @@ def run_m(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, m: 
     runs = {s.name: s.run for s in steps}
     barrier_rounds(runs, 0, opts["warmup"])
     # auto settles its order in its first steps: two to refine the costs, then each candidate (the close orders and
-    # the two fixed ones) twice on whole steps
-    barrier_rounds({n: r for n, r in runs.items() if n.startswith("auto")}, 0, 2 + 2 * (MOST_TRIED + 2))
+    # the two fixed ones) 2 to 8 times on whole steps (more where steps are short): untimed until every trial is over
+    autos = {n: r for n, r in runs.items() if n.startswith("auto")}
+    barrier_rounds(autos, 0, 2)
+    barrier_rounds(autos, 0, trial_left([s for s in steps if s.name in autos]))
     # every other round reversed: each pair alternates which runs first
     rounds = [barrier_rounds(dict(reversed(runs.items())) if r % 2 else runs, 1)[0] for r in range(opts["rounds"])]
     bubbles = traced_bubbles(steps, rank)
@@ -255,10 +272,10 @@ def report(res: Dict[str, Any], run: Run) -> Dict[str, Any]:
             log0(f"  m={r['m']}: torch failed: {r['torch_failed'] or 'none'}")
             for a in ("auto", "auto-v2"):
                 trial = r["bubbles"].get(a, {}).get("trial")
-                if trial and trial["quickest_ms"]:
-                    quickest = ", ".join(f"{k}: {t:.1f}" for k, t in sorted(trial["quickest_ms"].items()))
-                    log0(f"  m={r['m']}: {a} kept candidate {trial['chosen']} (quickest step, ms: {quickest}; the "
-                         "fixed schedules are the last)")
+                if trial and trial["typical_ms"]:
+                    typical_ms = ", ".join(f"{k}: {t:.1f}" for k, t in sorted(trial["typical_ms"].items()))
+                    log0(f"  m={r['m']}: {a} kept candidate {trial['chosen']} ({trial['samples']} steps each, typical "
+                         f"step ms: {typical_ms}; the fixed schedules are the last)")
         targets[name] = run.targets(checks, f"{name}: against the targets")
     return targets
 

@@ -129,15 +129,28 @@ def test_the_fastest_candidate_is_the_one_whose_slowest_process_took_least():
     assert fastest([{0: [2.0, 2.1], 1: [1.5, 1.6], 2: [1.7, 1.4]}]) == 2
     # the host only ever slows a step down: one disturbed step does not lose a candidate its trial
     assert fastest([{0: [1.0, 1.02], 1: [0.9, 3.0]}]) == 1
+    # and with more steps, one lucky step does not win it: the lower median counts
+    assert fastest([{0: [1.0, 1.01, 1.02, 1.03], 1: [0.8, 1.2, 1.25, 1.3]}]) == 0
+    assert fastest([{0: [1.0, 1.01, 1.02, 1.03], 1: [0.9, 0.95, 3.0, 3.1]}]) == 1
     assert fastest([{}]) == 0
 
 
+def test_a_trial_gives_short_steps_more_samples():
+    from pipeddp.runtime.refine import MOST_SAMPLES, trial_samples
+
+    assert trial_samples(2.0) == trial_samples(0.13) == 2  # seconds: the noise is small beside them
+    assert trial_samples(0.05) == 6 and trial_samples(0.005) == MOST_SAMPLES
+    assert trial_samples(0.0) == 2  # nothing measured: the least
+    assert all(trial_samples(t) % 2 == 0 for t in (0.3, 0.1, 0.07, 0.04, 0.01))
+
+
 def test_close_candidates_are_timed_on_real_steps_and_the_steps_stay_exact():
-    """Orders within a few percent on paper, and the fixed 1F1B and zero-bubble, each run whole steps (A B C C B A);
-    the fastest measured is kept; every step of the trial trains the plain model's gradients, whichever order ran it."""
+    """Orders within a few percent on paper, and the fixed 1F1B and zero-bubble, each run whole steps (A B C C B A,
+    repeated for steps of milliseconds); the fastest measured is kept; every step of the trial trains the plain
+    model's gradients, whichever order ran it."""
     model = make_mlp()
     names = [n for n, _ in model.named_parameters()]
-    batches = global_batches(1, 10)
+    batches = global_batches(1, 40)
     grads, params = reference_training(model, batches, LOSS)
     with pipeddp.Pipeline(make_mlp(), ["cpu"] * 2, chunks=4, schedule="auto", balance=[6, 5]) as pipe:
         refiner = pipe._step.after_backward[-1]
@@ -156,10 +169,11 @@ def test_close_candidates_are_timed_on_real_steps_and_the_steps_stay_exact():
         options = auto.close(auto.last)
         # two tie, and the fixed 1F1B and zero-bubble are always timed (zero-bubble may be one of the two)
         assert pipeddp.one_f_one_b(2, 4) in options and pipeddp.zero_bubble(2, 4) in options and len(options) >= 3
-        tried = len(options)
-        # step 2 refines the costs, then each candidate runs twice, in the order A B .. B A
-        assert ran[1:1 + 2 * tried] == list(range(tried)) + list(range(tried - 1, -1, -1))
-        assert sorted(refiner.times) == list(range(tried)) and all(len(t) == 2 for t in refiner.times.values())
+        tried, k = len(options), refiner.samples
+        assert k >= 2 and k % 2 == 0 and len(batches) > 1 + k * tried  # steps of milliseconds: up to 8 each
+        # step 2 refines the costs, then each candidate runs k times, in the order A B .. B A, repeated
+        assert ran[1:1 + k * tried] == (list(range(tried)) + list(range(tried - 1, -1, -1))) * (k // 2)
+        assert sorted(refiner.times) == list(range(tried)) and all(len(t) == k for t in refiner.times.values())
         assert refiner.chosen == auto.pick and refiner.chosen in refiner.times
         assert pipe._step._plan("train", 4)[0] == options[refiner.chosen]
         state = pipe.state_dict()

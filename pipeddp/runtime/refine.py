@@ -14,15 +14,18 @@ the engine times one step's actions and rebuilds the order from those costs::
 The costs are a model: two orders within a few percent of each other on
 paper (``costed.CLOSE``) may come out the other way round on the machine.
 So when several are that close, each runs whole steps, in the order
-A B C C B A (a drift in the host's speed weighs on each alike), and the one
-with the shortest step, as rank 0 finds from every process's times, is
-kept; the fixed orders (1F1B and zero-bubble, or their interleaved forms)
+A B C C B A (a drift in the host's speed weighs on each alike), repeated
+where steps are short (``trial_samples``: a step of milliseconds is within
+the host's noise of its neighbour, a step of seconds is not), and the one
+with the shortest typical step, as rank 0 finds from every process's times,
+is kept; the fixed orders (1F1B and zero-bubble, or their interleaved forms)
 are always among them. Every order is exact, so the steps of the trial
 train the model as any other step would.
 """
 
 from __future__ import annotations
 
+import math
 import time
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
@@ -30,11 +33,24 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 from .schedule.costed import AutoSchedule, Costs, is_auto
 from .trace import Span, Trace
 
-__all__ = ["Refiner", "attach_auto", "action_samples", "action_overhead", "fastest"]
+__all__ = ["Refiner", "attach_auto", "action_samples", "action_overhead", "fastest", "typical", "trial_samples",
+           "MOST_SAMPLES"]
 
 T = TypeVar("T")
 #: Per (stage, action kind): the measured seconds of each such action of a step.
 Samples = Dict[Tuple[int, str], List[float]]
+#: the steps a trial gives each candidate: at least a quarter second of them, at least 2, at most ``MOST_SAMPLES``
+TRIAL_S = 0.25
+MOST_SAMPLES = 8
+
+
+def trial_samples(step_s: float) -> int:
+    """How many steps each candidate of a trial runs, for steps of ``step_s`` seconds: an even number (the
+    candidates run A B .. B A, then again), 2 for steps of an eighth of a second or more, up to ``MOST_SAMPLES``
+    for steps of milliseconds, whose differences are of the order of the host's noise."""
+    k = math.ceil(TRIAL_S / step_s) if step_s > 0 else 2
+    return max(2, min(MOST_SAMPLES, k + k % 2))
+
 
 
 def action_samples(spans: Sequence[Span]) -> Samples:
@@ -106,6 +122,8 @@ class Refiner:
         self._starting = False
         #: the candidate kept after the trial (None: no trial, or not yet over)
         self.chosen: Optional[int] = None
+        #: the steps each candidate runs in the trial (``trial_samples`` of the traced step, rank 0's choice)
+        self.samples = 2
 
     def __call__(self) -> None:
         step = self._step()
@@ -122,14 +140,17 @@ class Refiner:
                 step.trace = None
             self.own = None
             receives = [s.duration for s in spans if s.kind == "recv"]
-            parts = self.gather((action_samples(spans), min(receives) if receives else None, action_overhead(spans)))
-            self.refined = self.on_rank0(lambda: self._decide(parts, step.n_stages))
+            took = time.perf_counter() - step.started  # this step so far: its forwards and backwards
+            parts = self.gather((action_samples(spans), min(receives) if receives else None, action_overhead(spans),
+                                 took))
+            self.refined, self.samples = self.on_rank0(
+                lambda: (self._decide(parts, step.n_stages), trial_samples(max(part[3] for part in parts))))
             self.auto.update(self.refined)
             step.reschedule()
             key = self.auto.last
             tried = len(self.auto.close(key)) if key is not None else 0
             if tried > 1:
-                self.trial = list(range(tried)) + list(range(tried - 1, -1, -1))
+                self.trial = (list(range(tried)) + list(range(tried - 1, -1, -1))) * (self.samples // 2)
                 self._starting = True  # the first candidate runs from the next step on (see ``ended``)
 
     def ended(self) -> None:
@@ -156,24 +177,29 @@ class Refiner:
             self.chosen = self.auto.pick = self.on_rank0(lambda: fastest(parts))
         step.reschedule()
 
-    def _decide(self, parts: Sequence[Tuple[Samples, Optional[float], List[float]]], stages: int) -> Costs:
+    def _decide(self, parts: Sequence[Tuple[Samples, Optional[float], List[float], float]], stages: int) -> Costs:
         merged: Samples = {}
-        for samples, _, _ in parts:
+        for samples, _, _, _ in parts:
             for key, times in samples.items():
                 merged.setdefault(key, []).extend(times)
         base = self.auto.costs or Costs.unit(stages)
-        overheads = [o for _, _, extra in parts for o in extra]
-        return base.measured(merged, [t for _, t, _ in parts if t is not None], overheads)
+        overheads = [o for _, _, extra, _ in parts for o in extra]
+        return base.measured(merged, [t for _, t, _, _ in parts if t is not None], overheads)
+
+
+def typical(times: Sequence[float]) -> float:
+    """A candidate's typical step on one process: the lower median of its steps (the quickest of two), so that
+    up to half of them may be slowed down by whatever else runs on the host, and one lucky step wins nothing."""
+    return sorted(times)[(len(times) - 1) // 2]
 
 
 def fastest(parts: Sequence[Dict[int, List[float]]]) -> int:
-    """The candidate whose step took least: per process the quickest of its steps (what else runs on the host
-    only ever slows a step down, so the quickest is the one it disturbed least), the slowest process's counting (a
+    """The candidate whose step took least: per process its ``typical`` step, the slowest process's counting (a
     step ends when its last process does)."""
     candidates = set().union(*parts) if parts else set()
     if not candidates:
         return 0
-    return min(sorted(candidates), key=lambda c: max(min(p[c]) for p in parts if p.get(c)))
+    return min(sorted(candidates), key=lambda c: max(typical(p[c]) for p in parts if p.get(c)))
 
 
 def attach_auto(step: Any, layers: Sequence[Any], balance: Sequence[int], max_activations: Optional[int], *,
