@@ -52,7 +52,6 @@ def trial_samples(step_s: float) -> int:
     return max(2, min(MOST_SAMPLES, k + k % 2))
 
 
-
 def action_samples(spans: Sequence[Span]) -> Samples:
     """Per (stage, action kind), the seconds of each F, I, W or B action in ``spans`` (what ``Costs.measured``
     takes)."""
