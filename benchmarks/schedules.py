@@ -116,8 +116,17 @@ def trial_of(step: baselines.Step) -> Dict[str, Any]:
     r = refiner_of(step)
     if r is None:
         return {}
-    return {"trial": {"chosen": r.chosen, "samples": r.samples,
-                      "typical_ms": {k: typical(v) * 1e3 for k, v in r.times.items()}}}
+    key = r.auto.last
+    return {"trial": {"chosen": r.chosen, "samples": r.samples, "candidates": [] if key is None else [
+        fixed_name(plan, *key) for plan in r.auto.close(key)],
+        "typical_ms": {k: typical(v) * 1e3 for k, v in r.times.items()}}}
+
+
+def fixed_name(plan: Any, p: int, m: int, v: int) -> str:
+    """Which fixed schedule ``plan`` is (``"1f1b"``, ``"zb"``, ``"interleaved"``, ``"zb-v2"``...), else ``"own"``."""
+    fixed = {"1f1b": lambda: pipeddp.one_f_one_b(p, m), "zb": lambda: pipeddp.zero_bubble(p, m)} if v == 1 else {
+        "interleaved": lambda: pipeddp.interleaved(p, m, v), f"zb-v{v}": lambda: pipeddp.zero_bubble(p, m, v)}
+    return next((name for name, make in fixed.items() if make() == plan), "own")
 
 
 def traced_bubbles(steps: Sequence[baselines.Step], rank: int) -> Dict[str, Dict[str, Any]]:
@@ -274,8 +283,8 @@ def report(res: Dict[str, Any], run: Run) -> Dict[str, Any]:
                 trial = r["bubbles"].get(a, {}).get("trial")
                 if trial and trial["typical_ms"]:
                     typical_ms = ", ".join(f"{k}: {t:.1f}" for k, t in sorted(trial["typical_ms"].items()))
-                    log0(f"  m={r['m']}: {a} kept candidate {trial['chosen']} ({trial['samples']} steps each, typical "
-                         f"step ms: {typical_ms}; the fixed schedules are the last)")
+                    log0(f"  m={r['m']}: {a} kept candidate {trial['chosen']} of {trial['candidates']} "
+                         f"({trial['samples']} steps each, typical step ms: {typical_ms})")
         targets[name] = run.targets(checks, f"{name}: against the targets")
     return targets
 
