@@ -20,10 +20,14 @@ from pathlib import Path
 from types import ModuleType
 from typing import Callable, Dict, List, Sequence, Tuple
 
+#: Where the mask the suite started with is kept ("*": none): pytest-xdist's workers inherit the hidden GPUs below
+#: from the process that started them, and find the machine's own mask here.
+_MASK = "PIPEDDP_TESTS_GPU_MASK"
+os.environ.setdefault(_MASK, os.environ.get("CUDA_VISIBLE_DEVICES", "*"))
 #: The environment under which a subprocess sees this machine's GPUs (as before the suite hid them).
-GPU_ENV: Dict[str, str] = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
-if "CUDA_VISIBLE_DEVICES" in os.environ:
-    GPU_ENV["CUDA_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"]
+GPU_ENV: Dict[str, str] = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", _MASK)}
+if os.environ[_MASK] != "*":
+    GPU_ENV["CUDA_VISIBLE_DEVICES"] = os.environ[_MASK]
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import pytest

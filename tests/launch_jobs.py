@@ -30,3 +30,13 @@ def fail_on_rank_1() -> None:
     if os.environ["RANK"] == "1":
         raise KeyError("rank 1 broke")
     time.sleep(3600)
+
+
+def join_group() -> dict:
+    """Join the job's process group by torchrun's variables (rank 0 listens on MASTER_PORT), as a script would."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=30))
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, dist.get_rank())
+    return {"ranks": ranks, "port": os.environ["MASTER_PORT"]}

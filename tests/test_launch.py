@@ -1,3 +1,4 @@
+import socket
 import time
 
 import pytest
@@ -5,7 +6,7 @@ import torch
 from torch.multiprocessing import ProcessRaisedException
 
 import pipeddp
-from launch_jobs import add_rank, env_of_child, fail_on_rank_1, sleep_forever
+from launch_jobs import add_rank, env_of_child, fail_on_rank_1, join_group, sleep_forever
 
 
 @pytest.mark.timeout(120)
@@ -34,3 +35,36 @@ def test_child_error_reaches_the_parent():
     with pytest.raises(ProcessRaisedException, match="rank 1 broke"):
         pipeddp.spawn(fail_on_rank_1, 2, timeout=60)
     assert time.monotonic() - start < 30
+
+
+@pytest.mark.timeout(180)
+def test_a_job_whose_port_was_taken_meanwhile_starts_again_on_another(monkeypatch):
+    """The port is free when spawn picks it, but another program may take it before rank 0 listens there (jobs
+    started side by side): here one does, and the job starts again on a new port instead of failing."""
+    from pipeddp.distributed import launch
+
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    picks = [taken.getsockname()[1]]
+    real = launch.free_port
+
+    def pick() -> int:
+        picks.append(real())
+        return picks[-2] if len(picks) == 2 else picks[-1]
+
+    monkeypatch.setattr(launch, "free_port", pick)
+    try:
+        results = pipeddp.spawn(join_group, 2, timeout=120)
+    finally:
+        taken.close()
+    assert [r["ranks"] for r in results] == [[0, 1], [0, 1]]
+    assert results[0]["port"] == results[1]["port"] != str(picks[0])  # the second attempt's port
+    with pytest.raises(ProcessRaisedException, match="EADDRINUSE"):  # a port the caller fixed is not moved
+        taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        try:
+            pipeddp.spawn(join_group, 2, timeout=60, env={"MASTER_PORT": str(taken.getsockname()[1])})
+        finally:
+            taken.close()

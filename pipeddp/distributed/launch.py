@@ -15,7 +15,10 @@ notebooks, tests and the demo:
 The whole job is bounded by ``timeout``: if any process is still running then,
 every process is killed and ``TimeoutError`` names the ranks that did not
 finish. A child's exception is re-raised in the parent with the child's
-traceback (and the other children are stopped).
+traceback (and the other children are stopped). The port is free when it is
+chosen, but another program may take it before rank 0 listens on it (jobs
+started side by side on one machine): a job whose rank 0 found it taken is
+started again on another port, up to ``ATTEMPTS`` times in all.
 """
 
 from __future__ import annotations
@@ -32,12 +35,36 @@ import torch.multiprocessing as mp
 
 __all__ = ["spawn", "free_port"]
 
+#: how many times a job is started where each attempt finds its port taken (see the module docstring)
+ATTEMPTS = 3
+
 
 def free_port() -> int:
     """A TCP port that was free a moment ago on 127.0.0.1."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _run(fn: Callable[..., Any], args_path: str, child_env: Dict[str, str], threads: Optional[int], out_dir: str,
+         nprocs: int, start_method: str, deadline: float, timeout: float) -> None:
+    """Start the job's processes and wait for all of them (killed at ``deadline``)."""
+    ctx = mp.start_processes(_entry, args=(fn, args_path, child_env, threads, out_dir), nprocs=nprocs,
+                             join=False, start_method=start_method)
+    try:
+        while not ctx.join(timeout=0.2):
+            if time.monotonic() > deadline:
+                running = [i for i, p in enumerate(ctx.processes) if p.is_alive()]
+                raise TimeoutError(
+                    f"spawned job did not finish within {timeout:.0f} s; ranks still running: {running} "
+                    "(all were killed)"
+                )
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+        for p in ctx.processes:
+            p.join(timeout=10)
 
 
 def _entry(index: int, fn: Callable[..., Any], args_path: str, env: Dict[str, str], threads: Optional[int],
@@ -104,23 +131,18 @@ def spawn(
         # child the *same* shared-memory tensors, and replicas updating one shared model would corrupt it.
         args_path = os.path.join(out_dir, "args.pt")
         torch.save(tuple(args), args_path)
-        ctx = mp.start_processes(_entry, args=(fn, args_path, child_env, threads, out_dir), nprocs=nprocs,
-                                 join=False, start_method=start_method)
         deadline = time.monotonic() + timeout
-        try:
-            while not ctx.join(timeout=0.2):
-                if time.monotonic() > deadline:
-                    running = [i for i, p in enumerate(ctx.processes) if p.is_alive()]
-                    raise TimeoutError(
-                        f"spawned job did not finish within {timeout:.0f} s; ranks still running: {running} "
-                        "(all were killed)"
-                    )
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            for p in ctx.processes:
-                p.join(timeout=10)
+        for attempt in range(1, ATTEMPTS + 1):
+            try:
+                _run(fn, args_path, child_env, threads, out_dir, nprocs, start_method, deadline, timeout)
+                break
+            except mp.ProcessRaisedException as exc:
+                if attempt == ATTEMPTS or "EADDRINUSE" not in str(exc) or (env or {}).get("MASTER_PORT"):
+                    raise
+                child_env["MASTER_PORT"] = str(free_port())  # another program took the port first: a new one
+                for name in os.listdir(out_dir):  # nothing a failed attempt left is taken for the next one's
+                    if name.startswith("result-"):
+                        os.remove(os.path.join(out_dir, name))
         results = []
         for i in range(nprocs):
             path = os.path.join(out_dir, f"result-{i}.pt")
