@@ -4,24 +4,13 @@ import copy
 
 import pytest
 import torch
-from conftest import data, max_diff
-from tied_jobs import (
-    LOSS,
-    accumulated_batches,
-    accumulated_reference,
-    global_batches,
-    hybrid_accumulation_job,
-    hybrid_tied_job,
-    reference_state,
-    stage_refresh_job,
-    stage_unet_job,
-    tied_model,
-    unet,
-    zero_grad_between,
-)
 from torch import nn
 
 import pipeddp
+from conftest import data, max_diff
+from tied_jobs import (LOSS, accumulated_batches, accumulated_reference, global_batches, hybrid_accumulation_job,
+                       hybrid_tied_job, reference_state, stage_refresh_job, stage_unet_job, tied_model, unet,
+                       zero_grad_between)
 
 
 def test_tied_weights_on_two_stages_train_like_the_plain_model():

@@ -7,10 +7,10 @@ import os
 from typing import Any, Dict, List, Optional
 
 import torch
-from conftest import data
 from torch import nn
 
 import pipeddp
+from conftest import data
 
 LOSS = nn.functional.mse_loss
 
