@@ -109,6 +109,10 @@ def spawn(
     starts a 4-process job in a fraction of a second instead of several seconds
     of imports. As with ``"spawn"``, ``fn`` must be importable (defined at
     module level).
+
+    Where another program takes the job's port before rank 0 listens on it,
+    the job is started again on a new port (``ATTEMPTS`` in all), so what
+    ``fn`` does before it joins its process group may run twice.
     """
     if start_method is None:
         start_method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
