@@ -43,28 +43,18 @@ def test_a_job_whose_port_was_taken_meanwhile_starts_again_on_another(monkeypatc
     started side by side): here one does, and the job starts again on a new port instead of failing."""
     from pipeddp.distributed import launch
 
-    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # held, listening: rank 0 cannot listen there
     taken.bind(("127.0.0.1", 0))
     taken.listen(1)
-    picks = [taken.getsockname()[1]]
+    held = taken.getsockname()[1]
+    first = iter([held])
     real = launch.free_port
-
-    def pick() -> int:
-        picks.append(real())
-        return picks[-2] if len(picks) == 2 else picks[-1]
-
-    monkeypatch.setattr(launch, "free_port", pick)
+    monkeypatch.setattr(launch, "free_port", lambda: next(first, None) or real())  # the held port, then free ones
     try:
         results = pipeddp.spawn(join_group, 2, timeout=120)
+        assert [r["ranks"] for r in results] == [[0, 1], [0, 1]]
+        assert results[0]["port"] == results[1]["port"] != str(held)  # the second attempt's port
+        with pytest.raises(ProcessRaisedException, match="EADDRINUSE"):  # a port the caller fixed is not moved
+            pipeddp.spawn(join_group, 2, timeout=60, env={"MASTER_PORT": str(held)})
     finally:
         taken.close()
-    assert [r["ranks"] for r in results] == [[0, 1], [0, 1]]
-    assert results[0]["port"] == results[1]["port"] != str(picks[0])  # the second attempt's port
-    with pytest.raises(ProcessRaisedException, match="EADDRINUSE"):  # a port the caller fixed is not moved
-        taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        taken.bind(("127.0.0.1", 0))
-        taken.listen(1)
-        try:
-            pipeddp.spawn(join_group, 2, timeout=60, env={"MASTER_PORT": str(taken.getsockname()[1])})
-        finally:
-            taken.close()

@@ -103,7 +103,7 @@ class StageLike(Protocol):
 
 def fingerprint(params: Iterable[torch.Tensor]) -> Tuple[Tuple[int, int], ...]:
     """Each tensor's (version, address): it changes where a tensor is written in place (an optimizer step moves
-    the version counter) or replaced, so an unchanged fingerprint means values not written since, but through
+    the version counter) or replaced, so an unchanged fingerprint means values not written since, except through
     ``.data``, which no counter sees."""
     return tuple((local(p)._version, local(p).data_ptr()) for p in params)
 
