@@ -150,7 +150,7 @@ def test_close_candidates_are_timed_on_real_steps_and_the_steps_stay_exact():
     model's gradients, whichever order ran it."""
     model = make_mlp()
     names = [n for n, _ in model.named_parameters()]
-    batches = global_batches(1, 40)
+    batches = global_batches(1, 48)  # the longest trial: 1 + 8 steps x 5 candidates
     grads, params = reference_training(model, batches, LOSS)
     with pipeddp.Pipeline(make_mlp(), ["cpu"] * 2, chunks=4, schedule="auto", balance=[6, 5]) as pipe:
         refiner = pipe._step.after_backward[-1]
