@@ -24,13 +24,13 @@ takes part with the sum of their gains and hands the result to each of them.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..runtime.tied import LocalTies, Tie, fingerprint, local
+from ..runtime.tied import LocalTies, Synced, Tie, local
 from .groups import subgroup
 from .topology import Topology
 
@@ -48,8 +48,8 @@ class TieExchange:
         #: per tie shared with other processes: this process's uses (first one first), the group, the owner's rank
         self.items: List[Tuple[List[nn.Parameter], Any, int]] = []
         self._groups: Dict[Tie, Any] = {}
-        #: this process's uses' fingerprint at the last broadcast (None: one is due)
-        self._synced: Optional[Tuple[Tuple[int, int], ...]] = None
+        #: this process's uses as they were at the last broadcast
+        self.synced = Synced()
         #: whether the next ``refresh`` broadcasts: set from every rank's ``changed`` by the check before a forward
         self.due = True
         rows = topology.stages
@@ -73,14 +73,14 @@ class TieExchange:
 
     def changed(self) -> bool:
         """Whether this process's uses may have changed since the last broadcast (as ``LocalTies.changed``)."""
-        return bool(self.items) and (self._synced is None or self._synced != self._fingerprint())
+        return bool(self.items) and self.synced.changed(self._uses())
 
-    def _fingerprint(self) -> Tuple[Tuple[int, int], ...]:
-        return fingerprint(p for params, _, _ in self.items for p in params)
+    def _uses(self) -> List[nn.Parameter]:
+        return [p for params, _, _ in self.items for p in params]
 
     def sum(self, tie: Tie, gain: torch.Tensor) -> torch.Tensor:
         """``gain`` (this process's uses' gradient gains) summed over the processes that use ``tie``."""
-        self._synced = None  # an optimizer step may follow, maybe through .data
+        self.synced.forget()  # an optimizer step may follow, maybe through .data
         buf = gain.detach().to(self.comm_device, copy=True)
         dist.all_reduce(buf, group=self._groups[tie])
         return buf.to(gain.device)
@@ -97,4 +97,4 @@ class TieExchange:
             for p in params:
                 local(p).copy_(buf)
         self.due = False  # until a check finds a change: the passes of a step broadcast once
-        self._synced = self._fingerprint()
+        self.synced.mark(self._uses())

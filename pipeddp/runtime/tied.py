@@ -101,11 +101,27 @@ class StageLike(Protocol):
     def device(self) -> torch.device: ...
 
 
-def fingerprint(params: Iterable[torch.Tensor]) -> Tuple[Tuple[int, int], ...]:
-    """Each tensor's (version, address): it changes where a tensor is written in place (an optimizer step moves
-    the version counter) or replaced, so an unchanged fingerprint means values not written since, except through
-    ``.data``, which no counter sees."""
-    return tuple((local(p)._version, local(p).data_ptr()) for p in params)
+class Synced:
+    """Whether some tensors may have changed since they were last synchronised (``mark``), by each one's (version,
+    address): that changes where a tensor is written in place (an optimizer step moves the version counter) or
+    replaced, so an unchanged fingerprint means values not written since, except through ``.data``, which no
+    counter sees; ``forget`` (after a backward, which such an update follows) makes the next check say changed."""
+
+    def __init__(self) -> None:
+        self._at: Optional[Tuple[Tuple[int, int], ...]] = None  # None: nothing marked since the last forget
+
+    @staticmethod
+    def _fingerprint(tensors: Iterable[torch.Tensor]) -> Tuple[Tuple[int, int], ...]:
+        return tuple((local(t)._version, local(t).data_ptr()) for t in tensors)
+
+    def changed(self, tensors: Iterable[torch.Tensor]) -> bool:
+        return self._at is None or self._at != self._fingerprint(tensors)
+
+    def mark(self, tensors: Iterable[torch.Tensor]) -> None:
+        self._at = self._fingerprint(tensors)
+
+    def forget(self) -> None:
+        self._at = None
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -188,8 +204,8 @@ class LocalTies:
         self.across: Optional[Across] = None
         #: each tied parameter's gradient before the step's backwards (``begin``); None outside a step
         self._before: Optional[Dict[int, Optional[torch.Tensor]]] = None  # by id(parameter)
-        #: every use's fingerprint at the last refresh (None: refresh before the next forward)
-        self._synced: Optional[Tuple[Tuple[int, int], ...]] = None
+        #: every use as it was at the last refresh
+        self.synced = Synced()
 
     def rebind(self, stages: Sequence[StageLike]) -> None:
         """Take the stages' current parameters for every tie (after a sharding engine replaced them).
@@ -231,7 +247,7 @@ class LocalTies:
         """Whether a use may differ from its tie's first since the last ``refresh``: one was written in place (an
         optimizer step) or replaced since, or a backward folded gradients in (an update through ``.data``, which
         no version counter sees, follows one), or none has been made yet."""
-        return self._synced is None or self._synced != fingerprint(p for group in self.groups for p in group)
+        return self.synced.changed(p for group in self.groups for p in group)
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -242,7 +258,7 @@ class LocalTies:
         for first, *copies in self.groups:
             for c in copies:
                 local(c).copy_(local(first))
-        self._synced = fingerprint(p for group in self.groups for p in group)
+        self.synced.mark(p for group in self.groups for p in group)
 
     @torch.no_grad()
     def begin(self) -> None:
@@ -299,4 +315,4 @@ class LocalTies:
                 else:
                     p.grad = mine
         self._before = None
-        self._synced = None  # an optimizer step may follow, maybe through .data: the next forward refreshes
+        self.synced.forget()  # an optimizer step may follow, maybe through .data: the next forward refreshes
