@@ -32,7 +32,7 @@ from benchmarks.common import BARRIER, LossFn, Run, at_least, barrier_rounds, ba
 from benchmarks.workloads import WORKLOADS, add_round_flags, names
 from pipeddp.runtime.refine import Refiner, action_samples, typical
 from pipeddp.runtime.schedule import get_schedule, play
-from pipeddp.runtime.schedule.costed import Costs, build
+from pipeddp.runtime.schedule.costed import Costs, build, fixed_schedules
 from pipeddp.tools.simulate import StageCost, simulate
 from pipeddp.tools.timeline import WORK, measured_bubble
 
@@ -117,16 +117,15 @@ def trial_of(step: baselines.Step) -> Dict[str, Any]:
     if r is None:
         return {}
     key = r.auto.last
-    return {"trial": {"chosen": r.chosen, "samples": r.samples, "candidates": [] if key is None else [
-        fixed_name(plan, *key) for plan in r.auto.close(key)],
-        "typical_ms": {k: typical(v) * 1e3 for k, v in r.times.items()}}}
+    return {"trial": {"chosen": r.chosen, "samples": r.samples, "candidates": [] if key is None else names_of(
+        r.auto.close(key), *key), "typical_ms": {k: typical(v) * 1e3 for k, v in r.times.items()}}}
 
 
-def fixed_name(plan: Any, p: int, m: int, v: int) -> str:
-    """Which fixed schedule ``plan`` is (``"1f1b"``, ``"zb"``, ``"interleaved"``, ``"zb-v2"``...), else ``"own"``."""
-    fixed = {"1f1b": lambda: pipeddp.one_f_one_b(p, m), "zb": lambda: pipeddp.zero_bubble(p, m)} if v == 1 else {
-        "interleaved": lambda: pipeddp.interleaved(p, m, v), f"zb-v{v}": lambda: pipeddp.zero_bubble(p, m, v)}
-    return next((name for name, make in fixed.items() if make() == plan), "own")
+def names_of(plans: Sequence[Any], p: int, m: int, v: int) -> List[str]:
+    """Which of auto's fixed schedules (``costed.fixed_schedules``: 1F1B and zero-bubble, or their interleaved
+    forms) each of ``plans`` is, else ``"own"`` (an order of auto's own)."""
+    fixed = list(zip(["1f1b", "zb"] if v == 1 else ["interleaved", f"zb-v{v}"], fixed_schedules(p, m, v)))
+    return [next((name for name, base in fixed if base == plan), "own") for plan in plans]
 
 
 def traced_bubbles(steps: Sequence[baselines.Step], rank: int) -> Dict[str, Dict[str, Any]]:

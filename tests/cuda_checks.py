@@ -242,8 +242,8 @@ def check_nccl() -> None:
         assert_close(expect, state, "nccl stage mode")
 
 
-CHECKS = {"one-gpu": check_one_gpu, "cut": check_cut, "tied": check_tied, "autocast": check_autocast, "dropout": check_dropout,
-          "syncs": check_syncs, "two-gpus": check_two_gpus, "nccl": check_nccl}
+CHECKS = {"one-gpu": check_one_gpu, "cut": check_cut, "tied": check_tied, "autocast": check_autocast,
+          "dropout": check_dropout, "syncs": check_syncs, "two-gpus": check_two_gpus, "nccl": check_nccl}
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -44,7 +44,7 @@ from .builders import interleaved, interleaved_limit, one_f_one_b, zero_bubble
 from .replay import peak_held, play, ready_time
 
 __all__ = ["Costs", "AutoSchedule", "build", "activation_floor", "default_activations", "check_max_activations",
-           "is_auto"]
+           "is_auto", "fixed_schedules"]
 
 
 @dataclass(frozen=True)
@@ -276,8 +276,9 @@ def _greedy(p: int, m: int, v: int, costs: Costs, cap: int, inputs_first: bool, 
     return board.rows
 
 
-def _fixed(p: int, m: int, v: int) -> List[Schedule]:
-    """The fixed schedules that run ``v`` stages per device: candidates too, where they fit the cap."""
+def fixed_schedules(p: int, m: int, v: int) -> List[Schedule]:
+    """The fixed schedules that run ``v`` stages per device (1F1B and zero-bubble, or interleaved 1F1B and
+    interleaved zero-bubble, in that order): candidates too, where they fit the cap."""
     if v == 1:
         return [one_f_one_b(p, m), zero_bubble(p, m)]
     return [interleaved(p, m, v), zero_bubble(p, m, v)]
@@ -303,7 +304,7 @@ def ranked(stages: int, chunks: int, virtual_stages: int = 1, costs: Optional[Co
     top = default_activations(p, m, v) if max_activations is None else max_activations
     top = min(top, m * v)
     floor = min(default_activations(p, m, v), top)
-    candidates: List[Schedule] = [s for s in _fixed(p, m, v) if all(peak_held(row) <= top for row in s)]
+    candidates: List[Schedule] = [s for s in fixed_schedules(p, m, v) if all(peak_held(row) <= top for row in s)]
     switches: Iterable[Tuple[bool, bool, bool]] = itertools.product((True, False), (True, False),
                                                                      (True, False) if v > 1 else (True,))
     for cap, (first, any_gap, depth) in itertools.product(range(max(floor, v), top + 1), switches):
@@ -365,7 +366,7 @@ class AutoSchedule:
             options = ranked(stages, chunks, v, costs, self.max_activations)
             best = options[0][0]
             chosen = [plan for span, plan in options if span <= best * CLOSE][:MOST_TRIED]
-            for base in _fixed(stages, chunks, v):
+            for base in fixed_schedules(stages, chunks, v):
                 if base not in chosen and any(plan == base for _, plan in options):
                     chosen.append(base)
             self._built[key] = chosen
