@@ -19,7 +19,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -168,6 +168,17 @@ def breakdown(steps: Sequence[baselines.Step]) -> Dict[str, Dict[str, float]]:
     return out
 
 
+def consecutive(run: Callable[[], Any], n: int) -> Callable[[], Any]:
+    """``run`` called ``n`` times in a row (one timed reading): a step that leaves its peer waiting, or starts
+    before its peer has finished the step before, pays for it here as in a training loop, which a barrier around
+    every step would hide."""
+    def block() -> Any:
+        for _ in range(n - 1):
+            run()
+        return run()
+    return block
+
+
 def run_m(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, m: int, loss_fn: LossFn,
           opts: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     balance = cuts(rank, model, x, m)
@@ -184,8 +195,9 @@ def run_m(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, m: 
     autos = {n: r for n, r in runs.items() if n.startswith("auto")}
     barrier_rounds(autos, 0, 2)
     barrier_rounds(autos, 0, trial_left([s for s in steps if s.name in autos]))
-    # every other round reversed: each pair alternates which runs first
-    rounds = [barrier_rounds(dict(reversed(runs.items())) if r % 2 else runs, 1)[0] for r in range(opts["rounds"])]
+    # every other round reversed: each pair alternates which runs first; each reading a block of consecutive steps
+    blocks = {n: None if r is None else consecutive(r, opts["block"]) for n, r in runs.items()}
+    rounds = [barrier_rounds(dict(reversed(blocks.items())) if r % 2 else blocks, 1)[0] for r in range(opts["rounds"])]
     bubbles = traced_bubbles(steps, rank)
     spent = breakdown(steps)
     for s in steps:
@@ -193,7 +205,7 @@ def run_m(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, m: 
     dist.barrier()
     if rank != 0:
         return None
-    walls = {k: [t.wall for got in rounds for t in got[k]] for k in runs}
+    walls = {k: [t.wall / opts["block"] for got in rounds for t in got[k]] for k in runs}
     return {"m": m, "balance": balance, "torch_cut": opts["torch_cut"], "torch_balance": torch_balance,
             "check": checked, "torch_failed": failed, "times_s": walls,
             "vs_accum": {name: median_ratio(walls["accum"], walls[name]) for name in walls if name != "accum"},
@@ -214,12 +226,14 @@ def job(settings: Dict[str, Any]) -> Optional[Dict[str, Any]]:
         model, x, y = work.seeded(settings["batch"][name], settings["seed"])
         common.check_same(model, x, y)
         rounds = settings["rounds"] or (1 if settings["quick"] else work.rounds[SCRIPT])
-        log0(f"{name}: {work.describe(x.shape[0])}; {rounds} rounds")
+        block = settings["block"] or work.block.get(SCRIPT, 1)
+        log0(f"{name}: {work.describe(x.shape[0])}; {rounds} rounds of {block} consecutive step(s) per configuration")
         t0 = time.perf_counter()
-        rows = [run_m(rank, model, x, y, m, work.loss_fn, {**settings, "rounds": rounds}) for m in settings["ms"]]
+        rows = [run_m(rank, model, x, y, m, work.loss_fn, {**settings, "rounds": rounds, "block": block})
+                for m in settings["ms"]]
         if rank == 0:
-            out[name] = {"workload": work.describe(x.shape[0]), "rounds": rounds, "elapsed_s": time.perf_counter() - t0,
-                         "by_m": rows}
+            out[name] = {"workload": work.describe(x.shape[0]), "rounds": rounds, "block": block,
+                         "elapsed_s": time.perf_counter() - t0, "by_m": rows}
     dist.barrier()
     return out if rank == 0 else None
 
@@ -294,6 +308,9 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--ms", nargs="+", type=int, default=None, help="micro-batch counts (default 2 4 8)")
     add_round_flags(p, SCRIPT, warmup=False)
     p.add_argument("--warmup", type=at_least(0), default=1, help="untimed rounds before them (0 with --quick)")
+    p.add_argument("--block", type=at_least(1), default=None,
+                   help="consecutive steps per timed reading; default per model: " + ", ".join(
+                       f"{k} {WORKLOADS[k].block.get(SCRIPT, 1)}" for k in names(SCRIPT)))
     p.add_argument("--group-timeout", type=float, default=120.0, help="seconds a torch pipelining rank awaits its peer")
     p.add_argument("--torch-cut", choices=["same", "equal"], default="same",
                    help="torch's stages: pipeddp's measured cut, or equal layers per stage (as splitting a model by "

@@ -27,7 +27,9 @@ def token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class Workload:
     """A model, how to make a batch for it, and its loss; ``batch`` and ``rounds``: each script's defaults (by
-    the script's name), chosen so that a full run fits its time in README.md."""
+    the script's name), chosen so that a full run fits its time in README.md; ``block``: consecutive steps per
+    timed reading (default 1), for steps so short that what one step leaves to the next (a rank still finishing
+    while its peer starts) is part of their cost, as in a training loop."""
 
     name: str
     model_text: str
@@ -39,6 +41,7 @@ class Workload:
     batch: Dict[str, int] = field(default_factory=dict)
     rounds: Dict[str, int] = field(default_factory=dict)
     warmup: int = 0
+    block: Dict[str, int] = field(default_factory=dict)
 
     def seeded(self, n: int, seed: int, side: Optional[int] = None) -> Tuple[nn.Sequential, torch.Tensor, torch.Tensor]:
         """Model (train mode), x and y of ``n`` samples (``side``: image side), drawn in this order after
@@ -90,7 +93,7 @@ WORKLOADS: Dict[str, Workload] = {
         rounds={"pipeline_cpu": 4, "hybrid_cpu": 4, "split_sizes": 5, "partition_quality": 8, "iteration_table": 8,
                 "schedules": 4}),
     # a model too small to hide anything: the engine's fixed costs per step and per action, against torch's
-    "tiny": mlp_workload(8, 64, batch={"schedules": 32}, rounds={"schedules": 30}, warmup=3),
+    "tiny": mlp_workload(8, 64, batch={"schedules": 32}, rounds={"schedules": 30}, warmup=3, block={"schedules": 20}),
     # a language model whose head weighs as much as five blocks: where a measured cut beats equal layers per stage
     "lm": Workload("lm", "LM Embedding(16384,256) + 8 x TransformerEncoderLayer(256, 4 heads, 1024) + LayerNorm + "
                    "Linear(256,16384), 64 tokens", language_model, lambda n, side=None: tokens(n),
