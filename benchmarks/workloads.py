@@ -93,7 +93,7 @@ WORKLOADS: Dict[str, Workload] = {
         rounds={"pipeline_cpu": 4, "hybrid_cpu": 4, "split_sizes": 5, "partition_quality": 8, "iteration_table": 8,
                 "schedules": 4}),
     # a model too small to hide anything: the engine's fixed costs per step and per action, against torch's
-    "tiny": mlp_workload(8, 64, batch={"schedules": 32}, rounds={"schedules": 30}, warmup=3, block={"schedules": 20}),
+    "tiny": mlp_workload(8, 64, batch={"schedules": 32}, rounds={"schedules": 20}, warmup=3, block={"schedules": 10}),
     # a language model whose head weighs as much as five blocks: where a measured cut beats equal layers per stage
     "lm": Workload("lm", "LM Embedding(16384,256) + 8 x TransformerEncoderLayer(256, 4 heads, 1024) + LayerNorm + "
                    "Linear(256,16384), 64 tokens", language_model, lambda n, side=None: tokens(n),
