@@ -40,9 +40,15 @@ crosses, and receives are posted at once. The sender still checks its
 activation against them and refuses one that differs (a stage whose output's
 shape depends on its input's values) before anything of it is sent.
 
-Sends are asynchronous (``isend``); ``flush`` waits for the ones still in
-flight at the end of a step. A step that fails leaves operations posted that
-no later message may meet, so the channel refuses further steps (``fail``).
+Sends are asynchronous (``isend``). Over gloo (CPU) each is waited for at
+once, as torch's schedules do, so the caller sleeps while gloo's socket thread
+writes it rather than computing on the core that thread needs (a small model's
+1F1B step on 2 shared cores: 6-13% faster at m = 8). No deadlock: the peer
+posts its receive of message n before any later operation of the link's order
+(``catch_up``), and all it may wait for first came before n. Over NCCL a wait
+would hold the compute stream, so ``flush`` waits at the step's end. A failed
+step leaves operations posted that no later message may meet, so the channel
+refuses further steps (``fail``).
 """
 
 from __future__ import annotations
@@ -55,16 +61,9 @@ import torch.distributed as dist
 
 from ..runtime.channels import describe
 from ..runtime.schedule.messages import Message
+from .headers import HEADER, Meta, decode, encode, flatten, wants_grad
 
 __all__ = ["P2PChannel", "PeerError", "Ordering"]
-
-_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-           torch.int8, torch.uint8, torch.bool, torch.complex64]
-_HEADER = 64
-_CONTAINERS = {torch.Tensor: 0, tuple: 1, list: 2}
-
-Meta = Tuple[int, List[Tuple[torch.dtype, Tuple[int, ...]]]]
-
 
 class PeerError(RuntimeError):
     """A neighbouring process did not deliver (it died, stalled or timed out), or an earlier step broke the link."""
@@ -90,43 +89,6 @@ def _activation(kind: str, stage: int, mb: int) -> Tuple[int, int]:
     belong to the same one: the gradient has its shapes.
     """
     return (stage + (kind == "B"), mb)
-
-
-def _flatten(value: Any) -> Tuple[int, List[torch.Tensor]]:
-    if isinstance(value, torch.Tensor):
-        return 0, [value]
-    if isinstance(value, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in value):
-        return _CONTAINERS[type(value)] if type(value) in _CONTAINERS else 1, list(value)
-    raise TypeError(
-        "between processes a stage must output a tensor or a flat tuple/list of tensors, got "
-        f"{type(value).__name__}; restructure the layer at the cut, or cut elsewhere"
-    )
-
-
-def _encode(container: int, tensors: List[torch.Tensor]) -> torch.Tensor:
-    fields = [container, len(tensors)]
-    for t in tensors:
-        if t.dtype not in _DTYPES:
-            raise TypeError(f"cannot send a tensor of dtype {t.dtype} between stages")
-        fields += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
-    if len(fields) > _HEADER:
-        raise TypeError("the activation at this cut has too many tensors or dimensions to send between processes")
-    return torch.tensor(fields + [0] * (_HEADER - len(fields)), dtype=torch.int64)
-
-
-def _decode(header: torch.Tensor) -> Meta:
-    f = header.tolist()
-    container, n, pos = f[0], f[1], 2
-    metas = []
-    for _ in range(n):
-        dtype, ndim = _DTYPES[f[pos]], f[pos + 1]
-        metas.append((dtype, tuple(f[pos + 2:pos + 2 + ndim])))
-        pos += 2 + ndim
-    return container, metas
-
-
-def _wants_grad(dtype: torch.dtype) -> bool:
-    return dtype.is_floating_point or dtype.is_complex
 
 
 class _Posted:
@@ -268,14 +230,14 @@ class P2PChannel:
             metas = known[1]
         elif m.kind == "F":
             if posted.header is None:
-                buf = torch.empty((_HEADER,), dtype=torch.int64, device=self.comm_device)
+                buf = torch.empty((HEADER,), dtype=torch.int64, device=self.comm_device)
                 posted.header = (self._irecv([buf], m, 0)[0], buf)
             if posted.meta is None:
                 work, buf = posted.header
                 if not block and not work.is_completed():
                     return False
                 self._wait([work], m)
-                posted.meta = self._meta[(m.stage, m.mb)] = self._seen[(m.stage, m.mb)] = _decode(buf.cpu())
+                posted.meta = self._meta[(m.stage, m.mb)] = self._seen[(m.stage, m.mb)] = decode(buf.cpu())
                 metas = posted.meta[1]
             else:
                 return True
@@ -286,7 +248,7 @@ class P2PChannel:
                     return False
                 raise RuntimeError(f"pipeddp: rank {self.rank} expects the gradient of micro-batch {m.mb} from rank "
                                    f"{self.peer} before it sent that activation")
-            metas = [(d, s) for d, s in meta[1] if _wants_grad(d)]
+            metas = [(d, s) for d, s in meta[1] if wants_grad(d)]
         posted.bufs = [torch.empty(shape, dtype=dtype, device=self.comm_device) for dtype, shape in metas]
         posted.works = self._irecv(posted.bufs, m, 1)
         return True
@@ -321,17 +283,17 @@ class P2PChannel:
             return tuple(tensors) if container == 1 else list(tensors)
         _, metas = self._meta.pop(_activation(kind, stage, mb))
         got = iter(b.to(self.device) for b in posted.bufs)
-        return [next(got) if _wants_grad(d) else None for d, _ in metas]
+        return [next(got) if wants_grad(d) else None for d, _ in metas]
 
     # -- sending -----------------------------------------------------------------------------------
 
     def send(self, kind: str, stage: int, mb: int, value: Any) -> None:
         """Send ``stage`` its input (``"F"``) or the gradient of its output (``"B"``) for micro-batch ``mb``."""
         if kind == "F":
-            container, tensors = _flatten(value)  # refuses what cannot cross before anything is posted
+            container, tensors = flatten(value)  # refuses what cannot cross before anything is posted
             meta: Meta = (container, [(t.dtype, tuple(t.shape)) for t in tensors])
             known = self._known.get((stage, mb))
-            header = _encode(container, tensors) if known is None else None
+            header = encode(container, tensors) if known is None else None
             i = self._find(True, kind, stage, mb)
             if known is not None and known != meta:
                 raise RuntimeError(
@@ -350,7 +312,7 @@ class P2PChannel:
             _, metas = self._meta.pop(_activation(kind, stage, mb))
             out, first_slot = [], 1
             for (dtype, shape), g in zip(metas, value):
-                if _wants_grad(dtype):
+                if wants_grad(dtype):
                     out.append(g if g is not None else torch.zeros(shape, dtype=dtype, device=self.device))
             self.ordering.catch_up(self, i)
         m = self._order[i]
@@ -359,6 +321,8 @@ class P2PChannel:
             self._inflight.append((work, [t]))
         self._next = i + 1
         self.ordering.issued()
+        if self.comm_device.type == "cpu":  # gloo: delivered now (see the module's docstring)
+            self.flush()
         self._inflight = [(w, ts) for w, ts in self._inflight if not w.is_completed()]
         self.ordering.advance()
 
