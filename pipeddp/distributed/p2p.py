@@ -65,6 +65,7 @@ from .headers import HEADER, Meta, decode, encode, flatten, wants_grad
 
 __all__ = ["P2PChannel", "PeerError", "Ordering"]
 
+
 class PeerError(RuntimeError):
     """A neighbouring process did not deliver (it died, stalled or timed out), or an earlier step broke the link."""
 
