@@ -8,11 +8,11 @@ then all ranks raise, or proceed, alike::
     the call        which of the engine's collectives each rank entered, carried by the first
                     collective of every one of them: a rank that called save while another
                     called train_step gets an error naming both, never a mismatched collective
-    batch sizes     one int64 all-gather per step: (call, x size, y size, error flag, shapes, flag); where
-                    every rank's row equals the previous call's, the shapes repeat (``repeated``) and
-                    activations cross between processes without a header; ``flagged``: whether any rank raised
-                    its flag (a tied weight changed since the processes last synchronised it)
-    the loss        one float64 all-gather: (local loss, loss not finite, grads not finite)
+    batch sizes     one int64 row per rank, gathered (``rows``) once per step: (call, x size, y size, error
+                    flag, shapes, flag); where every rank's row equals the previous call's, the shapes repeat
+                    (``repeated``) and activations cross between processes without a header; ``flagged``:
+                    whether any rank raised its flag (a tied weight changed since the processes last synchronised it)
+    the loss        one float64 row per rank, gathered: (local loss, loss not finite, grads not finite)
     replicas        a CRC32 of every parameter, compared within each stage's group
     a partition     rank 0 measures, every rank uses rank 0's cut (DDP needs identical replicas)
     metrics         sample-weighted sums, gathered once after an evaluation
@@ -32,6 +32,7 @@ from torch import nn
 
 from ..runtime.microbatch import batch_size
 from ..runtime.warn import warn
+from .rows import gather_rows
 from .shard import local_tensor
 from .topology import Topology
 
@@ -105,7 +106,7 @@ class CallCheck:
     def _calls(self, call: str, payload: List[int], group: Any, ranks: List[int]) -> List[List[int]]:
         """Every rank's ``payload`` (five ints), gathered with the name of the collective call each rank is in.
 
-        The same small all-gather opens every collective call, so a rank in
+        The same small gathering (``gather_rows``) opens every collective call, so a rank in
         ``save`` meets a rank in ``train_step`` here and both raise naming the
         calls, instead of entering collectives that do not match (a gloo abort,
         or a hang). A rank that never comes leaves the others an error after the
@@ -115,7 +116,7 @@ class CallCheck:
         gathered = [torch.zeros_like(t) for _ in ranks]
         with self._waiting(f"entered {call}, a collective, and not every rank came: each must call {call} too, "
                            "together (not under `if rank == 0:`); or a rank stalled or died"):
-            dist.all_gather(gathered, t, group=group)
+            gather_rows(gathered, t, group=group, ranks=ranks, rank=self.topology.rank, kind=0)
         rows = [[int(v) for v in row] for row in torch.stack(gathered).tolist()]  # one device-to-host copy
         calls = [COLLECTIVES[row[0]] if 0 <= row[0] < len(COLLECTIVES) else "?" for row in rows]
         if len(set(calls)) > 1:
@@ -286,7 +287,8 @@ class Agreement(CallCheck):
             everyone = [torch.zeros_like(mine) for _ in range(self.topology.world_size)]
             with self._waiting("waited for every rank's loss at the end of a step: a rank stalled or died in its "
                                "step, or skipped train_step (a collective: call it on every rank)"):
-                dist.all_gather(everyone, mine, group=self.topology.group)
+                gather_rows(everyone, mine, group=self.topology.group, ranks=self.topology.job_ranks,
+                            rank=self.topology.rank, kind=1)
         else:
             everyone = [mine]
         table = torch.stack(everyone).tolist()  # every rank's row (loss, bad grads, count, counted), one copy

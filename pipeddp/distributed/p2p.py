@@ -63,7 +63,7 @@ from ..runtime.channels import describe
 from ..runtime.schedule.messages import Message
 from .headers import HEADER, Meta, decode, encode, flatten, wants_grad
 
-__all__ = ["P2PChannel", "PeerError", "Ordering"]
+__all__ = ["P2PChannel", "PeerError", "Ordering", "spare_tag"]
 
 
 class PeerError(RuntimeError):
@@ -81,6 +81,14 @@ def _tag(kind: str, stage: int, mb: int, slot: int) -> int:
         raise ValueError(f"cannot tag a message of stage {stage}, micro-batch {mb} between processes: at most "
                          f"{1 << _STAGES} stages and {1 << _MBS} micro-batches per step")
     return ((((mb << _STAGES) | stage) << 1 | (kind == "B")) << _SLOTS) + slot
+
+
+def spare_tag(kind: int) -> int:
+    """A tag no pipeline message has (that of an activation for stage 0, which nothing sends), one per ``kind``
+    (0 <= kind < 32): for other messages between the same processes (``rows.gather_rows``)."""
+    if not 0 <= kind < 1 << _SLOTS:
+        raise ValueError(f"a spare tag's kind must be in [0, {1 << _SLOTS}), got {kind}")
+    return _tag("F", 0, 0, kind)
 
 
 def _activation(kind: str, stage: int, mb: int) -> Tuple[int, int]:

@@ -1,0 +1,63 @@
+"""``rows.gather_rows``: every rank's row on every rank, as the agreements gather it (over gloo a ping-pong through
+the group's first rank, in place of an all-gather). Compared with torch's own all-gather of the same rows, on
+the whole job and on a group of some of its ranks, under NCCL's rules for messages (tags stripped) and gloo's;
+and its messages carry tags no pipeline message has, whatever the schedule."""
+
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import pipeddp
+from pipeddp.distributed.p2p import _tag, spare_tag
+from pipeddp.distributed.rows import gather_rows
+from pipeddp.runtime.schedule import SCHEDULES, accepts_virtual_stages, crossings, get_schedule
+
+
+def rows_job():
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    some = [1, 2]
+    sub = dist.new_group(some)  # every rank of the world creates it; only its members gather on it
+    out = {}
+    for name, group, ranks in [("all", None, list(range(world))), ("some", sub, some)]:
+        if rank not in ranks:
+            continue
+        for dtype in (torch.int64, torch.float64):
+            mine = (torch.arange(6, dtype=dtype) + 7 * rank) * (-1) ** rank
+            got = [torch.zeros_like(mine) for _ in ranks]
+            gather_rows(got, mine, group=group, ranks=ranks, rank=rank, kind=3)
+            expected = [torch.zeros_like(mine) for _ in ranks]
+            dist.all_gather(expected, mine, group=group)
+            out[(name, str(dtype))] = (torch.stack(got), torch.stack(expected))
+    dist.barrier()
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("rules", ["nccl", "tags"])
+def test_every_rank_gets_every_row_in_the_group_s_order(rules):
+    results = pipeddp.spawn(rows_job, 3, timeout=90, env={"PIPEDDP_P2P_RULES": rules})
+    for rank, res in enumerate(results):
+        assert {name for name, _ in res} == ({"all", "some"} if rank else {"all"})
+        for got, expected in res.values():
+            assert torch.equal(got, expected)
+    assert torch.equal(results[1][("some", "torch.int64")][0], results[2][("some", "torch.int64")][0])
+
+
+def test_spare_tags_are_no_pipeline_message_s_tag():
+    spare = {spare_tag(k) for k in range(32)}
+    assert len(spare) == 32
+    seen = 0
+    for name in SCHEDULES:
+        for stages in (2, 3, 4):
+            for virtual in ((1, 2) if accepts_virtual_stages(name) else (1,)):
+                schedule = get_schedule(name, stages, 4, virtual)
+                for link in crossings(schedule).values():
+                    for m in link:
+                        seen += 1
+                        assert not spare & {_tag(m.kind, m.stage, m.mb, slot) for slot in range(32)}, (name, m)
+    assert seen > 100
+    with pytest.raises(ValueError, match="spare tag"):
+        spare_tag(32)
