@@ -333,7 +333,8 @@ class P2PChannel:
         self.ordering.issued()
         if self.comm_device.type == "cpu":  # gloo: delivered now (see the module's docstring)
             self.flush()
-        self._inflight = [(w, ts) for w, ts in self._inflight if not w.is_completed()]
+        else:
+            self._inflight = [(w, ts) for w, ts in self._inflight if not w.is_completed()]
         self.ordering.advance()
 
     def flush(self) -> None:

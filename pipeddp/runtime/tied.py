@@ -243,11 +243,15 @@ class LocalTies:
         """Every parameter here but each tie's first: what a norm over the plain model's weights leaves out."""
         return [c for _, (first, *rest) in self.entries for c in rest]
 
+    def _uses(self) -> List[nn.Parameter]:
+        """Every use of every tie, first ones included (what ``synced`` fingerprints)."""
+        return [p for group in self.groups for p in group]
+
     def changed(self) -> bool:
         """Whether a use may differ from its tie's first since the last ``refresh``: one was written in place (an
         optimizer step) or replaced since, or a backward folded gradients in (an update through ``.data``, which
         no version counter sees, follows one), or none has been made yet."""
-        return self.synced.changed(p for group in self.groups for p in group)
+        return self.synced.changed(self._uses())
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -258,7 +262,7 @@ class LocalTies:
         for first, *copies in self.groups:
             for c in copies:
                 local(c).copy_(local(first))
-        self.synced.mark(p for group in self.groups for p in group)
+        self.synced.mark(self._uses())
 
     @torch.no_grad()
     def begin(self) -> None:
