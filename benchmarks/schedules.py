@@ -30,7 +30,7 @@ import pipeddp
 from benchmarks import baselines, common
 from benchmarks.common import BARRIER, LossFn, Run, at_least, barrier_rounds, barrier_timed, gather, log0, median_ratio
 from benchmarks.workloads import WORKLOADS, add_round_flags, names
-from pipeddp.runtime.refine import Refiner, action_samples, typical
+from pipeddp.runtime.refine import Refiner, action_samples, quickest
 from pipeddp.runtime.schedule import get_schedule, play
 from pipeddp.runtime.schedule.costed import Costs, build, fixed_schedules
 from pipeddp.tools.simulate import StageCost, simulate
@@ -111,14 +111,14 @@ def trial_left(steps: Sequence[baselines.Step]) -> int:
 
 
 def trial_of(step: baselines.Step) -> Dict[str, Any]:
-    """For ``auto``: how its trial went on this rank (the candidate kept, the steps each ran, and each one's typical
-    step in ms, the lower median; the fixed schedules are the last candidates); nothing for a fixed schedule."""
+    """For ``auto``: how its trial went on this rank (the candidate kept, the steps each ran, and each one's quickest
+    step in ms; the fixed schedules are the last candidates); nothing for a fixed schedule."""
     r = refiner_of(step)
     if r is None:
         return {}
     key = r.auto.last
     return {"trial": {"chosen": r.chosen, "samples": r.samples, "candidates": [] if key is None else names_of(
-        r.auto.close(key), *key), "typical_ms": {k: typical(v) * 1e3 for k, v in r.times.items()}}}
+        r.auto.close(key), *key), "quickest_ms": {k: quickest([v]) * 1e3 for k, v in r.times.items()}}}
 
 
 def names_of(plans: Sequence[Any], p: int, m: int, v: int) -> List[str]:
@@ -191,7 +191,7 @@ def run_m(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, m: 
     runs = {s.name: s.run for s in steps}
     barrier_rounds(runs, 0, opts["warmup"])
     # auto settles its order in its first steps: two to refine the costs, then each candidate (the close orders and
-    # the two fixed ones) 2 to 8 times on whole steps (more where steps are short): untimed until every trial is over
+    # the two fixed ones) 2 to 24 times on whole steps (more where steps are short): untimed until every trial is over
     autos = {n: r for n, r in runs.items() if n.startswith("auto")}
     barrier_rounds(autos, 0, 2)
     barrier_rounds(autos, 0, trial_left([s for s in steps if s.name in autos]))
@@ -294,10 +294,10 @@ def report(res: Dict[str, Any], run: Run) -> Dict[str, Any]:
             log0(f"  m={r['m']}: torch failed: {r['torch_failed'] or 'none'}")
             for a in ("auto", "auto-v2"):
                 trial = r["bubbles"].get(a, {}).get("trial")
-                if trial and trial["typical_ms"]:
-                    typical_ms = ", ".join(f"{k}: {t:.1f}" for k, t in sorted(trial["typical_ms"].items()))
+                if trial and trial["quickest_ms"]:
+                    quickest_ms = ", ".join(f"{k}: {t:.1f}" for k, t in sorted(trial["quickest_ms"].items()))
                     log0(f"  m={r['m']}: {a} kept candidate {trial['chosen']} of {trial['candidates']} "
-                         f"({trial['samples']} steps each, typical step ms: {typical_ms})")
+                         f"({trial['samples']} steps each, quickest step ms: {quickest_ms})")
         targets[name] = run.targets(checks, f"{name}: against the targets")
     return targets
 

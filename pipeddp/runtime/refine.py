@@ -17,10 +17,11 @@ So when several are that close, each runs whole steps, in the order
 A B C C B A (a drift in the host's speed weighs on each alike), repeated
 where steps are short (``trial_samples``: a step of milliseconds is within
 the host's noise of its neighbour, a step of seconds is not), and the one
-with the shortest typical step, as rank 0 finds from every process's times,
-is kept; the fixed orders (1F1B and zero-bubble, or their interleaved forms)
-are always among them. Every order is exact, so the steps of the trial
-train the model as any other step would.
+whose quickest step (``quickest``: each step as long as its slowest process
+took) was shortest, as rank 0 finds from every process's times, is kept;
+the fixed orders (1F1B and zero-bubble, or their interleaved forms) are
+always among them. Every order is exact, so the steps of the trial train
+the model as any other step would.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 from .schedule.costed import AutoSchedule, Costs, is_auto
 from .trace import Span, Trace
 
-__all__ = ["Refiner", "attach_auto", "action_samples", "action_overhead", "fastest", "typical", "trial_samples",
+__all__ = ["Refiner", "attach_auto", "action_samples", "action_overhead", "fastest", "quickest", "trial_samples",
            "MOST_SAMPLES"]
 
 T = TypeVar("T")
@@ -41,13 +42,18 @@ T = TypeVar("T")
 Samples = Dict[Tuple[int, str], List[float]]
 #: the steps a trial gives each candidate: at least a quarter second of them, at least 2, at most ``MOST_SAMPLES``
 TRIAL_S = 0.25
-MOST_SAMPLES = 8
+MOST_SAMPLES = 24
 
 
 def trial_samples(step_s: float) -> int:
     """How many steps each candidate of a trial runs, for steps of ``step_s`` seconds: an even number (the
     candidates run A B .. B A, then again), 2 for steps of an eighth of a second or more, up to ``MOST_SAMPLES``
-    for steps of milliseconds, whose differences are of the order of the host's noise."""
+    for steps of milliseconds, whose differences are of the order of the host's noise.
+
+    Steps of a few milliseconds on shared cores vary by 2x from one to the next. Judged on the first 8 of each
+    one's 24 steps, ``fastest`` kept zero-bubble over 1F1B in 12 of 200 trials (a 2-process gloo job, m = 4 and
+    8, where zero-bubble's steps took 13-26% longer in blocks of consecutive steps), on the first 16 in 2, on
+    all 24 in none. 24 steps of milliseconds cost a tenth of a second or two per candidate."""
     k = math.ceil(TRIAL_S / step_s) if step_s > 0 else 2
     return max(2, min(MOST_SAMPLES, k + k % 2))
 
@@ -186,19 +192,29 @@ class Refiner:
         return base.measured(merged, [t for _, t, _, _ in parts if t is not None], overheads)
 
 
-def typical(times: Sequence[float]) -> float:
-    """A candidate's typical step on one process: the lower median of its steps (the quickest of two), so that
-    up to half of them may be slowed down by whatever else runs on the host, and one lucky step wins nothing."""
-    return sorted(times)[(len(times) - 1) // 2]
+def quickest(times: Sequence[Sequence[float]]) -> float:
+    """A candidate's step time from every process's times of its steps (``times[process][k]``, the k-th step on
+    each alike): each step as long as its slowest process took (a step ends when its last process does), and of
+    those the quickest.
+
+    The host only ever adds to a step (another thread on the core, a socket's
+    stall), never takes from what the step's work needs, so the quickest step is
+    the one least disturbed. Steps of milliseconds on shared cores spread over
+    2x, and often in two modes (quick, and slowed by a stall); a median lands
+    in whichever mode held half of a candidate's steps. Measured on trials of
+    1F1B against zero-bubble 13-26% slower (2-process gloo job, m = 4 and 8,
+    200 trials): with 24 steps each the lower median kept the slower one in 15,
+    the quickest step in none.
+    """
+    return min(max(step) for step in zip(*times)) if times else math.inf
 
 
 def fastest(parts: Sequence[Dict[int, List[float]]]) -> int:
-    """The candidate whose step took least: per process its ``typical`` step, the slowest process's counting (a
-    step ends when its last process does)."""
+    """The candidate whose ``quickest`` step took least, from every process's step times per candidate."""
     candidates = set().union(*parts) if parts else set()
     if not candidates:
         return 0
-    return min(sorted(candidates), key=lambda c: max(typical(p[c]) for p in parts if p.get(c)))
+    return min(sorted(candidates), key=lambda c: quickest([p[c] for p in parts if p.get(c)]))
 
 
 def attach_auto(step: Any, layers: Sequence[Any], balance: Sequence[int], max_activations: Optional[int], *,
