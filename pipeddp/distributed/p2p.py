@@ -45,13 +45,14 @@ Sends are asynchronous (``isend``). Over gloo (CPU) a small one (up to
 sleeps while gloo's socket thread writes it rather than computing on the core
 that thread needs (a small model's 1F1B step on 2 shared cores, messages of
 1-2 KiB: 11-21% faster at m = 8 in three A/B runs, the same at m = 4). A large
-one stays in flight: the socket takes it only as fast as the peer reads it,
-which it does once it posts the receive, so waiting for it would hold the
-compute (resnet50 at m = 8, messages of 256-512 KiB, waited for at once:
-interleaved 11% slower, 1F1B 4%). No deadlock in waiting: the peer
-posts its receive of message n before any later operation of the link's order
-(``catch_up``), and all it may wait for first came before n. Over NCCL a wait
-would hold the compute stream, so ``flush`` waits at the step's end. A failed
+one stays in flight: its transfer (into the buffer the peer posted for it)
+takes long enough that waiting would hold compute it could overlap (resnet50,
+messages of 256 KiB-4 MiB, each waited for at once: interleaved 10-11% slower
+at m = 8 and 7% at m = 4, 1F1B 0-4%, in A/B runs in one job). No deadlock in
+waiting: the peer posts its receive of message n before any later operation
+of the link's order (``catch_up``), and all it may wait for first came before
+n. Over NCCL a wait would hold the compute stream, so ``flush`` waits at the
+step's end. A failed
 step leaves operations posted that no later message may meet, so the channel
 refuses further steps (``fail``).
 """
