@@ -52,9 +52,8 @@ at m = 8 and 7% at m = 4, 1F1B 0-4%, in A/B runs in one job). No deadlock in
 waiting: the peer posts its receive of message n before any later operation
 of the link's order (``catch_up``), and all it may wait for first came before
 n. Over NCCL a wait would hold the compute stream, so ``flush`` waits at the
-step's end. A failed
-step leaves operations posted that no later message may meet, so the channel
-refuses further steps (``fail``).
+step's end. A failed step leaves operations posted that no later message may
+meet, so the channel refuses further steps (``fail``).
 """
 
 from __future__ import annotations
