@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 import pipeddp
 from pipeddp.distributed.headers import DTYPES, HEADER, decode, encode, flatten
-from pipeddp.distributed.p2p import P2PChannel, PeerError, _tag
-from pipeddp.runtime.schedule import Kind, crossings, interleaved
+from pipeddp.distributed.p2p import EAGER_BYTES, P2PChannel, PeerError, _tag
+from pipeddp.runtime.schedule import Kind, crossings, interleaved, one_f_one_b
 
 import nccl_rules
 
@@ -178,6 +178,40 @@ def exchange_job():
     except PeerError as exc:
         refused = str(exc)
     return {"got": got, "error": error, "refused": refused}
+
+
+def large_send_job(n):
+    """Rank 0 sends an activation of ``n`` floats, then tells rank 1 on another group that ``send`` returned; only
+    then does rank 1 post its receive. A gloo send completes only once its receive is posted, so a ``send`` that
+    waited for its message would wait for a receive that waits for it: the channel's timeout, an error."""
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
+    side = dist.new_group([0, 1])
+    ch = P2PChannel(1 - rank, rank=rank, stage=rank, peer_stage=1 - rank, device=CPU, comm_device=CPU,
+                    timeout=timedelta(seconds=10))
+    ch.begin(crossings(one_f_one_b(2, 1))[(0, 1)])
+    x = torch.arange(n, dtype=torch.float32)
+    if rank == 0:
+        ch.send("F", 1, 0, x)
+        dist.send(torch.ones(1), 1, group=side)
+        got = ch.recv("B", 0, 0)[0]
+    else:
+        dist.recv(torch.empty(1), 0, group=side)
+        got = ch.recv("F", 1, 0)
+        ch.send("B", 0, 0, [got * 2])
+    ch.flush()
+    ch.finish()
+    return got
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("rules", ["nccl", "tags"])
+@pytest.mark.parametrize("n", [EAGER_BYTES // 4 + 1, 1 << 22])
+def test_a_send_larger_than_eager_bytes_returns_before_its_receive_is_posted(rules, n):
+    """Over gloo a large activation stays in flight while the sender computes on (``p2p.EAGER_BYTES``)."""
+    got = pipeddp.spawn(large_send_job, 2, (n,), timeout=90, env={"PIPEDDP_P2P_RULES": rules})
+    x = torch.arange(n, dtype=torch.float32)
+    assert torch.equal(got[1], x) and torch.equal(got[0], x * 2)
 
 
 def same(a, b):
