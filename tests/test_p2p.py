@@ -397,5 +397,6 @@ def test_activations_whose_shapes_repeat_cross_without_headers(rules):
                 assert len(value) == len(expected) and all(same(a, b) for a, b in zip(value, expected))
         assert {step for _, step, _, _, _ in res["got"]} >= {0, 1, 2}
     assert "depend on the input's values" in results[0]["error"] and "micro-batch 1" in results[0]["error"]
-    # the peer learns on its next wait: for an activation, or (over gloo a send is waited for) a send's delivery
+    # the peer learns on its next wait: for an activation, or (over gloo a small send is waited for) a send's
+    # delivery
     assert "got no activation" in results[1]["error"] or "could not deliver" in results[1]["error"]

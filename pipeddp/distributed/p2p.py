@@ -43,18 +43,18 @@ shape depends on its input's values) before anything of it is sent.
 Sends are asynchronous (``isend``). A gloo send completes only once the peer
 has posted its receive and the data has crossed. Over gloo (CPU) a small one
 (up to ``EAGER_BYTES``) is waited for at once, as torch's schedules do: its
-receive is mostly posted ahead (``Ordering``), so the caller sleeps while gloo's socket thread writes
-it rather than computing on the core that thread needs (a small model's 1F1B
-step on 2 shared cores, messages of 1-2 KiB: 11-21% faster at m = 8 in three
-A/B runs, the same at m = 4). A large one stays in flight, so the compute goes
-on while it crosses (resnet50, messages of 256 KiB-4 MiB, each waited for at
-once: interleaved 10-11% slower at m = 8 and 7% at m = 4, 1F1B 0-4%, in A/B
-runs in one job). No deadlock in waiting: the peer posts its receive of message
-n before any later operation of the link's order (``catch_up``), and all it
-may wait for first came before n. Over NCCL a wait would hold the compute
-stream, so ``flush`` waits at the step's end. A failed step leaves operations
-posted that no later message may meet, so the channel refuses further steps
-(``fail``).
+receive is mostly posted ahead (``Ordering``), so the caller sleeps while
+gloo's socket thread writes it rather than computing on the core that thread
+needs (a small model's 1F1B step on 2 shared cores, messages of 1-2 KiB:
+11-21% faster at m = 8 in three A/B runs, the same at m = 4). A large one
+stays in flight, so the compute goes on while it crosses (resnet50, messages
+of 256 KiB-4 MiB, each waited for at once: interleaved 10-11% slower at m = 8
+and 7% at m = 4, 1F1B 0-4%, in A/B runs in one job). No deadlock in waiting:
+the peer posts its receive of message n before any later operation of the
+link's order (``catch_up``), and all it may wait for first came before n.
+Over NCCL a wait would hold the compute stream, so ``flush`` waits at the
+step's end. A failed step leaves operations posted that no later message may
+meet, so the channel refuses further steps (``fail``).
 """
 
 from __future__ import annotations
