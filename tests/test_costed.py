@@ -146,11 +146,11 @@ def test_a_trial_gives_short_steps_more_samples():
 
 def test_close_candidates_are_timed_on_real_steps_and_the_steps_stay_exact():
     """Orders within a few percent on paper, and the fixed 1F1B and zero-bubble, each run whole steps (A B C C B A,
-    repeated for steps of milliseconds); the fastest measured is kept; every step of the trial trains the plain
-    model's gradients, whichever order ran it."""
+    repeated for steps of milliseconds), each timed step after an untimed one of its own order; the fastest measured
+    is kept; every step of the trial trains the plain model's gradients, whichever order ran it."""
     model = make_mlp()
     names = [n for n, _ in model.named_parameters()]
-    batches = global_batches(1, 128)  # the longest trial: 1 + 24 steps x 5 candidates
+    batches = global_batches(1, 256)  # the longest trial: 1 + 2 x 24 steps x 5 candidates
     grads, params = reference_training(model, batches, LOSS)
     with pipeddp.Pipeline(make_mlp(), ["cpu"] * 2, chunks=4, schedule="auto", balance=[6, 5]) as pipe:
         refiner = pipe._step.after_backward[-1]
@@ -170,9 +170,12 @@ def test_close_candidates_are_timed_on_real_steps_and_the_steps_stay_exact():
         # two tie, and the fixed 1F1B and zero-bubble are always timed (zero-bubble may be one of the two)
         assert pipeddp.one_f_one_b(2, 4) in options and pipeddp.zero_bubble(2, 4) in options and len(options) >= 3
         tried, k = len(options), refiner.samples
-        assert k >= 2 and k % 2 == 0 and len(batches) > 1 + k * tried  # steps of milliseconds: up to 24 each
-        # step 2 refines the costs, then each candidate runs k times, in the order A B .. B A, repeated
-        assert ran[1:1 + k * tried] == (list(range(tried)) + list(range(tried - 1, -1, -1))) * (k // 2)
+        assert k >= 2 and k % 2 == 0 and len(batches) > 1 + 2 * k * tried  # steps of milliseconds: up to 24 each
+        # step 2 refines the costs, then each candidate runs k times, in the order A B .. B A, repeated, each time
+        # twice in a row (an untimed step, then a timed one)
+        order = (list(range(tried)) + list(range(tried - 1, -1, -1))) * (k // 2)
+        assert ran[1:1 + 2 * k * tried] == [c for c in order for _ in range(2)]
+        assert ran[1 + 2 * k * tried:] == [None] * (len(batches) - 1 - 2 * k * tried)  # then the trial is over
         assert sorted(refiner.times) == list(range(tried)) and all(len(t) == k for t in refiner.times.values())
         assert refiner.chosen == auto.pick and refiner.chosen in refiner.times
         assert pipe._step._plan("train", 4)[0] == options[refiner.chosen]

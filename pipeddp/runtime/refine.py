@@ -16,12 +16,15 @@ paper (``costed.CLOSE``) may come out the other way round on the machine.
 So when several are that close, each runs whole steps, in the order
 A B C C B A (a drift in the host's speed weighs on each alike), repeated
 where steps are short (``trial_samples``: a step of milliseconds is within
-the host's noise of its neighbour, a step of seconds is not), and the one
-whose quickest step (``quickest``: each step as long as its slowest process
-took) was shortest, as rank 0 finds from every process's times, is kept;
-the fixed orders (1F1B and zero-bubble, or their interleaved forms) are
-always among them. Every order is exact, so the steps of the trial train
-the model as any other step would.
+the host's noise of its neighbour, a step of seconds is not); each timed
+step comes after an untimed one of the same order, since a step run right
+after another order's is not what that order's steps take in a row
+(resnet50, 2 processes, m = 4: one order's two trial steps 1256 and 1347
+ms, 1291-1351 in a row). The one whose quickest step (``quickest``: each
+step as long as its slowest process took) was shortest, as rank 0 finds
+from every process's times, is kept; the fixed orders (1F1B and
+zero-bubble, or their interleaved forms) are always among them. Every order
+is exact, so the steps of the trial train the model as any other step would.
 """
 
 from __future__ import annotations
@@ -53,7 +56,8 @@ def trial_samples(step_s: float) -> int:
     Steps of a few milliseconds on shared cores vary by 2x from one to the next. Judged on the first 8 of each
     one's 24 steps, ``fastest`` kept zero-bubble over 1F1B in 12 of 200 trials (a 2-process gloo job, m = 4 and
     8, where zero-bubble's steps took 13-26% longer in blocks of consecutive steps), on the first 16 in 2, on
-    all 24 in none. 24 steps of milliseconds cost a tenth of a second or two per candidate."""
+    all 24 in none. 24 steps of milliseconds cost a tenth of a second or two per candidate. Each timed step comes
+    after an untimed one of its order (see the module's docstring), so a candidate runs twice as many steps."""
     k = math.ceil(TRIAL_S / step_s) if step_s > 0 else 2
     return max(2, min(MOST_SAMPLES, k + k % 2))
 
@@ -120,10 +124,12 @@ class Refiner:
         self.own: Optional[Trace] = None
         #: the costs the schedule was rebuilt from (None until then)
         self.refined: Optional[Costs] = None
-        #: the close candidates still to run, one per step, and each one's step times
-        self.trial: List[int] = []
+        #: the close candidates still to run, one per step (with whether that step is timed), and each one's step times
+        self.trial: List[Tuple[int, bool]] = []
         self.times: Dict[int, List[float]] = {}
         self.running: Optional[int] = None
+        #: whether the step now running is timed (the step before it ran the same candidate)
+        self.timing = False
         self._starting = False
         #: the candidate kept after the trial (None: no trial, or not yet over)
         self.chosen: Optional[int] = None
@@ -155,7 +161,8 @@ class Refiner:
             key = self.auto.last
             tried = len(self.auto.close(key)) if key is not None else 0
             if tried > 1:
-                self.trial = (list(range(tried)) + list(range(tried - 1, -1, -1))) * (self.samples // 2)
+                order = (list(range(tried)) + list(range(tried - 1, -1, -1))) * (self.samples // 2)
+                self.trial = [(c, timed) for c in order for timed in (False, True)]  # untimed, then timed
                 self._starting = True  # the first candidate runs from the next step on (see ``ended``)
 
     def ended(self) -> None:
@@ -169,15 +176,17 @@ class Refiner:
             self._starting = False
             self._next(step)
         elif self.running is not None:
-            self.times.setdefault(self.running, []).append(time.perf_counter() - step.started)
+            if self.timing:
+                self.times.setdefault(self.running, []).append(time.perf_counter() - step.started)
             self._next(step)
 
     def _next(self, step: Any) -> None:
         """Run the next candidate of the trial, or keep the fastest once every one has run."""
         if self.trial:
-            self.running = self.auto.pick = self.trial.pop(0)
+            self.running, self.timing = self.trial.pop(0)
+            self.auto.pick = self.running
         else:
-            self.running = None
+            self.running, self.timing = None, False
             parts = self.gather(self.times)
             self.chosen = self.auto.pick = self.on_rank0(lambda: fastest(parts))
         step.reschedule()
