@@ -111,8 +111,8 @@ def trial_left(steps: Sequence[baselines.Step]) -> int:
 
 
 def trial_of(step: baselines.Step) -> Dict[str, Any]:
-    """For ``auto``: how its trial went on this rank (the candidate kept, the steps each ran, and each one's quickest
-    step in ms; the fixed schedules are the last candidates); nothing for a fixed schedule."""
+    """For ``auto``: how its trial went on this rank (the candidate kept, the timed steps each ran, and each one's
+    quickest step in ms; the fixed schedules are the last candidates); nothing for a fixed schedule."""
     r = refiner_of(step)
     if r is None:
         return {}
@@ -297,7 +297,7 @@ def report(res: Dict[str, Any], run: Run) -> Dict[str, Any]:
                 if trial and trial["quickest_ms"]:
                     quickest_ms = ", ".join(f"{k}: {t:.1f}" for k, t in sorted(trial["quickest_ms"].items()))
                     log0(f"  m={r['m']}: {a} kept candidate {trial['chosen']} of {trial['candidates']} "
-                         f"({trial['samples']} steps each, quickest step ms: {quickest_ms})")
+                         f"({trial['samples']} timed steps each, quickest step ms: {quickest_ms})")
         targets[name] = run.targets(checks, f"{name}: against the targets")
     return targets
 

@@ -49,7 +49,7 @@ MOST_SAMPLES = 24
 
 
 def trial_samples(step_s: float) -> int:
-    """How many steps each candidate of a trial runs, for steps of ``step_s`` seconds: an even number (the
+    """How many timed steps each candidate of a trial runs, for steps of ``step_s`` seconds: an even number (the
     candidates run A B .. B A, then again), 2 for steps of an eighth of a second or more, up to ``MOST_SAMPLES``
     for steps of milliseconds, whose differences are of the order of the host's noise.
 
@@ -133,7 +133,7 @@ class Refiner:
         self._starting = False
         #: the candidate kept after the trial (None: no trial, or not yet over)
         self.chosen: Optional[int] = None
-        #: the steps each candidate runs in the trial (``trial_samples`` of the traced step, rank 0's choice)
+        #: the timed steps each candidate runs in the trial (``trial_samples`` of the traced step, rank 0's choice)
         self.samples = 2
 
     def __call__(self) -> None:
