@@ -181,7 +181,9 @@ class Refiner:
             self._next(step)
 
     def _next(self, step: Any) -> None:
-        """Run the next candidate of the trial, or keep the fastest once every one has run."""
+        """Run the next candidate of the trial, or keep the fastest once every one has run; the step's rows are
+        rebuilt only where the candidate changes, so a timed step runs its order as steps in a row do."""
+        before = self.auto.pick
         if self.trial:
             self.running, self.timing = self.trial.pop(0)
             self.auto.pick = self.running
@@ -189,7 +191,8 @@ class Refiner:
             self.running, self.timing = None, False
             parts = self.gather(self.times)
             self.chosen = self.auto.pick = self.on_rank0(lambda: fastest(parts))
-        step.reschedule()
+        if self.auto.pick != before:
+            step.reschedule()
 
     def _decide(self, parts: Sequence[Tuple[Samples, Optional[float], List[float], float]], stages: int) -> Costs:
         merged: Samples = {}
