@@ -18,7 +18,7 @@ from torch import nn
 from .partitioning.report import METHODS, Partition, check_balance, check_model, partition
 from .partitioning.solve import check_stage_count
 from .runtime.microbatch import batch_size
-from .runtime.schedule.actions import ScheduleFn
+from .runtime.schedule.actions import ScheduleFn, check_placement
 from .runtime.schedule.costed import check_max_activations, is_auto
 from .runtime.schedule.registry import accepts_virtual_stages, get_schedule, schedule_name
 from .runtime.settings import Settings
@@ -53,6 +53,7 @@ def check_settings(
     max_activations: Optional[int] = None,
     seed: int = 0,
     init: Optional[Callable[[nn.Module], None]] = None,
+    placement: str = "loop",
 ) -> Settings:
     """Check everything that does not need a device or a process group; raise naming the fix.
 
@@ -64,6 +65,7 @@ def check_settings(
     constructor's on/off arguments by name, each must be a bool. ``balance`` (with ``sample``):
     a method name or one number of layers per stage. ``max_activations``: ``schedule="auto"``'s cap.
     ``seed``: what a model built on the meta device is initialised from (an int >= 0), ``init`` how (a callable).
+    ``placement``: ``"loop"`` or ``"v"`` (``schedule.actions.PLACEMENTS``); ``"v"`` needs virtual stages.
 
     Everything here runs before any thread or process starts, so a mistake
     raises at once, naming the argument, instead of failing in a stage thread.
@@ -81,6 +83,10 @@ def check_settings(
         raise ValueError(f"init must be a callable init(module) for a model built on the meta device, got {init!r}")
     check_stage_count(stages, len(model))
     virtual = check_virtual_stages(virtual_stages, schedule)
+    check_placement(placement)
+    if placement == "v" and virtual == 1:
+        raise ValueError("placement='v' runs down the devices and back up, which needs at least two stages per device: "
+                         "pass virtual_stages=2 (with schedule='interleaved', 'zb' or 'auto'), or leave placement out")
     if balance is not None:
         check_balance_arg(balance, sample, stages, virtual, len(model))
     if virtual > 1 and stages * virtual > len(model):
@@ -98,7 +104,8 @@ def check_settings(
         chunks = 2 * stages
     if checkpoint not in CHECKPOINT_MODES:
         raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
-    get_schedule(schedule, stages, 1, virtual)  # an unknown or broken schedule fails now, not at the first step
+    # an unknown or broken schedule fails now, not at the first step
+    get_schedule(schedule, stages, 1, virtual, placement=placement)
     if max_activations is not None and not is_auto(schedule):
         raise ValueError(f"max_activations={max_activations!r} caps what schedule='auto' builds; schedule={schedule!r} "
                          "holds what its pattern holds: use schedule='auto' or leave max_activations out")
@@ -110,7 +117,7 @@ def check_settings(
         raise ValueError(f"compile must be True, False or a dict of torch.compile options, got {compile!r}")
     options = dict(compile) if isinstance(compile, dict) else ({} if compile else None)
     return Settings(chunks, split_size, schedule, checkpoint, float(seconds), options, virtual, max_activations,
-                    seed, init)
+                    placement, seed, init)
 
 
 def check_balance_arg(balance: Union[str, Sequence[int]], sample: Any, devices: int, virtual: int,

@@ -62,11 +62,12 @@ class HybridParallel(Checkpointable, StepModule):
         model: the ``nn.Sequential`` (built identically on every rank; DDP copies rank 0's weights to the others).
         stages: pipeline stages per replica.
         chunks, split_size, balance, sample, schedule, checkpoint, timeout, deferred_batch_norm, compile,
-            virtual_stages, max_activations, seed, init: as in ``Pipeline`` (tied weights, autocast and a model built on
-            the meta device too, each process materializing only its own layers; across processes in
+            virtual_stages, placement, max_activations, seed, init: as in ``Pipeline`` (tied weights, autocast and
+            a model built on the meta device too, each process materializing only its own layers; across processes in
             stage mode). A measured balance is computed on rank 0 and sent to every rank. With
             ``virtual_stages=v`` the model has ``stages * v`` stages; device r of each replica (a
-            thread in replica mode, a process in stage mode) holds stages r, r + stages, ...
+            thread in replica mode, a process in stage mode) holds stages r, r + stages, ... (with
+            ``placement="v"``: r, 2 * stages - 1 - r, ...)
         mode: ``"replica"`` (one process per replica, driving ``stages`` devices with threads) or ``"stage"``.
         devices: this process's devices (``stages`` of them in replica mode, one in stage mode).
             Default: consecutive CUDA devices by local rank, else CPU (one process with fewer GPUs
@@ -109,7 +110,8 @@ class HybridParallel(Checkpointable, StepModule):
                  compile: Union[bool, Dict[str, Any]] = False, virtual_stages: Optional[int] = None,
                  global_batch: Optional[int] = None, batch_size: Optional[int] = None,
                  shard: str = "none", max_activations: Optional[int] = None, seed: int = 0,
-                 init: Optional[Callable[[nn.Module], None]] = None, mesh: Optional[Any] = None) -> None:
+                 init: Optional[Callable[[nn.Module], None]] = None, mesh: Optional[Any] = None,
+                 placement: str = "loop") -> None:
         super().__init__()
         self.topology = topo = current_topology(stages, mode, layout) if mesh is None \
             else mesh_topology(mesh, stages, mode)
@@ -123,13 +125,14 @@ class HybridParallel(Checkpointable, StepModule):
                                                          "sync_batchnorm": sync_batchnorm,
                                                          "skip_nonfinite": skip_nonfinite},
                                                   balance=balance, sample=sample, max_activations=max_activations,
-                                                  seed=seed, init=init)
+                                                  seed=seed, init=init, placement=placement)
         self.key_names = Names.of(model)
         self._model_keys = [self.key_names.original(k) for k in model.state_dict()]
         self.skip_nonfinite = skip_nonfinite
         self.shard = check_shard(shard, replicas=topo.replicas, model=model,
                                  split_backward=shard == "full" and split_backward(settings.schedule, stages,
-                                                                                   settings.virtual_stages),
+                                                                                   settings.virtual_stages,
+                                                                                   settings.placement),
                                  sync_batchnorm=sync_batchnorm, ddp_options=bool(ddp_kwargs) or comm_hook is not None)
         cut = partial(choose_partition, model, stages * settings.virtual_stages, balance, sample, settings)
         self._replica = wired = build_replica(self, model, topo, settings, partition=cut, devices=devices,

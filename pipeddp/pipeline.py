@@ -105,6 +105,10 @@ class Pipeline(Checkpointable, StepModule):
         virtual_stages: stages per device (default 2 for ``"interleaved"``, else 1): the
             model is cut into ``len(devices) * virtual_stages`` stages and device r holds
             stages r, r + len(devices), ...; ``balance`` then lists that many stages.
+        placement: with virtual stages, which device holds which: ``"loop"`` (default; as above) or ``"v"``,
+            down the devices and back up (two devices, two stages each: device 0 holds stages 0 and 3),
+            so the first and the last stage, often the heaviest (an embedding and a head), share a device
+            and the turn between passes sends nothing (torch's ``ScheduleZBVZeroBubble`` places its stages so).
         checkpoint: ``"never"``, ``"except_last"`` or ``"always"``: recompute
             activations in backward instead of keeping them (dropout replays the
             same random numbers).
@@ -154,6 +158,7 @@ class Pipeline(Checkpointable, StepModule):
         max_activations: Optional[int] = None,
         seed: int = 0,
         init: Optional[Callable[[nn.Module], None]] = None,
+        placement: str = "loop",
     ) -> None:
         super().__init__()
         devs = pipeline_devices(devices, stages)
@@ -162,7 +167,7 @@ class Pipeline(Checkpointable, StepModule):
                                   virtual_stages=virtual_stages, threads=threads,
                                   flags={"trace": trace, "deferred_batch_norm": deferred_batch_norm},
                                   balance=balance, sample=sample, max_activations=max_activations, seed=seed,
-                                  init=init)
+                                  init=init, placement=placement)
         self.key_names = Names.of(model)
         self.devices = devs
         n_stages = len(devs) * settings.virtual_stages

@@ -255,14 +255,16 @@ def forward_backward_job() -> List[torch.Tensor]:
 
 
 def schedule_job(mode: str, stages: int, replicas: int, combos) -> List[Dict[str, Any]]:
-    """Train 3 steps per (schedule, virtual_stages, chunks, checkpoint); return each step's gradients by name,
-    the final weights, and how many gradient all-reduces each stage group ran."""
+    """Train 3 steps per (schedule, virtual_stages, chunks, checkpoint[, placement]); return each step's gradients
+    by name, the final weights, and how many gradient all-reduces each stage group ran."""
     init()
     out = []
-    for schedule, virtual, chunks, checkpoint in combos:
+    for combo in combos:
+        schedule, virtual, chunks, checkpoint = combo[:4]
+        placement = combo[4] if len(combo) > 4 else "loop"
         engine = pipeddp.HybridParallel(make_mlp(), stages=stages, mode=mode, chunks=chunks, schedule=schedule,
                                         virtual_stages=virtual, checkpoint=checkpoint, balance="uniform",
-                                        comm_hook=counting_hook)
+                                        comm_hook=counting_hook, placement=placement)
         HOOK_CALLS.clear()
         opt = torch.optim.SGD(engine.parameters(), lr=0.1)
         grads = []
@@ -273,7 +275,7 @@ def schedule_job(mode: str, stages: int, replicas: int, combos) -> List[Dict[str
             grads.append({n: p.grad.clone() for n, p in engine.named_parameters()})
             opt.step()
         engine.check_replicas()
-        out.append({"combo": (schedule, virtual, chunks, checkpoint), "grads": grads,
+        out.append({"combo": tuple(combo), "grads": grads,
                     "state": engine.local_state_dict(), "hook_calls": sorted(HOOK_CALLS.values()),
                     "ddp": len([d for d in engine._ddps if d]), "stages": [st.index for st in engine.stages]})
         engine.close()

@@ -129,13 +129,13 @@ def halves_loss(calls: int):
     return lambda out, y: LOSS(out, y) / calls
 
 
-def shared_tie_job(mode: str, schedule: str, virtual: int, calls: int = 1) -> Dict[str, Any]:
+def shared_tie_job(mode: str, schedule: str, virtual: int, calls: int = 1, placement: str = "loop") -> Dict[str, Any]:
     """2 replicas x 2 devices x ``virtual`` stages of ``shared_model``, 3 steps of SGD with momentum.
 
     Each step's local batch is run as ``calls`` calls of ``train_step`` without ``zero_grad`` between them."""
     balance = [1, 2, 1, 2] if virtual == 2 else [3, 3]
     engine = pipeddp.HybridParallel(shared_model(), stages=2, mode=mode, chunks=3, balance=balance,
-                                    schedule=schedule, virtual_stages=virtual)
+                                    schedule=schedule, virtual_stages=virtual, placement=placement)
     opt = torch.optim.SGD(engine.parameters(), lr=0.1, momentum=0.9)
     replicas, r = engine.topology.replicas, engine.topology.replica
     for x, y in global_batches():

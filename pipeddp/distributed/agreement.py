@@ -141,11 +141,13 @@ class CallCheck:
 
 
 class Agreement(CallCheck):
-    """The collectives of one engine (``comm_device``: where gloo or nccl wants its tensors)."""
+    """The collectives of one engine (``comm_device``: where gloo or nccl wants its tensors; ``last_row``: the
+    pipeline's device row that holds the last stage, whose rank passes the targets in stage mode)."""
 
-    def __init__(self, topology: Topology, comm_device: torch.device) -> None:
+    def __init__(self, topology: Topology, comm_device: torch.device, last_row: Optional[int] = None) -> None:
         self.topology = topology
         self.comm_device = comm_device
+        self.last_row = topology.stages - 1 if last_row is None else last_row
         #: whether the last batch check found every rank's call and batch shapes as in the one before it
         self.repeated = False
         #: whether some rank raised the flag of the last batch check (see ``local_batch``)
@@ -231,7 +233,7 @@ class Agreement(CallCheck):
                 if nx < 0:
                     raise ValueError(f"rank {r} holds stage 0 and must pass the inputs x, but passed None")
                 needs.append((r, nx, "x"))
-            if need_y and (stage is None or stage == topo.stages - 1):
+            if need_y and (stage is None or stage == self.last_row):
                 if ny < 0:
                     raise ValueError(f"rank {r} holds the last stage and must pass the targets y, but passed None")
                 needs.append((r, ny, "y"))

@@ -32,7 +32,7 @@ from ..partitioning.report import Partition
 from ..runtime.devices import DeviceLike
 from ..runtime.executor import ThreadRunner
 from ..runtime.refine import attach_auto
-from ..runtime.schedule.actions import row_of
+from ..runtime.schedule.actions import row_of, stages_on
 from ..runtime.settings import Settings
 from ..runtime.stage import Stage, build_stages, register_layers
 from ..runtime.step import Runner, Step
@@ -66,7 +66,7 @@ def build_replica(owner: nn.Module, model: nn.Sequential, topology: Topology, se
     collective is a local call and no process group is made.
     """
     check_ddp_kwargs(ddp_kwargs, comm_hook)
-    topo, virtual = topology, settings.virtual_stages
+    topo, virtual, placement = topology, settings.virtual_stages, settings.placement
     n_stages = topo.stages * virtual
     devs = local_devices(topo, devices)
     backend = choose_backend(backend, devs, topo)
@@ -76,17 +76,18 @@ def build_replica(owner: nn.Module, model: nn.Sequential, topology: Topology, se
     if owns_group:
         init_process_group(backend, settings.timeout_delta)
     topo = with_job_group(topo, settings.timeout_delta)  # placed on a mesh: the job's collectives on its own ranks
-    agreement = Agreement(topo, devs[0] if backend == "nccl" and topo.world_size > 1 else torch.device("cpu"))
+    agreement = Agreement(topo, devs[0] if backend == "nccl" and topo.world_size > 1 else torch.device("cpu"),
+                          last_row=row_of(n_stages - 1, topo.stages, placement))
     cut = agreement.from_rank0(lambda: partition(devs[0]))
     balance = list(cut.balance)
-    groups = make_groups(topo, backend, settings.timeout_delta, virtual)
+    groups = make_groups(topo, backend, settings.timeout_delta, virtual, placement)
     if sync_batchnorm:  # after profiling: a SyncBatchNorm would wait for the other ranks there
         model = with_sync_batchnorm(model, devs, topo.replicas, topo.rank)
     if topo.mode == "replica":
         indices = list(range(n_stages))
-        placed = [devs[row_of(s, topo.stages)] for s in indices]
+        placed = [devs[row_of(s, topo.stages, placement)] for s in indices]
     else:
-        indices = list(range(topo.stage, n_stages, topo.stages))
+        indices = stages_on(topo.stage, topo.stages, n_stages, placement)
         placed = [devs[0]] * len(indices)
     local = build_stages(model, balance, placed, indices, compile=settings.compile, seed=settings.seed,
                          init=settings.init)
@@ -94,10 +95,10 @@ def build_replica(owner: nn.Module, model: nn.Sequential, topology: Topology, se
     runner: Runner
     if topo.mode == "replica":
         runner = ThreadRunner(local, threads=threads, timeout=settings.timeout, rank=topo.rank, rows=topo.stages,
-                              n_stages=n_stages)
+                              n_stages=n_stages, placement=placement)
     else:
         runner = ProcessRunner.connect(local, topo, n_stages=n_stages, comm_device=agreement.comm_device,
-                                       timeout=settings.timeout_delta)
+                                       timeout=settings.timeout_delta, placement=placement)
     try:
         step, exchange, ddps, shards = _step_over(model, topo, settings, local, balance, runner, agreement, groups,
                                                   backend, ddp_kwargs=ddp_kwargs, comm_hook=comm_hook, trace=trace,
@@ -121,10 +122,11 @@ def _step_over(model: nn.Sequential, topo: Topology, settings: Settings, local: 
     ties = find_ties(model, balance)
     step = Step(local, topo.stages * settings.virtual_stages, runner, chunks=settings.chunks,
                 split_size=settings.split_size, schedule=settings.schedule, checkpoint=settings.checkpoint, ties=ties,
-                deferred_batch_norm=deferred_batch_norm, virtual_stages=settings.virtual_stages)
+                deferred_batch_norm=deferred_batch_norm, virtual_stages=settings.virtual_stages,
+                placement=settings.placement)
     step.sync = topo.replicas > 1
     exchange = TieExchange(ties, step.ties, topo, backend=backend, timeout=settings.timeout_delta,
-                           comm_device=agreement.comm_device)
+                           comm_device=agreement.comm_device, placement=settings.placement)
     step.before_forward.append(exchange.refresh)
     step.ties.across = exchange  # the gains of ties' uses in other processes join the step's fold
     step.trace = Trace(topo.rank) if trace else None

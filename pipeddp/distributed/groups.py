@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime.devices import DeviceLike, resolve_devices
+from ..runtime.schedule.actions import row_of
 from ..runtime.warn import warn
 from .topology import Topology, env_world
 
@@ -166,16 +167,17 @@ def with_job_group(topo: Topology, timeout: timedelta) -> Topology:
     return replace(topo, group=subgroup(topo, None, None, timeout))
 
 
-def make_groups(topo: Topology, backend: str, timeout: timedelta, virtual_stages: int = 1) -> Groups:
+def make_groups(topo: Topology, backend: str, timeout: timedelta, virtual_stages: int = 1,
+                placement: str = "loop") -> Groups:
     """Stage groups (and pipeline groups in stage mode), created on every rank in the same order.
 
-    ``virtual_stages``: stages per device; stage s lives on device ``s % topo.stages``.
+    ``virtual_stages``: stages per device; stage s lives on device ``row_of(s, topo.stages, placement)``.
     """
     groups = Groups()
     if topo.world_size == 1:
         return groups
     for s in range(topo.stages * virtual_stages):
-        groups.stage[s] = subgroup(topo, topo.stage_ranks(s % topo.stages), backend, timeout)
+        groups.stage[s] = subgroup(topo, topo.stage_ranks(row_of(s, topo.stages, placement)), backend, timeout)
     if topo.mode == "stage":
         for r in range(topo.replicas):
             g = subgroup(topo, topo.pipeline_ranks(r), backend, timeout)

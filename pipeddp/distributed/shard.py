@@ -321,9 +321,9 @@ def check_shard(shard: Any, *, replicas: int, model: nn.Module, split_backward: 
     return shard
 
 
-def split_backward(schedule: Any, stages: int, virtual_stages: int) -> bool:
+def split_backward(schedule: Any, stages: int, virtual_stages: int, placement: str = "loop") -> bool:
     """Whether ``schedule`` splits backward into input (I) and weight (W) halves."""
     from ..runtime.schedule import Kind, get_schedule
 
-    plan = get_schedule(schedule, stages, 2 * stages, virtual_stages)
+    plan = get_schedule(schedule, stages, 2 * stages, virtual_stages, placement=placement)
     return any(a.kind is Kind.W for row in plan for a in row)

@@ -30,7 +30,7 @@ import torch
 
 from ..runtime.channels import Channel, Inbox, LocalChannel
 from ..runtime.executor import Device, StageResults, group_rows, run_actions
-from ..runtime.schedule.actions import Action, Schedule, row_of
+from ..runtime.schedule.actions import Action, Schedule
 from ..runtime.schedule.messages import Message, crossings, in_order
 from ..runtime.spec import Grads, StepSpec
 from ..runtime.stage import Stage
@@ -59,15 +59,14 @@ class ProcessRunner:
 
     @classmethod
     def connect(cls, stages: Sequence[Stage], topology: Topology, *, n_stages: int, comm_device: torch.device,
-                timeout: timedelta) -> "ProcessRunner":
+                timeout: timedelta, placement: str = "loop") -> "ProcessRunner":
         """The runner of this process's stages (one device row of ``topology``), with channels to the others."""
-        rows = topology.stages
-        (device,) = group_rows(stages, rows, n_stages)
+        (device,) = group_rows(stages, topology.stages, n_stages, placement)
         peers = set()
         for s in device.stages:
             for t in (s - 1, s + 1):
                 if 0 <= t < n_stages:
-                    peers.add(row_of(t, rows))
+                    peers.add(device.row_of(t))
         links: Dict[int, Channel] = {}
         own: Optional[Inbox] = None
         for r in sorted(peers):

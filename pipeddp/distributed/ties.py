@@ -17,7 +17,7 @@ here), so a user's accumulation over several calls stays exact.
 Groups are created on every rank in the same order (ties, then replicas), as
 ``torch.distributed.new_group`` requires; in replica mode every use is in one
 process and no group is made. With virtual stages one process may hold
-several uses of a tie (stage s lives on device ``s % devices``): the process
+several uses of a tie (stage s lives on device ``row_of(s, devices, placement)``): the process
 takes part with the sum of their gains and hands the result to each of them.
 """
 
@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..runtime.schedule.actions import row_of
 from ..runtime.tied import LocalTies, Synced, Tie, local
 from .groups import subgroup
 from .topology import Topology
@@ -41,7 +42,7 @@ class TieExchange:
     """The ties of this process that other processes share, and their collectives (``LocalTies.across``)."""
 
     def __init__(self, ties: Sequence[Tie], local: LocalTies, topology: Topology, *, backend: str,
-                 timeout: timedelta, comm_device: torch.device) -> None:
+                 timeout: timedelta, comm_device: torch.device, placement: str = "loop") -> None:
         self.comm_device = comm_device
         self.rank = topology.rank
         mine = {tie: params for tie, params in local.entries}
@@ -55,12 +56,12 @@ class TieExchange:
         rows = topology.stages
         for tie in ties:
             for r in range(topology.replicas):
-                ranks = sorted({topology.rank_of(r, s % rows) for s in tie.stages})
+                ranks = sorted({topology.rank_of(r, row_of(s, rows, placement)) for s in tie.stages})
                 if len(ranks) < 2:
                     continue
                 group = subgroup(topology, ranks, backend, timeout)
                 if topology.rank in ranks:
-                    self.items.append((mine[tie], group, topology.rank_of(r, tie.owner % rows)))
+                    self.items.append((mine[tie], group, topology.rank_of(r, row_of(tie.owner, rows, placement))))
                     self._groups[tie] = group
 
     def copies(self) -> List[nn.Parameter]:

@@ -58,13 +58,19 @@ class Device:
     """One device of a pipeline (a row of the schedule) and the stages it holds.
 
     ``row`` is its place in the pipeline, ``rows`` how many devices the
-    pipeline has and ``n_stages`` how many stages (``rows * virtual_stages``).
+    pipeline has, ``n_stages`` how many stages (``rows * virtual_stages``) and
+    ``placement`` which device holds which (``schedule.actions.PLACEMENTS``).
     """
 
     row: int
     rows: int
     n_stages: int
     stages: Dict[int, Stage]
+    placement: str = "loop"
+
+    def row_of(self, stage: int) -> int:
+        """The device row of the pipeline that holds ``stage`` (a neighbour's, to send to or receive from)."""
+        return row_of(stage, self.rows, self.placement)
 
     @property
     def index(self) -> int:
@@ -76,7 +82,7 @@ class Device:
         return self.stages[min(self.stages)]
 
 
-def group_rows(stages: Sequence[Stage], rows: int, n_stages: int) -> List[Device]:
+def group_rows(stages: Sequence[Stage], rows: int, n_stages: int, placement: str = "loop") -> List[Device]:
     """This process's stages as devices (rows), each holding its stages; stages of a row share its streams.
 
     A device's stages run one after another on one thread, so they compute
@@ -84,10 +90,10 @@ def group_rows(stages: Sequence[Stage], rows: int, n_stages: int) -> List[Device
     """
     by_row: Dict[int, Dict[int, Stage]] = {}
     for st in stages:
-        by_row.setdefault(row_of(st.index, rows), {})[st.index] = st
+        by_row.setdefault(row_of(st.index, rows, placement), {})[st.index] = st
     out = []
     for r in sorted(by_row):
-        dev = Device(r, rows, n_stages, dict(sorted(by_row[r].items())))
+        dev = Device(r, rows, n_stages, dict(sorted(by_row[r].items())), placement)
         for st in dev.stages.values():
             st.streams = dev.first.streams
         out.append(dev)
@@ -158,7 +164,7 @@ def _run(
     stop: Optional[threading.Event],
 ) -> StageResults:
     results = StageResults()
-    rows, last_stage = device.rows, device.n_stages - 1
+    last_stage = device.n_stages - 1
     arm = set(last_weight_actions(actions).values()) if spec.sync else set()
     stages = device.stages
     first = device.first
@@ -180,12 +186,12 @@ def _run(
                     raise RuntimeError("stage 0 was given no inputs")
                 value = inputs[mb]
             else:
-                value = _recv(links[row_of(s - 1, rows)], "F", s, mb, device.row, trace, streams)
+                value = _recv(links[device.row_of(s - 1)], "F", s, mb, device.row, trace, streams)
             with timed(trace, s, "F", mb, stream, device.row):
                 out, loss = st.forward(mb, value, spec)
             if s < last_stage:
                 with streams.computing(), timed(trace, s, "send", mb, None, device.row, lane="comm"):
-                    links[row_of(s + 1, rows)].send("F", s + 1, mb, out)
+                    links[device.row_of(s + 1)].send("F", s + 1, mb, out)
             else:
                 if loss is not None:
                     results.losses[mb] = loss
@@ -196,13 +202,13 @@ def _run(
             if s == last_stage:
                 grads = output_grads[mb] if output_grads is not None else None
             else:
-                grads = _recv(links[row_of(s + 1, rows)], "B", s, mb, device.row, trace, streams)
+                grads = _recv(links[device.row_of(s + 1)], "B", s, mb, device.row, trace, streams)
             with timed(trace, s, kind.value, mb, stream, device.row):
                 gin = st.backward(mb, grads, spec, sync=k in arm) if kind is Kind.B \
                     else st.backward_input(mb, grads, spec)
             if s > 0:
                 with streams.computing(), timed(trace, s, "send", mb, None, device.row, lane="comm"):
-                    links[row_of(s - 1, rows)].send("B", s - 1, mb, gin)
+                    links[device.row_of(s - 1)].send("B", s - 1, mb, gin)
             else:
                 results.input_grads[mb] = gin
         elif kind is Kind.W:
@@ -228,17 +234,17 @@ class ThreadRunner:
     """Every device of this process on a worker thread of its own, joined by ``LocalChannel``s.
 
     ``stages`` are this process's stages of a pipeline of ``n_stages`` stages
-    on ``rows`` devices (stage s on device ``s % rows``). ``threads`` is the
+    on ``rows`` devices (stage s on device ``row_of(s, rows, placement)``). ``threads`` is the
     intra-op thread count of each CPU device's worker (default: the caller's
     count divided among the CPU devices, at least 1), so that devices sharing
     the cores do not oversubscribe them.
     """
 
     def __init__(self, stages: Sequence[Stage], *, threads: Optional[int], timeout: float, rank: int = 0,
-                 rows: Optional[int] = None, n_stages: Optional[int] = None) -> None:
+                 rows: Optional[int] = None, n_stages: Optional[int] = None, placement: str = "loop") -> None:
         n_stages = len(stages) if n_stages is None else n_stages
         rows = len(stages) if rows is None else rows
-        self.devices = group_rows(stages, rows, n_stages)
+        self.devices = group_rows(stages, rows, n_stages, placement)
         self.stages = list(stages)
         self.rank = rank
         cpu_devices = sum(1 for d in self.devices if d.first.device.type == "cpu")
@@ -267,7 +273,7 @@ class ThreadRunner:
             inbox.reset()
         for d in self.devices:
             d.first.streams.enter()
-        last = self.devices[-1]
+        last = next(d for d in self.devices if d.n_stages - 1 in d.stages)  # the device of the last stage
         if grad_event is not None and last.first.streams.cuda:
             last.first.streams.compute.wait_event(grad_event)
         stop = threading.Event()

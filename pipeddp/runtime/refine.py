@@ -236,7 +236,7 @@ def attach_auto(step: Any, layers: Sequence[Any], balance: Sequence[int], max_ac
     ``layers`` cut by ``balance``, refined after the first steps (see ``Refiner``). None for any other schedule."""
     if not is_auto(step.schedule):
         return None
-    auto = AutoSchedule(Costs.from_layers(layers, balance), max_activations)
+    auto = AutoSchedule(Costs.from_layers(layers, balance), max_activations, step.placement)
     step.schedule = auto
     refiner = Refiner(auto, step, gather=gather, on_rank0=on_rank0)
     step.after_backward.append(refiner)

@@ -75,20 +75,22 @@ class Step:
     """Train or evaluate one batch on ``stages`` (this process's share of ``n_stages``) with ``runner``.
 
     The pipeline has ``n_stages // virtual_stages`` devices (schedule rows);
-    stage s runs on device ``s % rows``. ``sync`` makes each stage's last
+    stage s runs on device ``row_of(s, rows, placement)``. ``sync`` makes each stage's last
     weight-gradient action of a training step (its last B or W) carry the
     data-parallel gradient all-reduce (set when there are several replicas).
     """
 
     def __init__(self, stages: Sequence[Stage], n_stages: int, runner: Runner, *, chunks: Optional[int],
                  split_size: Optional[int], schedule: Union[str, ScheduleFn], checkpoint: str,
-                 ties: Sequence[Tie] = (), deferred_batch_norm: bool = False, virtual_stages: int = 1) -> None:
+                 ties: Sequence[Tie] = (), deferred_batch_norm: bool = False, virtual_stages: int = 1,
+                 placement: str = "loop") -> None:
         self.stages = sorted(stages, key=lambda st: st.index)
         self.n_stages = n_stages
         self.virtual_stages = virtual_stages
         self.rows = n_stages // virtual_stages
+        self.placement = placement
         #: the schedule rows this process runs (its devices), in the runner's order
-        self.local_rows = sorted({row_of(st.index, self.rows) for st in self.stages})
+        self.local_rows = sorted({row_of(st.index, self.rows, placement) for st in self.stages})
         self.runner = runner
         self.chunks = chunks
         self.split_size = split_size
@@ -128,6 +130,10 @@ class Step:
         """The last stage when this process runs it (it sees outputs and targets), else None."""
         return self.stages[-1] if self.stages[-1].last else None
 
+    def _of_last(self, results: Sequence[StageResults]) -> StageResults:
+        """What the device of the last stage returned (the runner returns one result per local row, in order)."""
+        return results[self.local_rows.index(row_of(self.n_stages - 1, self.rows, self.placement))]
+
     def sizes(self, n: int) -> List[int]:
         """Micro-batch sizes for a batch of ``n`` (uneven where ``n`` does not divide)."""
         return split_sizes(n, self.chunks, self.split_size)
@@ -138,9 +144,11 @@ class Step:
         key = (kind, m)
         if key not in self._plans:
             if kind == "train":
-                plan: Schedule = get_schedule(self.schedule, self.rows, m, self.virtual_stages)
+                plan: Schedule = get_schedule(self.schedule, self.rows, m, self.virtual_stages,
+                                              placement=self.placement)
             else:
-                plan = (forward_only if kind == "forward" else backward_only)(self.rows, m, self.virtual_stages)
+                plan = (forward_only if kind == "forward" else backward_only)(self.rows, m, self.virtual_stages,
+                                                                              placement=self.placement)
             self._plans[key] = ([plan[r] for r in self.local_rows], plan)
         return self._plans[key]
 
@@ -208,7 +216,7 @@ class Step:
             self.count = (self.count or 0.0) + sum(float(c) for c in spec.counts.values())
         if self.last is None:
             return None
-        losses = results[-1].losses
+        losses = self._of_last(results).losses
         return torch.stack([losses[i] for i in range(m)]).sum()
 
     def train_passes(self, x: Any, y: Any, loss_fn: LossFn, n: int, passes: int = 1, *,
@@ -271,7 +279,7 @@ class Step:
         self._call(self.after_forward)
         if self.last is None:
             return None
-        outputs = [results[-1].outputs[i] for i in range(m)]
+        outputs = [self._of_last(results).outputs[i] for i in range(m)]
         if not need_grad:
             return merge(outputs)
         spec.sync = self.sync

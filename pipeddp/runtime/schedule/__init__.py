@@ -21,7 +21,22 @@ Each module imports only those below it. This face hands their names on (so
 import from the submodule that owns the name.
 """
 
-from .actions import Action, Event, Kind, Schedule, ScheduleFn, deps, normalize, produces, releases, row_of, stage_count
+from .actions import (
+    PLACEMENTS,
+    Action,
+    Event,
+    Kind,
+    Schedule,
+    ScheduleFn,
+    check_placement,
+    deps,
+    normalize,
+    produces,
+    releases,
+    row_of,
+    stage_count,
+    stages_on,
+)
 from .builders import (
     backward_only,
     forward_only,
@@ -38,8 +53,9 @@ from .messages import Message, crossings, in_order
 from .registry import SCHEDULES, VIRTUAL, accepts_virtual_stages, get_schedule, schedule_name
 from .replay import Played, peak_held, play, ready_time
 
-__all__ = ["Kind", "Action", "Schedule", "ScheduleFn", "Event", "row_of", "stage_count", "produces", "deps",
-           "releases", "normalize", "gpipe", "one_f_one_b", "list_schedule", "interleaved_limit", "interleaved",
+__all__ = ["Kind", "Action", "Schedule", "ScheduleFn", "Event", "PLACEMENTS", "check_placement", "row_of", "stages_on",
+           "stage_count", "produces", "deps", "releases", "normalize", "gpipe", "one_f_one_b", "list_schedule",
+           "interleaved_limit", "interleaved",
            "zero_bubble", "forward_only", "backward_only", "SCHEDULES", "VIRTUAL", "schedule_name", "get_schedule",
            "accepts_virtual_stages", "AutoSchedule", "Costs", "validate", "format_schedule", "Played", "play",
            "peak_held", "ready_time", "Message", "crossings", "in_order"]

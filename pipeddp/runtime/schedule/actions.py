@@ -27,8 +27,8 @@ from __future__ import annotations
 import enum
 from typing import Callable, List, NamedTuple, Optional, Tuple
 
-__all__ = ["Kind", "Action", "Schedule", "ScheduleFn", "Event", "row_of", "stage_count", "produces", "deps",
-           "releases", "normalize"]
+__all__ = ["Kind", "Action", "Schedule", "ScheduleFn", "Event", "PLACEMENTS", "row_of", "stages_on", "check_placement",
+           "stage_count", "produces", "deps", "releases", "normalize"]
 
 
 class Kind(str, enum.Enum):
@@ -84,9 +84,31 @@ ScheduleFn = Callable[..., Schedule]
 Event = Tuple[str, int, int]
 
 
-def row_of(stage: int, rows: int) -> int:
-    """The device row that holds ``stage`` (round robin: device r holds r, r + rows, ...)."""
+#: How the stages of a pipeline of ``p`` devices sit on them. ``"loop"``: round robin, device r holds stages
+#: r, r + p, ... (a micro-batch loops over the devices v times). ``"v"``: down the devices and back up, pass by
+#: pass (p = 2, v = 2: device 0 holds stages 0 and 3, device 1 stages 1 and 2), so the first and the last stage
+#: share a device, each turn between passes stays on one device, and a model whose ends are heavy (an
+#: embedding and a head) puts both on one device beside two light middle stages.
+PLACEMENTS = ("loop", "v")
+
+
+def check_placement(placement: str) -> str:
+    """``placement`` when it is one of ``PLACEMENTS``, else a ValueError that lists them."""
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {list(PLACEMENTS)}, got {placement!r}")
+    return placement
+
+
+def row_of(stage: int, rows: int, placement: str = "loop") -> int:
+    """The device row that holds ``stage`` under ``placement`` (see ``PLACEMENTS``)."""
+    if placement == "v" and (stage // rows) % 2:
+        return rows - 1 - stage % rows
     return stage % rows
+
+
+def stages_on(row: int, rows: int, n_stages: int, placement: str = "loop") -> List[int]:
+    """The stages device ``row`` holds, in model order."""
+    return [s for s in range(n_stages) if row_of(s, rows, placement) == row]
 
 
 def stage_count(schedule: Schedule) -> int:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from .actions import Action, Event, Kind, Schedule, deps, produces, releases
+from .actions import Action, Event, Kind, Schedule, check_placement, deps, produces, releases, stages_on
 
 __all__ = ["gpipe", "one_f_one_b", "list_schedule", "interleaved_limit", "interleaved", "zero_bubble",
            "forward_only", "backward_only", "check_counts"]
@@ -65,14 +65,15 @@ def one_f_one_b(stages: int, chunks: int) -> Schedule:
     return out
 
 
-def _round_robin(rows: int, chunks: int, virtual_stages: int, row: int, reverse: bool) -> List[Tuple[int, int]]:
+def _round_robin(rows: int, chunks: int, virtual_stages: int, row: int, reverse: bool,
+                 placement: str = "loop") -> List[Tuple[int, int]]:
     """``(stage, mb)`` in the order a device prefers: groups of ``rows`` micro-batches, its stages in turn.
 
     Micro-batches go ``rows`` at a time through the device's first stage, then
     the same ones through its second stage, and so on (backwards: its last
     stage first), so that the next device always has work in hand.
     """
-    local = [row + k * rows for k in range(virtual_stages)]
+    local = stages_on(row, rows, rows * virtual_stages, placement)
     if reverse:
         local.reverse()
     out = []
@@ -83,7 +84,7 @@ def _round_robin(rows: int, chunks: int, virtual_stages: int, row: int, reverse:
 
 
 def list_schedule(stages: int, chunks: int, virtual_stages: int = 1, *, split_backward: bool = False,
-                  limit: Optional[Sequence[int]] = None) -> Schedule:
+                  limit: Optional[Sequence[int]] = None, placement: str = "loop") -> Schedule:
     """Build a schedule by running the pipeline on paper with unit costs and recording what ran.
 
     Each device, whenever it is free, runs the first of these that is ready:
@@ -93,14 +94,16 @@ def list_schedule(stages: int, chunks: int, virtual_stages: int = 1, *, split_ba
     ``W``, oldest first. Costs are F = 1, B = 2 (I = W = 1). The order found
     is deadlock-free for any real costs (it is a topological order of the
     dependencies), so the executor may run it whatever the durations.
+    ``placement`` says which device holds which stage (``actions.PLACEMENTS``).
     """
     check_counts(stages, chunks, virtual_stages)
+    check_placement(placement)
     p, n_stages = stages, stages * virtual_stages
     caps = [chunks * virtual_stages] * p if limit is None else list(limit)
     if len(caps) != p or any(c < 1 for c in caps):
         raise ValueError(f"limit must give every one of the {p} devices at least 1 micro-batch, got {limit!r}")
-    fwd = [_round_robin(p, chunks, virtual_stages, r, reverse=False) for r in range(p)]
-    bwd = [_round_robin(p, chunks, virtual_stages, r, reverse=True) for r in range(p)]
+    fwd = [_round_robin(p, chunks, virtual_stages, r, False, placement) for r in range(p)]
+    bwd = [_round_robin(p, chunks, virtual_stages, r, True, placement) for r in range(p)]
     back = Kind.I if split_backward else Kind.B
     cost = {Kind.F: 1.0, Kind.B: 2.0, Kind.I: 1.0, Kind.W: 1.0}
     done: Dict[Event, float] = {}
@@ -198,7 +201,7 @@ def interleaved_limit(stages: int, chunks: int, virtual_stages: int) -> List[int
     return [min(chunks * v, 2 * (p - r - 1) + (v - 1) * p + 1) for r in range(p)]
 
 
-def interleaved(stages: int, chunks: int, virtual_stages: int = 2) -> Schedule:
+def interleaved(stages: int, chunks: int, virtual_stages: int = 2, *, placement: str = "loop") -> Schedule:
     """Interleaved 1F1B: each device holds ``virtual_stages`` non-adjacent stages.
 
     The bubble shrinks from ``(p - 1) / m`` to about ``(p - 1) / (v m)`` of a
@@ -209,10 +212,11 @@ def interleaved(stages: int, chunks: int, virtual_stages: int = 2) -> Schedule:
     check_counts(stages, chunks, virtual_stages)
     if virtual_stages == 1:
         return one_f_one_b(stages, chunks)
-    return list_schedule(stages, chunks, virtual_stages, limit=interleaved_limit(stages, chunks, virtual_stages))
+    return list_schedule(stages, chunks, virtual_stages, limit=interleaved_limit(stages, chunks, virtual_stages),
+                         placement=placement)
 
 
-def zero_bubble(stages: int, chunks: int, virtual_stages: int = 1) -> Schedule:
+def zero_bubble(stages: int, chunks: int, virtual_stages: int = 1, *, placement: str = "loop") -> Schedule:
     """Zero-bubble (ZB-H1, Qi et al. 2023): each backward split into I (input gradient) and W (weights).
 
     I is on the critical path: the previous stage waits for it. W is not, so
@@ -223,7 +227,8 @@ def zero_bubble(stages: int, chunks: int, virtual_stages: int = 1) -> Schedule:
     """
     check_counts(stages, chunks, virtual_stages)
     cap = max(interleaved_limit(stages, chunks, virtual_stages)) if virtual_stages > 1 else min(stages, chunks)
-    return list_schedule(stages, chunks, virtual_stages, split_backward=True, limit=[cap] * stages)
+    return list_schedule(stages, chunks, virtual_stages, split_backward=True, limit=[cap] * stages,
+                         placement=placement)
 
 
 def _only(schedule: Schedule, keep: Callable[[Action], Optional[Action]]) -> Schedule:
@@ -234,13 +239,19 @@ def _only(schedule: Schedule, keep: Callable[[Action], Optional[Action]]) -> Sch
     return out
 
 
-def forward_only(stages: int, chunks: int, virtual_stages: int = 1) -> Schedule:
+def _training(stages: int, chunks: int, virtual_stages: int, placement: str) -> Schedule:
+    if virtual_stages == 1:
+        return one_f_one_b(stages, chunks)
+    return interleaved(stages, chunks, virtual_stages, placement=placement)
+
+
+def forward_only(stages: int, chunks: int, virtual_stages: int = 1, *, placement: str = "loop") -> Schedule:
     """Forwards only, in the order of the training schedule: inference, and the forward half of ``pipe(x)``."""
-    train = one_f_one_b(stages, chunks) if virtual_stages == 1 else interleaved(stages, chunks, virtual_stages)
+    train = _training(stages, chunks, virtual_stages, placement)
     return _only(train, lambda a: a if a.kind is Kind.F else None)
 
 
-def backward_only(stages: int, chunks: int, virtual_stages: int = 1) -> Schedule:
+def backward_only(stages: int, chunks: int, virtual_stages: int = 1, *, placement: str = "loop") -> Schedule:
     """Whole backwards only, in the training schedule's order: the second half of ``pipe(x)`` + ``backward()``."""
-    train = one_f_one_b(stages, chunks) if virtual_stages == 1 else interleaved(stages, chunks, virtual_stages)
+    train = _training(stages, chunks, virtual_stages, placement)
     return _only(train, lambda a: a if a.kind is Kind.B else None)

@@ -10,19 +10,20 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .actions import Action, Kind, Schedule, normalize, row_of, stage_count
+from .actions import Action, Kind, Schedule, normalize, row_of, stage_count, stages_on
 from .replay import play
 
 __all__ = ["validate", "format_schedule"]
 
 
-def validate(schedule: Schedule, chunks: int, *, training: bool = True, stages: Optional[int] = None) -> None:
+def validate(schedule: Schedule, chunks: int, *, training: bool = True, stages: Optional[int] = None,
+             placement: str = "loop") -> None:
     """Raise ``ValueError`` unless ``schedule`` is complete, ordered, placed and deadlock-free.
 
     Complete: every stage runs F i, and when ``training`` either B i or both
     I i and W i, exactly once, for every micro-batch. Ordered: a stage's
     backward comes after its F, a W after its I. Placed: stage s runs on
-    device ``s % devices``. Deadlock-free: ``play`` with unit durations finishes.
+    device ``row_of(s, devices, placement)``. Deadlock-free: ``play`` with unit durations finishes.
     """
     if not schedule:
         raise ValueError("a schedule needs at least one device row")
@@ -39,9 +40,9 @@ def validate(schedule: Schedule, chunks: int, *, training: bool = True, stages: 
             tag = f"device {r}: {a.label(False)}" if n != rows else f"stage {r}: {a}"
             if not 0 <= a.at < n:
                 raise ValueError(f"{tag} refers to stage {a.stage}, but there are {n}")
-            if row_of(a.at, rows) != r:
-                raise ValueError(f"{tag}: stage {a.stage} lives on device {row_of(a.at, rows)} (device r holds "
-                                 f"stages r, r + {rows}, ...)")
+            if row_of(a.at, rows, placement) != r:
+                raise ValueError(f"{tag}: stage {a.stage} lives on device {row_of(a.at, rows, placement)} (placement "
+                                 f"{placement!r}: device {r} holds stages {stages_on(r, rows, n, placement)})")
             if not 0 <= a.mb < chunks:
                 raise ValueError(f"{tag} refers to micro-batch {a.mb}, but there are {chunks}")
             if a in seen:
@@ -58,7 +59,7 @@ def validate(schedule: Schedule, chunks: int, *, training: bool = True, stages: 
             seen.add(a)
         seen_all |= seen
     for s in range(n):
-        r = row_of(s, rows)
+        r = row_of(s, rows, placement)
         tag = f"stage {s}" if n == rows else f"stage {s} (device {r})"
         missing = [f"F{i}" for i in range(chunks) if Action(Kind.F, i, s) not in seen_all]
         if training:

@@ -39,7 +39,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from .actions import Action, Event, Kind, Schedule, produces, row_of
+from .actions import Action, Event, Kind, Schedule, produces, row_of, stages_on
 from .builders import interleaved, interleaved_limit, one_f_one_b, zero_bubble
 from .replay import peak_held, play, ready_time
 
@@ -159,9 +159,10 @@ def _stage(a: Action) -> int:
 class _Board:
     """The pipeline on paper during one build: what ran where, when, and what each device holds."""
 
-    def __init__(self, p: int, m: int, v: int, costs: Costs, cap: int) -> None:
+    def __init__(self, p: int, m: int, v: int, costs: Costs, cap: int, placement: str) -> None:
         self.p, self.m, self.v, self.n = p, m, v, p * v
-        self.costs, self.cap = costs, cap
+        self.costs, self.cap, self.placement = costs, cap, placement
+        self._local = [stages_on(r, p, self.n, placement) for r in range(p)]
         self.done: Dict[Event, float] = {}
         self.rows: Schedule = [[] for _ in range(p)]
         self.clock = [0.0] * p
@@ -171,13 +172,14 @@ class _Board:
         self.pending_w: List[List[Action]] = [[] for _ in range(p)]
 
     def transfer(self, src: int, dst: int, a: Action) -> float:
-        return 0.0 if row_of(src, self.p) == row_of(dst, self.p) else self.costs.transfer
+        return 0.0 if row_of(src, self.p, self.placement) == row_of(dst, self.p, self.placement) \
+            else self.costs.transfer
 
     def ready(self, a: Action) -> Optional[float]:
         return ready_time(a, self.done, self.transfer, self.n)
 
     def local(self, r: int) -> List[int]:
-        return [r + k * self.p for k in range(self.v)]
+        return self._local[r]
 
     def room(self, r: int, stage: int) -> bool:
         """Whether device ``r`` may run the next forward of ``stage`` within its cap (see the module docstring)."""
@@ -232,9 +234,9 @@ class _Board:
 
 
 def _greedy(p: int, m: int, v: int, costs: Costs, cap: int, inputs_first: bool, w_in_any_gap: bool,
-            depth_first: bool) -> Optional[Schedule]:
+            depth_first: bool, placement: str = "loop") -> Optional[Schedule]:
     """One build of the heuristic with one setting of its switches; None if it cannot finish under ``cap``."""
-    board = _Board(p, m, v, costs, cap)
+    board = _Board(p, m, v, costs, cap, placement)
     total = 3 * p * v * m
     count = 0
     while count < total:
@@ -276,23 +278,23 @@ def _greedy(p: int, m: int, v: int, costs: Costs, cap: int, inputs_first: bool, 
     return board.rows
 
 
-def fixed_schedules(p: int, m: int, v: int) -> List[Schedule]:
+def fixed_schedules(p: int, m: int, v: int, placement: str = "loop") -> List[Schedule]:
     """The fixed schedules that run ``v`` stages per device (1F1B and zero-bubble, or interleaved 1F1B and
     interleaved zero-bubble, in that order): candidates too, where they fit the cap."""
     if v == 1:
         return [one_f_one_b(p, m), zero_bubble(p, m)]
-    return [interleaved(p, m, v), zero_bubble(p, m, v)]
+    return [interleaved(p, m, v, placement=placement), zero_bubble(p, m, v, placement=placement)]
 
 
-def _makespan(plan: Schedule, costs: Costs, p: int) -> float:
+def _makespan(plan: Schedule, costs: Costs, p: int, placement: str) -> float:
     def transfer(src: int, dst: int, a: Action) -> float:
-        return 0.0 if row_of(src, p) == row_of(dst, p) else costs.transfer
+        return 0.0 if row_of(src, p, placement) == row_of(dst, p, placement) else costs.transfer
 
     return play(plan, lambda row, a: costs.of(a.kind, a.stage), transfer).makespan
 
 
 def ranked(stages: int, chunks: int, virtual_stages: int = 1, costs: Optional[Costs] = None,
-           max_activations: Optional[int] = None) -> List[Tuple[float, Schedule]]:
+           max_activations: Optional[int] = None, placement: str = "loop") -> List[Tuple[float, Schedule]]:
     """Every distinct candidate schedule with its step time on paper, shortest first (ties: fewer held
     activations first). ``build`` takes the first; ``AutoSchedule`` times the close ones on real steps."""
     p, m, v = stages, chunks, virtual_stages
@@ -304,14 +306,16 @@ def ranked(stages: int, chunks: int, virtual_stages: int = 1, costs: Optional[Co
     top = default_activations(p, m, v) if max_activations is None else max_activations
     top = min(top, m * v)
     floor = min(default_activations(p, m, v), top)
-    candidates: List[Schedule] = [s for s in fixed_schedules(p, m, v) if all(peak_held(row) <= top for row in s)]
+    candidates: List[Schedule] = [s for s in fixed_schedules(p, m, v, placement)
+                                  if all(peak_held(row) <= top for row in s)]
     switches: Iterable[Tuple[bool, bool, bool]] = itertools.product((True, False), (True, False),
                                                                      (True, False) if v > 1 else (True,))
     for cap, (first, any_gap, depth) in itertools.product(range(max(floor, v), top + 1), switches):
-        got = _greedy(p, m, v, costs, cap, first, any_gap, depth)
+        got = _greedy(p, m, v, costs, cap, first, any_gap, depth, placement)
         if got is not None:
             candidates.append(got)
-    scored = sorted((_makespan(c, costs, p), max(peak_held(row) for row in c), k) for k, c in enumerate(candidates))
+    scored = sorted((_makespan(c, costs, p, placement), max(peak_held(row) for row in c), k)
+                    for k, c in enumerate(candidates))
     seen, out = set(), []
     for span, _, k in scored:
         key = repr(candidates[k])
@@ -322,13 +326,13 @@ def ranked(stages: int, chunks: int, virtual_stages: int = 1, costs: Optional[Co
 
 
 def build(stages: int, chunks: int, virtual_stages: int = 1, costs: Optional[Costs] = None,
-          max_activations: Optional[int] = None) -> Schedule:
+          max_activations: Optional[int] = None, *, placement: str = "loop") -> Schedule:
     """The shortest schedule the heuristic finds for ``costs`` with at most ``max_activations`` per device.
 
     ``costs`` has one entry per stage (``stages * virtual_stages``; default:
-    unit costs); ``max_activations`` defaults to 1F1B's cap.
+    unit costs); ``max_activations`` defaults to 1F1B's cap; ``placement`` says which device holds which stage.
     """
-    return ranked(stages, chunks, virtual_stages, costs, max_activations)[0][1]
+    return ranked(stages, chunks, virtual_stages, costs, max_activations, placement)[0][1]
 
 
 #: candidates within this factor of the best step time on paper are timed on real steps (``AutoSchedule.close``)
@@ -347,9 +351,11 @@ class AutoSchedule:
     on real steps and keep the fastest (``refine``).
     """
 
-    def __init__(self, costs: Optional[Costs] = None, max_activations: Optional[int] = None) -> None:
+    def __init__(self, costs: Optional[Costs] = None, max_activations: Optional[int] = None,
+                 placement: str = "loop") -> None:
         self.costs = costs
         self.max_activations = max_activations
+        self.placement = placement
         self.pick = 0
         #: the shape of the last schedule asked for: ``(stages, chunks, virtual_stages)``
         self.last: Optional[Tuple[int, int, int]] = None
@@ -363,10 +369,10 @@ class AutoSchedule:
         if key not in self._built:
             stages, chunks, v = key
             costs = self.costs if self.costs is not None and len(self.costs.forward) == stages * v else None
-            options = ranked(stages, chunks, v, costs, self.max_activations)
+            options = ranked(stages, chunks, v, costs, self.max_activations, self.placement)
             best = options[0][0]
             chosen = [plan for span, plan in options if span <= best * CLOSE][:MOST_TRIED]
-            for base in fixed_schedules(stages, chunks, v):
+            for base in fixed_schedules(stages, chunks, v, self.placement):
                 if base not in chosen and any(plan == base for _, plan in options):
                     chosen.append(base)
             self._built[key] = chosen

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Dict, List, NamedTuple, Tuple
 
-from .actions import Kind, Schedule, normalize, row_of, stage_count
+from .actions import Kind, Schedule, normalize, stage_count
 from .replay import play
 
 __all__ = ["Message", "crossings", "in_order"]
@@ -61,7 +61,8 @@ def in_order(schedule: Schedule) -> List[Message]:
     stream for every peer) never waits for a peer that waits for it either.
     """
     schedule = normalize(schedule)
-    rows, n_stages = len(schedule), stage_count(schedule)
+    n_stages = stage_count(schedule)
+    where = {a.at: r for r, row in enumerate(schedule) for a in row}  # the schedule's placement, whichever it is
     timed: List[Tuple[float, int, Message]] = []
     for r, events in enumerate(play(schedule).events):
         for a, _start, end in events:
@@ -72,7 +73,7 @@ def in_order(schedule: Schedule) -> List[Message]:
                 kind, to = "B", s - 1
             else:
                 continue
-            dst = row_of(to, rows)
+            dst = where[to]
             if dst != r:
                 timed.append((end, r, Message(r, dst, kind, to, a.mb)))
     return [msg for _end, _r, msg in sorted(timed, key=lambda t: (t[0], t[1]))]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 from typing import Dict, Union
 
-from .actions import Schedule, ScheduleFn, normalize
+from .actions import Schedule, ScheduleFn, check_placement, normalize
 from .builders import check_counts, gpipe, interleaved, one_f_one_b, zero_bubble
 from .checks import validate
 from .costed import build as build_auto
@@ -33,28 +33,33 @@ def schedule_name(schedule: str) -> str:
     return key
 
 
-def get_schedule(schedule: Union[str, ScheduleFn], stages: int, chunks: int, virtual_stages: int = 1) -> Schedule:
+def get_schedule(schedule: Union[str, ScheduleFn], stages: int, chunks: int, virtual_stages: int = 1, *,
+                 placement: str = "loop") -> Schedule:
     """Build, normalise and validate a schedule from a name or a function.
 
     ``stages`` is the number of devices (rows); the model has ``stages *
-    virtual_stages`` stages. A function is called as ``fn(stages, chunks)``,
-    or ``fn(stages, chunks, virtual_stages)`` when there are virtual stages.
+    virtual_stages`` stages, placed on the devices as ``placement`` says
+    (``actions.PLACEMENTS``). A function is called as ``fn(stages, chunks)``,
+    or ``fn(stages, chunks, virtual_stages)`` when there are virtual stages,
+    and must place them so (``validate`` says where it does not); a named
+    schedule is built for the placement.
     """
     check_counts(stages, chunks, virtual_stages)
+    check_placement(placement)
     if isinstance(schedule, str):
         name = schedule_name(schedule)
         if virtual_stages > 1 and name not in VIRTUAL:
             raise ValueError(f"schedule {schedule!r} runs one stage per device; with virtual_stages={virtual_stages} "
                              f"choose one of {list(VIRTUAL)}")
         fn = SCHEDULES[name]
-        plan = fn(stages, chunks) if name not in VIRTUAL else fn(stages, chunks, virtual_stages)
+        plan = fn(stages, chunks) if name not in VIRTUAL else fn(stages, chunks, virtual_stages, placement=placement)
     elif callable(schedule):
         plan = schedule(stages, chunks) if virtual_stages == 1 else schedule(stages, chunks, virtual_stages)
     else:
         raise TypeError("schedule must be a name or a function(stages, chunks[, virtual_stages]), got "
                         f"{type(schedule).__name__}")
     plan = normalize(plan, stages * virtual_stages)
-    validate(plan, chunks, training=True)
+    validate(plan, chunks, training=True, placement=placement)
     return plan
 
 

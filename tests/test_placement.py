@@ -1,0 +1,190 @@
+"""The V placement (``placement="v"``): stages down the devices and back up, the first and last on one device.
+
+Every training case compares each step's gradients and the final weights with single-device training on the
+same global batch (float64); the multi-process jobs run under NCCL's rules (tags stripped, see conftest).
+"""
+
+import copy
+
+import pytest
+import torch
+
+import pipeddp
+from conftest import data, make_mlp, max_diff
+from hybrid_jobs import LOSS, global_batches, schedule_job
+from pipeddp.runtime.schedule import (crossings, get_schedule, interleaved, list_schedule, play, row_of, stages_on,
+                                      validate)
+from pipeddp.runtime.schedule.costed import AutoSchedule, Costs
+from test_schedules_train import reference
+
+SCHEDULES = ["interleaved", "zb", "auto"]
+
+
+def test_v_goes_down_the_devices_and_back_up():
+    assert [row_of(s, 2, "v") for s in range(4)] == [0, 1, 1, 0]
+    assert [row_of(s, 3, "v") for s in range(9)] == [0, 1, 2, 2, 1, 0, 0, 1, 2]
+    assert [row_of(s, 3, "loop") for s in range(6)] == [0, 1, 2, 0, 1, 2]
+    assert stages_on(0, 2, 4, "v") == [0, 3] and stages_on(1, 2, 4, "v") == [1, 2]
+    assert stages_on(1, 3, 6, "loop") == [1, 4]
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("v", [2, 3])
+@pytest.mark.parametrize("m", [1, 2, 5, 8])
+def test_every_schedule_places_its_stages_in_the_v_and_finishes(p, v, m):
+    for name in SCHEDULES:
+        plan = get_schedule(name, p, m, v, placement="v")  # validated there: placed, complete, deadlock-free
+        for r, row in enumerate(plan):
+            assert {a.at for a in row} == set(stages_on(r, p, p * v, "v")), (name, r)
+        play(plan)
+
+
+def test_the_turns_of_the_v_cross_no_link():
+    # p = 2, v = 2: stages 1 -> 2 sit on device 1; only 0 <-> 1 and 2 <-> 3 cross between the devices
+    plan = get_schedule("interleaved", 2, 4, 2, placement="v")
+    msgs = crossings(plan)[(0, 1)]
+    assert {(m.kind, m.stage) for m in msgs} == {("F", 1), ("F", 3), ("B", 0), ("B", 2)}
+    assert len(msgs) == 4 * 4
+
+
+def test_a_schedule_placed_round_robin_is_refused_under_the_v():
+    loop = interleaved(2, 4, 2)
+    with pytest.raises(ValueError, match="placement 'v': device 0 holds stages \\[0, 3\\]"):
+        validate(loop, 4, placement="v")
+    with pytest.raises(ValueError, match="placement must be one of"):
+        list_schedule(2, 4, 2, placement="w")
+
+
+def test_auto_builds_for_the_placement_it_is_given():
+    auto = AutoSchedule(Costs.unit(4), placement="v")
+    plan = auto(2, 4, 2)
+    validate(plan, 4, placement="v")
+    assert {a.at for a in plan[0]} == {0, 3}
+
+
+def test_the_settings_say_what_the_v_needs():
+    with pytest.raises(ValueError, match="placement must be one of"):
+        pipeddp.Pipeline(make_mlp(), ["cpu"] * 2, schedule="interleaved", placement="zigzag")
+    with pytest.raises(ValueError, match="needs at least two stages per device"):
+        pipeddp.Pipeline(make_mlp(), ["cpu"] * 2, schedule="1f1b", placement="v")
+
+    def round_robin(stages, chunks, virtual):
+        return interleaved(stages, chunks, virtual)
+
+    with pytest.raises(ValueError, match="lives on device"):
+        pipeddp.Pipeline(make_mlp(), ["cpu"] * 2, schedule=round_robin, virtual_stages=2, placement="v")
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("devices", [2, 3])
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_a_pipeline_in_the_v_trains_the_plain_model(schedule, devices, checkpoint):
+    ref_grads, ref_params = reference(1)
+    with pipeddp.Pipeline(make_mlp(), ["cpu"] * devices, chunks=4, schedule=schedule, virtual_stages=2,
+                          checkpoint=checkpoint, balance="uniform", placement="v") as pipe:
+        held = {st.index: row for row, d in enumerate(pipe._runner.devices) for st in d.stages.values()}
+        assert held == {s: row_of(s, devices, "v") for s in range(2 * devices)}
+        assert held[0] == held[2 * devices - 1] == 0
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        for step, (x, y) in enumerate(global_batches(1, 3)):
+            opt.zero_grad()
+            pipe.train_step(x, y, LOSS)
+            got = dict(pipe.named_parameters())
+            assert max_diff([got[n].grad for n in ref_grads[step]], ref_grads[step].values()) < 1e-12
+            opt.step()
+        state = pipe.state_dict()
+    assert max_diff([state[n] for n in ref_params], ref_params.values()) < 1e-12
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_pipeline_in_the_v_runs_a_call_then_backward_and_evaluates(schedule):
+    model = make_mlp()
+    x, y = data(10)
+    plain = copy.deepcopy(model)
+    LOSS(plain(x), y).backward()
+    with pipeddp.Pipeline(model, ["cpu"] * 2, chunks=3, schedule=schedule, virtual_stages=2, placement="v") as pipe:
+        LOSS(pipe(x), y).backward()
+        assert max_diff([p.grad for p in pipe.parameters()], [p.grad for p in plain.parameters()]) < 1e-12
+        with torch.no_grad():
+            assert max_diff([pipe(x)], [plain(x)]) < 1e-12
+
+
+def test_a_checkpoint_of_the_v_loads_into_the_loop_and_back(tmp_path):
+    x, y = data(10)
+    with pipeddp.Pipeline(make_mlp(), ["cpu"] * 2, chunks=2, schedule="interleaved", placement="v") as pipe:
+        pipe.train_step(x, y, LOSS)
+        torch.optim.SGD(pipe.parameters(), lr=0.1).step()
+        pipe.save(tmp_path / "v.pt")
+        saved = pipe.state_dict()
+    with pipeddp.Pipeline(make_mlp(), ["cpu"] * 2, chunks=2, schedule="interleaved") as loop:
+        loop.load(tmp_path / "v.pt")
+        assert max_diff([loop.state_dict()[k] for k in saved], saved.values()) == 0
+        loop.save(tmp_path / "loop.pt")
+    with pipeddp.Pipeline(make_mlp(), ["cpu"] * 3, chunks=2, schedule="zb", virtual_stages=2,
+                          placement="v") as other:
+        other.load(tmp_path / "loop.pt")
+        assert max_diff([other.state_dict()[k] for k in saved], saved.values()) == 0
+
+
+COMBOS = [("interleaved", 2, 4, "never", "v"), ("zb", 2, 4, "always", "v"), ("auto", 2, 4, "except_last", "v")]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode,replicas,stages", [("stage", 2, 2), ("stage", 1, 3), ("replica", 2, 2)])
+def test_hybrid_in_the_v_trains_the_plain_model(mode, replicas, stages):
+    """Stage mode: the process of row 0 holds the first and the last stage, so it alone passes x and y."""
+    nprocs = replicas if mode == "replica" else replicas * stages
+    results = pipeddp.spawn(schedule_job, nprocs, args=(mode, stages, replicas, COMBOS), timeout=280)
+    ref_grads, ref_params = reference(replicas)
+    for i, combo in enumerate(COMBOS):
+        per_rank = [r[i] for r in results]
+        grads = [{} for _ in range(3)]
+        state = {}
+        for r in per_rank:
+            assert r["combo"] == combo
+            for step in range(3):
+                grads[step].update(r["grads"][step])
+            state.update(r["state"])
+        for step in range(3):
+            assert sorted(grads[step]) == sorted(ref_grads[step])
+            assert max_diff([grads[step][n] for n in ref_grads[step]], ref_grads[step].values()) < 1e-12, combo
+        assert max_diff([state[n] for n in ref_params], ref_params.values()) < 1e-12, combo
+        if mode == "stage":
+            for rank, r in enumerate(per_rank):
+                row = rank % stages  # layout "pipeline": ranks 0..S-1 are replica 0
+                assert r["stages"] == stages_on(row, stages, 2 * stages, "v"), (rank, r["stages"])
+        if replicas > 1:
+            assert all(r["hook_calls"] == [3] * len(r["stages"]) for r in per_rank), combo
+
+
+# -- tied weights: the first and last stage share a device in the V ----------------------------------------------
+
+from tied_jobs import (global_batches as tied_batches, reference_state, shared_model,  # noqa: E402
+                       shared_tie_job)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_weight_used_on_three_stages_of_two_devices_in_the_v(schedule):
+    expect = reference_state(shared_model(), tied_batches())
+    with pipeddp.Pipeline(shared_model(), ["cpu"] * 2, chunks=3, schedule=schedule, virtual_stages=2,
+                          balance=[1, 2, 1, 2], placement="v") as pipe:  # uses on stages 0, 2, 3: devices 0, 1, 0
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+        for x, y in tied_batches():
+            opt.zero_grad()
+            pipe.train_step(x, y, LOSS)
+            opt.step()
+        state = pipe.state_dict()
+    assert sorted(state) == sorted(expect) and max_diff([state[k] for k in expect], expect.values()) < 1e-12
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("schedule,calls", [("interleaved", 1), ("auto", 2)])
+def test_a_weight_used_on_three_stages_across_processes_in_the_v(schedule, calls):
+    """Stage mode, 2 replicas x 2 devices: the uses on stages 0 and 3 in one process, the third in the other."""
+    results = pipeddp.spawn(shared_tie_job, 4, args=("stage", schedule, 2, calls, "v"), timeout=200)
+    expect = reference_state(shared_model(), tied_batches())
+    for res in results:
+        assert sorted(res["state"]) == sorted(expect)
+        assert max_diff([res["state"][k] for k in expect], expect.values()) < 1e-12, res["rank"]
+    copies = [v for res in results for k, v in res["local"].items() if k in ("0.weight", "3.weight", "5.weight")]
+    assert len(copies) == 6 and all(torch.equal(copies[0], c) for c in copies[1:])
