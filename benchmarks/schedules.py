@@ -2,11 +2,12 @@
 
 One spawned 2-process gloo job (mode="stage", 1 intra-op thread each) times per model and m, round by round between
 barriers, the order reversed every other round, every gradient first checked against accumulation: ``accum`` (the
-plain model over the same m micro-batches); pipeddp's ``gpipe``, ``1f1b``, ``zb``, ``auto`` on its 2-stage cut and
-``interleaved``, ``zb-v2``, ``auto-v2`` with 2 virtual stages on its 4-stage cut; torch's ScheduleGPipe and
-Schedule1F1B on the 2-stage cut, ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble on the 4-stage cut
-(placed as pipeddp places them) and ScheduleZBVZeroBubble on it in its V; ``1f1b`` and ``interleaved`` in replica
-mode (``--torch-cut equal``: torch's stages at equal layers per stage instead, pipeddp keeping its measured cut).
+plain model over the same m micro-batches); pipeddp's ``gpipe``, ``1f1b``, ``zb``, ``auto`` on its 2-stage cut,
+``interleaved``, ``zb-v2``, ``auto-v2`` with 2 virtual stages on its 4-stage cut, and ``zbv``, ``auto-v`` on that
+cut in the V (``placement="v"``); torch's ScheduleGPipe and Schedule1F1B on the 2-stage cut,
+ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble on the 4-stage cut (placed as pipeddp places them) and
+ScheduleZBVZeroBubble on it in its V; ``1f1b`` and ``interleaved`` in replica mode (``--torch-cut equal``: torch's
+stages at equal layers per stage instead, pipeddp keeping its measured cut).
 Then one traced step of each pipeddp configuration: its bubble beside the schedule's with equal stages, replayed
 with the step's measured action times, and the best order ``auto``'s builder finds for those times with any memory,
 and for ``auto`` how its trial went; and one step of each pair with torch split by category (``baselines.COLUMNS``).
@@ -38,17 +39,20 @@ from pipeddp.tools.timeline import WORK, measured_bubble
 
 SCRIPT = "schedules"
 DEVICES = 2
-#: pipeddp configurations in stage mode: name -> (schedule, virtual stages)
-PIPEDDP = {"gpipe": ("gpipe", 1), "1f1b": ("1f1b", 1), "zb": ("zb", 1), "interleaved": ("interleaved", 2),
-           "zb-v2": ("zb", 2), "auto": ("auto", 1), "auto-v2": ("auto", 2)}
+#: pipeddp configurations in stage mode: name -> (schedule, virtual stages, placement)
+PIPEDDP = {"gpipe": ("gpipe", 1, "loop"), "1f1b": ("1f1b", 1, "loop"), "zb": ("zb", 1, "loop"),
+           "interleaved": ("interleaved", 2, "loop"), "zb-v2": ("zb", 2, "loop"), "zbv": ("zb", 2, "v"),
+           "auto": ("auto", 1, "loop"), "auto-v2": ("auto", 2, "loop"), "auto-v": ("auto", 2, "v")}
+#: the ``auto`` configurations, each the best order for its virtual stages and placement
+AUTOS = ("auto", "auto-v2", "auto-v")
 #: torch configurations: name -> (pipeddp's name for the schedule, stages per rank)
 TORCH = {"torch-gpipe": ("gpipe", 1), "torch-1f1b": ("1f1b", 1), "torch-interleaved": ("interleaved", 2),
          "torch-zb-v2": ("zb", 2), "torch-zbv": ("zbv", 2)}
 #: replica-mode twins of stage-mode configurations
-REPLICA = {"1f1b-replica": ("1f1b", 1), "interleaved-replica": ("interleaved", 2)}
+REPLICA = {"1f1b-replica": ("1f1b", 1, "loop"), "interleaved-replica": ("interleaved", 2, "loop")}
 #: (pipeddp, torch) pairs on the same cut and schedule
 SAME = [("gpipe", "torch-gpipe"), ("1f1b", "torch-1f1b"), ("interleaved", "torch-interleaved"),
-        ("zb-v2", "torch-zb-v2")]
+        ("zb-v2", "torch-zb-v2"), ("zbv", "torch-zbv")]
 
 
 def cuts(rank: int, model: nn.Sequential, x: torch.Tensor, m: int) -> Dict[int, List[int]]:
@@ -66,12 +70,14 @@ def steps_at(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, 
              balance: Dict[int, List[int]], torch_balance: Dict[int, List[int]],
              torch_timeout: float) -> Tuple[List[baselines.Step], Dict[str, str]]:
     steps = [baselines.accumulate(model, x, y, loss_fn, m) if rank == 0 else baselines.idle("accum")]
-    for name, (schedule, v) in PIPEDDP.items():
+    for name, (schedule, v, placement) in PIPEDDP.items():
         steps.append(baselines.hybrid(model, x, y, loss_fn, stages=DEVICES, mode="stage", chunks=m, name=name,
-                                      schedule=schedule, virtual_stages=v, balance=balance[DEVICES * v]))
-    for name, (schedule, v) in REPLICA.items():
+                                      schedule=schedule, virtual_stages=v, balance=balance[DEVICES * v],
+                                      placement=placement))
+    for name, (schedule, v, placement) in REPLICA.items():
         steps.append(baselines.pipeline(model, x, y, loss_fn, stages=DEVICES, chunks=m, name=name, schedule=schedule,
-                                        virtual_stages=v, balance=balance[DEVICES * v]) if rank == 0
+                                        virtual_stages=v, balance=balance[DEVICES * v], placement=placement)
+                     if rank == 0
                      else baselines.idle(name))
     failed: Dict[str, str] = {}
     for name, (schedule, v) in TORCH.items():
@@ -85,14 +91,15 @@ def steps_at(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, 
     return steps, failed
 
 
-def best_order(spans: Sequence[Any], m: int, v: int) -> Optional[float]:
+def best_order(spans: Sequence[Any], m: int, v: int, placement: str) -> Optional[float]:
     """The bubble of the best order ``auto``'s builder finds for this step's measured F, I and W times with no cap on
     activations: what reordering alone could reach on this cut (None where the step ran whole backwards)."""
     samples = action_samples(spans)
     if not any(k == "W" for _, k in samples):
         return None
     costs = Costs.unit(DEVICES * v).measured(samples)
-    return play(build(DEVICES, m, v, costs, max_activations=m * v), lambda row, a: costs.of(a.kind, a.stage)).bubble
+    return play(build(DEVICES, m, v, costs, max_activations=m * v, placement=placement),
+                lambda row, a: costs.of(a.kind, a.stage)).bubble
 
 
 def refiner_of(step: baselines.Step) -> Optional[Refiner]:
@@ -117,14 +124,15 @@ def trial_of(step: baselines.Step) -> Dict[str, Any]:
     if r is None:
         return {}
     key = r.auto.last
-    return {"trial": {"chosen": r.chosen, "samples": r.samples, "candidates": [] if key is None else names_of(
-        r.auto.close(key), *key), "quickest_ms": {k: quickest([v]) * 1e3 for k, v in r.times.items()}}}
+    names = [] if key is None else names_of(r.auto.close(key), *key, r.auto.placement)
+    return {"trial": {"chosen": r.chosen, "samples": r.samples, "candidates": names,
+                      "quickest_ms": {k: quickest([v]) * 1e3 for k, v in r.times.items()}}}
 
 
-def names_of(plans: Sequence[Any], p: int, m: int, v: int) -> List[str]:
+def names_of(plans: Sequence[Any], p: int, m: int, v: int, placement: str = "loop") -> List[str]:
     """Which of auto's fixed schedules (``costed.fixed_schedules``: 1F1B and zero-bubble, or their interleaved
     forms) each of ``plans`` is, else ``"own"`` (an order of auto's own)."""
-    fixed = list(zip(["1f1b", "zb"] if v == 1 else ["interleaved", f"zb-v{v}"], fixed_schedules(p, m, v)))
+    fixed = list(zip(["1f1b", "zb"] if v == 1 else ["interleaved", f"zb-v{v}"], fixed_schedules(p, m, v, placement)))
     return [next((name for name, base in fixed if base == plan), "own") for plan in plans]
 
 
@@ -143,14 +151,16 @@ def traced_bubbles(steps: Sequence[baselines.Step], rank: int) -> Dict[str, Dict
             continue
         every = [s for p in parts for s in p]
         bubble, makespan = measured_bubble(every)
-        schedule, v = PIPEDDP[base]
+        schedule, v, placement = PIPEDDP[base]
         m = max(s.mb for s in every if s.kind in WORK) + 1
-        plan = get_schedule(step.module._step.schedule, DEVICES, m, v)  # "auto": the engine's own order
+        plan = get_schedule(step.module._step.schedule, DEVICES, m, v,  # "auto": the engine's own order
+                            placement=placement)
         work = {(s.stage, s.kind, s.mb): s.duration for s in every if s.kind in WORK}
         replayed = play(plan, lambda row, a, w=work: w.get((a.stage, a.kind.value, a.mb), 0.0))
-        equal = simulate([StageCost(1.0, 2.0)] * (DEVICES * v), schedule, stages=DEVICES, chunks=m, virtual_stages=v)
+        equal = simulate([StageCost(1.0, 2.0)] * (DEVICES * v), schedule, stages=DEVICES, chunks=m, virtual_stages=v,
+                         placement=placement)
         out[step.name] = {"measured_bubble": bubble, "traced_ms": makespan * 1e3, "equal_stages_bubble": equal.bubble,
-                          "replayed_bubble": replayed.bubble, "best_order_bubble": best_order(every, m, v),
+                          "replayed_bubble": replayed.bubble, "best_order_bubble": best_order(every, m, v, placement),
                           **trial_of(step)}
     return out
 
@@ -211,7 +221,7 @@ def run_m(rank: int, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, m: 
             "vs_accum": {name: median_ratio(walls["accum"], walls[name]) for name in walls if name != "accum"},
             "vs_torch": {a: median_ratio(walls[b], walls[a]) for a, b in SAME if b in walls},
             "vs_own_1f1b": {a: median_ratio(walls["1f1b"], walls[a]) for a in PIPEDDP if a != "1f1b"},
-            "auto_vs_fastest_torch": {a: median_ratio(walls[fastest], walls[a]) for a in ("auto", "auto-v2")
+            "auto_vs_fastest_torch": {a: median_ratio(walls[fastest], walls[a]) for a in AUTOS
                                       for fastest in [min((t for t in TORCH if t in walls),
                                                           key=lambda t: statistics.median(walls[t]))]},
             "stage_vs_replica": {a: median_ratio(walls[a + "-replica"], walls[a]) for a in ("1f1b", "interleaved")},
@@ -267,13 +277,13 @@ def report(res: Dict[str, Any], run: Run) -> Dict[str, Any]:
                   [[f"{r['m']} / {k}", v["measured_bubble"], v["replayed_bubble"], v["equal_stages_bubble"],
                     v["best_order_bubble"]]
                    for r in rows for k, v in r["bubbles"].items()])
-        best_auto = min(max(r["auto_vs_fastest_torch"][a] for a in ("auto", "auto-v2")) for r in rows)
+        best_auto = min(max(r["auto_vs_fastest_torch"][a] for a in AUTOS) for r in rows)
         goals = [["interleaved / zb-v2 vs torch's counterpart, worst m",
                   worst(rows, "vs_torch", ("interleaved", "zb-v2")), 1.00],
                  ["stage mode vs replica mode, worst", worst(rows, "stage_vs_replica", ("1f1b", "interleaved")), 0.95],
                  [f"1f1b and interleaved vs torch's, {cut}, same schedule, worst m",
                   worst(rows, "vs_torch", ("1f1b", "interleaved")), 1.02],
-                 [f"auto (better of v=1, v=2) vs torch's fastest schedule at {cut}, worst m", best_auto,
+                 [f"auto (best of v=1, v=2, the V) vs torch's fastest schedule at {cut}, worst m", best_auto,
                   1.15 if name == "lm" else 1.10]]
         rows4 = [r for r in rows if r["m"] == 4]
         if rows4:
@@ -282,17 +292,17 @@ def report(res: Dict[str, Any], run: Run) -> Dict[str, Any]:
         checks = [[text, got, f">= {goal:.2f}", got >= goal] for text, got, goal in goals]
         b8 = next((r["bubbles"] for r in rows if r["m"] == 8), {})
         if "auto" in b8 and "1f1b" in b8:
-            one, autos = b8["1f1b"]["measured_bubble"], [b8[a] for a in ("auto", "auto-v2")]
+            one, autos = b8["1f1b"]["measured_bubble"], [b8[a] for a in AUTOS]
             got = min(b["measured_bubble"] for b in autos)
-            checks.append(["auto's (better of v=1, v=2) measured bubble / pipeddp 1F1B's at m=8", got / one, "<= 0.50",
-                           got <= one / 2])
+            checks.append(["auto's (best of v=1, v=2, the V) measured bubble / pipeddp 1F1B's at m=8", got / one,
+                           "<= 0.50", got <= one / 2])
             split = [b["best_order_bubble"] for b in autos if b["best_order_bubble"] is not None]
             if split:  # auto may run whole backwards (1F1B's order won on its steps): no W to reorder then
                 checks.append(["best order for auto's measured actions (any memory) / 1F1B's bubble at m=8",
                                min(split) / one, "(what reordering can reach)"])
         for r in rows:
             log0(f"  m={r['m']}: torch failed: {r['torch_failed'] or 'none'}")
-            for a in ("auto", "auto-v2"):
+            for a in AUTOS:
                 trial = r["bubbles"].get(a, {}).get("trial")
                 if trial and trial["quickest_ms"]:
                     quickest_ms = ", ".join(f"{k}: {t:.1f}" for k, t in sorted(trial["quickest_ms"].items()))

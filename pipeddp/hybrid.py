@@ -108,10 +108,9 @@ class HybridParallel(Checkpointable, StepModule):
                  timeout: Union[float, timedelta] = timedelta(minutes=30), trace: bool = False,
                  threads: Optional[int] = None, skip_nonfinite: bool = False, deferred_batch_norm: bool = False,
                  compile: Union[bool, Dict[str, Any]] = False, virtual_stages: Optional[int] = None,
-                 global_batch: Optional[int] = None, batch_size: Optional[int] = None,
+                 placement: str = "loop", global_batch: Optional[int] = None, batch_size: Optional[int] = None,
                  shard: str = "none", max_activations: Optional[int] = None, seed: int = 0,
-                 init: Optional[Callable[[nn.Module], None]] = None, mesh: Optional[Any] = None,
-                 placement: str = "loop") -> None:
+                 init: Optional[Callable[[nn.Module], None]] = None, mesh: Optional[Any] = None) -> None:
         super().__init__()
         self.topology = topo = current_topology(stages, mode, layout) if mesh is None \
             else mesh_topology(mesh, stages, mode)

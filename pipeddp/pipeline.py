@@ -155,10 +155,10 @@ class Pipeline(Checkpointable, StepModule):
         deferred_batch_norm: bool = False,
         compile: Union[bool, Dict[str, Any]] = False,
         virtual_stages: Optional[int] = None,
+        placement: str = "loop",
         max_activations: Optional[int] = None,
         seed: int = 0,
         init: Optional[Callable[[nn.Module], None]] = None,
-        placement: str = "loop",
     ) -> None:
         super().__init__()
         devs = pipeline_devices(devices, stages)
@@ -207,6 +207,11 @@ class Pipeline(Checkpointable, StepModule):
     def virtual_stages(self) -> int:
         """Stages per device (the model has ``len(devices) * virtual_stages`` stages)."""
         return self.settings.virtual_stages
+
+    @property
+    def placement(self) -> str:
+        """How the stages sit on the devices: ``"loop"`` (round robin) or ``"v"`` (down and back up)."""
+        return self.settings.placement
 
     @property
     def timeout(self) -> float:
@@ -293,5 +298,6 @@ class Pipeline(Checkpointable, StepModule):
     def extra_repr(self) -> str:
         devs = ", ".join(str(d) for d in self.devices)
         virtual = f", virtual_stages={self.virtual_stages}" if self.virtual_stages > 1 else ""
+        virtual += f", placement={self.placement!r}" if self.placement != "loop" else ""
         return f"devices=[{devs}], balance={self.balance}, chunks={self.chunks}, split_size={self.split_size}, " \
                f"schedule={self.schedule!r}{virtual}, checkpoint={self.checkpoint!r}"

@@ -62,15 +62,16 @@ def test_materialize_is_seeded_by_name_and_leaves_nothing_on_meta():
     assert torch.equal(a[4].weight, torch.ones(16, dtype=torch.float64))  # LayerNorm's own initialisation
 
 
-@pytest.mark.parametrize("devices,virtual,tied", [(2, 1, False), (3, 1, False), (2, 2, False), (2, 1, True),
-                                                  (3, 1, True)])
-def test_a_pipeline_of_a_meta_model_trains_the_materialized_model(devices, virtual, tied):
+@pytest.mark.parametrize("devices,virtual,tied,placement", [(2, 1, False, "loop"), (3, 1, False, "loop"),
+                                                            (2, 2, False, "loop"), (2, 1, True, "loop"),
+                                                            (3, 1, True, "loop"), (2, 2, True, "v")])
+def test_a_pipeline_of_a_meta_model_trains_the_materialized_model(devices, virtual, tied, placement):
     steps = batches(tied=tied)
     expect = plain(7, steps, tied)
     model = build(tied)
     schedule = "interleaved" if virtual > 1 else "1f1b"
     with pipeddp.Pipeline(model, ["cpu"] * devices, chunks=3, seed=7, schedule=schedule,
-                          virtual_stages=virtual) as pipe:
+                          virtual_stages=virtual, placement=placement) as pipe:
         opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
         for x, y in steps:
             opt.zero_grad()

@@ -12,8 +12,8 @@ import torch
 import pipeddp
 from conftest import data, make_mlp, max_diff
 from hybrid_jobs import LOSS, global_batches, schedule_job
-from pipeddp.runtime.schedule import (crossings, get_schedule, interleaved, list_schedule, play, row_of, stages_on,
-                                      validate)
+from pipeddp.runtime.schedule import (crossings, get_schedule, interleaved, list_schedule, peak_held, play, row_of,
+                                      stages_on, validate)
 from pipeddp.runtime.schedule.costed import AutoSchedule, Costs
 from test_schedules_train import reference
 
@@ -29,14 +29,23 @@ def test_v_goes_down_the_devices_and_back_up():
 
 
 @pytest.mark.parametrize("p", [2, 3, 4])
-@pytest.mark.parametrize("v", [2, 3])
-@pytest.mark.parametrize("m", [1, 2, 5, 8])
+@pytest.mark.parametrize("v", [2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
 def test_every_schedule_places_its_stages_in_the_v_and_finishes(p, v, m):
     for name in SCHEDULES:
         plan = get_schedule(name, p, m, v, placement="v")  # validated there: placed, complete, deadlock-free
         for r, row in enumerate(plan):
             assert {a.at for a in row} == set(stages_on(r, p, p * v, "v")), (name, r)
         play(plan)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (2, 8), (3, 6), (4, 8)])
+def test_zero_bubble_in_the_v_is_as_short_as_round_robin_on_paper(p, m):
+    # a device's second stage in the V waits for the way down and back: a forward order kept strictly (as round
+    # robin keeps it) would idle there; with unit costs the V's order is then as short as the loop's
+    v_plan, loop = get_schedule("zb", p, m, 2, placement="v"), get_schedule("zb", p, m, 2)
+    assert play(v_plan).makespan <= play(loop).makespan
+    assert max(peak_held(row) for row in v_plan) <= max(peak_held(row) for row in loop)
 
 
 def test_the_turns_of_the_v_cross_no_link():
@@ -188,3 +197,47 @@ def test_a_weight_used_on_three_stages_across_processes_in_the_v(schedule, calls
         assert max_diff([res["state"][k] for k in expect], expect.values()) < 1e-12, res["rank"]
     copies = [v for res in results for k, v in res["local"].items() if k in ("0.weight", "3.weight", "5.weight")]
     assert len(copies) == 6 and all(torch.equal(copies[0], c) for c in copies[1:])
+
+
+def tied_ends_job(placement: str):
+    """An embedding and the head tied to it, on the first and last of 4 stages over 2 processes, 3 steps."""
+    from test_meta import LOSS as META_LOSS
+    from test_meta import batches, build
+
+    engine = pipeddp.HybridParallel(build(tied=True), stages=2, mode="stage", chunks=3, seed=7,
+                                    schedule="interleaved", virtual_stages=2, balance=[1, 2, 1, 2],
+                                    placement=placement)
+    opt = torch.optim.SGD(engine.parameters(), lr=0.1)
+    for x, y in batches(tied=True):
+        opt.zero_grad()
+        engine.train_step(x if engine.is_first else None, y if engine.is_last else None, META_LOSS)
+        opt.step()
+    with torch.no_grad():
+        output = engine(x if engine.is_first else None)  # the trained model's output, where the last stage runs
+    out = {"state": engine.state_dict(), "shared": len(engine._replica.ties.items),
+           "ends": (engine.is_first, engine.is_last), "output": output}
+    engine.close()
+    return out
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("placement", ["loop", "v"])
+def test_a_tie_between_the_first_and_last_stage_stays_in_one_process_in_the_v(placement):
+    from test_meta import batches, build, plain
+
+    steps = batches(tied=True)
+    expect = plain(7, steps, tied=True)
+    trained = pipeddp.materialize(build(tied=True), seed=0)
+    trained.load_state_dict(expect)
+    results = pipeddp.spawn(tied_ends_job, 2, args=(placement,), timeout=150)
+    for res in results:
+        assert max_diff([res["state"][k] for k in expect], expect.values()) < 1e-12
+        assert (res["output"] is None) != res["ends"][1]  # the output comes back where the last stage runs
+        if res["output"] is not None:
+            assert max_diff([res["output"]], [trained(steps[-1][0])]) < 1e-12
+    if placement == "v":  # process 0 feeds the inputs and reads the targets; nothing tied crosses processes
+        assert [res["ends"] for res in results] == [(True, True), (False, False)]
+        assert [res["shared"] for res in results] == [0, 0]
+    else:
+        assert [res["ends"] for res in results] == [(True, False), (False, True)]
+        assert [res["shared"] for res in results] == [1, 1]

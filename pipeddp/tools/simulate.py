@@ -108,14 +108,15 @@ def simulate(
     bucket_bytes: Optional[float] = None,
     collectives_share_cores: bool = False,
     step_overhead: float = 0.0,
+    placement: str = "loop",
     virtual_stages: int = 1,
 ) -> Prediction:
     """Predict one training step of ``replicas`` pipelines with the stages of ``costs``.
 
     ``costs[s]`` is stage s at the micro-batch size used (``chunks`` micro-batches
     per replica); with ``virtual_stages=v`` there are ``stages * v`` of them and
-    device r runs stages r, r + stages, ... (``stages`` defaults to
-    ``len(costs) // v``). ``links`` is the link between devices (name from
+    device r runs stages r, r + stages, ... (``placement="v"``: r, 2 stages - 1 - r,
+    ...; ``stages`` defaults to ``len(costs) // v``). ``links`` is the link between devices (name from
     ``LINKS`` or a ``Link``; default: free), ``allreduce_link`` the one between
     replicas (default: ``links``). Each stage's gradient all-reduce starts with its
     last weight-gradient action (its last B or W: DDP reduces buckets as they
@@ -145,14 +146,14 @@ def simulate(
         schedule = AutoSchedule(Costs(tuple(c.forward for c in costs), tuple(c.cost(Kind.I, s == 0) for s, c in
                                                                              enumerate(costs)),
                                       tuple(c.cost(Kind.W, s == 0) for s, c in enumerate(costs)),
-                                      max(link.time(c.activation_bytes) for c in costs)))
-    plan = get_schedule(schedule, rows, chunks, virtual_stages)
+                                      max(link.time(c.activation_bytes) for c in costs)), placement=placement)
+    plan = get_schedule(schedule, rows, chunks, virtual_stages, placement=placement)
 
     def duration(row: int, a: Action) -> float:
         return costs[a.at].cost(a.kind, a.at == 0)
 
     def transfer(src: int, dst: int, a: Action) -> float:
-        if row_of(src, rows) == row_of(dst, rows):
+        if row_of(src, rows, placement) == row_of(dst, rows, placement):
             return 0.0  # consecutive stages on one device: nothing moves
         # an activation leaves stage src forward; its gradient (same size) comes back from src = dst + 1
         sender = src if a.kind is Kind.F else dst

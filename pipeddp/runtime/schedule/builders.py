@@ -98,10 +98,25 @@ def list_schedule(stages: int, chunks: int, virtual_stages: int = 1, *, split_ba
     """
     check_counts(stages, chunks, virtual_stages)
     check_placement(placement)
-    p, n_stages = stages, stages * virtual_stages
+    p = stages
     caps = [chunks * virtual_stages] * p if limit is None else list(limit)
     if len(caps) != p or any(c < 1 for c in caps):
         raise ValueError(f"limit must give every one of the {p} devices at least 1 micro-batch, got {limit!r}")
+    if placement != "loop":
+        # In the V a device's second stage waits for the whole way down and back: there the first forward that is
+        # ready in the device's order runs (per stage still in micro-batch order), unless that fills a device with
+        # first passes that nothing can release (v >= 4); then forwards go strictly in order, as round robin's do.
+        try:
+            return _played(p, chunks, virtual_stages, split_backward, caps, placement, strict=False)
+        except ValueError:
+            pass
+    return _played(p, chunks, virtual_stages, split_backward, caps, placement, strict=True)
+
+
+def _played(p: int, chunks: int, virtual_stages: int, split_backward: bool, caps: List[int], placement: str, *,
+            strict: bool) -> Schedule:
+    """``list_schedule``'s play (its arguments checked), forwards strictly in each device's order or not."""
+    n_stages = p * virtual_stages
     fwd = [_round_robin(p, chunks, virtual_stages, r, False, placement) for r in range(p)]
     bwd = [_round_robin(p, chunks, virtual_stages, r, True, placement) for r in range(p)]
     back = Kind.I if split_backward else Kind.B
@@ -120,7 +135,7 @@ def list_schedule(stages: int, chunks: int, virtual_stages: int = 1, *, split_ba
         return max(times, default=0.0) if len(times) == len(wanted) else None
 
     def first_ready(order: List[Tuple[int, int]], kind: Kind, now: float) -> Optional[int]:
-        for k, (s, i) in enumerate(order[:1] if kind is Kind.F else order):  # forwards strictly in order
+        for k, (s, i) in enumerate(order[:1] if kind is Kind.F and strict else order):
             t = ready(Action(kind, i, s))
             if t is not None and t <= now:
                 return k
@@ -182,7 +197,7 @@ def list_schedule(stages: int, chunks: int, virtual_stages: int = 1, *, split_ba
             later += [t for t in (ready(Action(back, i, s)) for s, i in bwd[r]) if t is not None and t > now]
             later += [t for t in (ready(Action(Kind.F, i, s)) for s, i in fwd[r]) if t is not None and t > now]
         if not later:
-            raise ValueError(f"list_schedule: no device can proceed ({stages} devices, {chunks} micro-batches, "
+            raise ValueError(f"list_schedule: no device can proceed ({p} devices, {chunks} micro-batches, "
                              f"virtual_stages={virtual_stages}, limit={caps}); raise the limit")
         nxt = min(later)
         for r in range(p):
@@ -206,13 +221,15 @@ def interleaved(stages: int, chunks: int, virtual_stages: int = 2, *, placement:
 
     The bubble shrinks from ``(p - 1) / m`` to about ``(p - 1) / (v m)`` of a
     step; each device holds at most ``interleaved_limit`` micro-batches (of a
-    stage v times smaller than with one stage per device). With one virtual
-    stage it is 1F1B.
+    stage v times smaller than with one stage per device; in the V, whose last
+    device turns a micro-batch around at once, every device the first one's
+    limit). With one virtual stage it is 1F1B.
     """
     check_counts(stages, chunks, virtual_stages)
     if virtual_stages == 1:
         return one_f_one_b(stages, chunks)
-    return list_schedule(stages, chunks, virtual_stages, limit=interleaved_limit(stages, chunks, virtual_stages),
+    limit = interleaved_limit(stages, chunks, virtual_stages)
+    return list_schedule(stages, chunks, virtual_stages, limit=limit if placement == "loop" else [max(limit)] * stages,
                          placement=placement)
 
 
