@@ -132,7 +132,9 @@ def trial_of(step: baselines.Step) -> Dict[str, Any]:
 def names_of(plans: Sequence[Any], p: int, m: int, v: int, placement: str = "loop") -> List[str]:
     """Which of auto's fixed schedules (``costed.fixed_schedules``: 1F1B and zero-bubble, or their interleaved
     forms) each of ``plans`` is, else ``"own"`` (an order of auto's own)."""
-    fixed = list(zip(["1f1b", "zb"] if v == 1 else ["interleaved", f"zb-v{v}"], fixed_schedules(p, m, v, placement)))
+    suffix = "" if placement == "loop" else " in the V"
+    names = ["1f1b", "zb"] if v == 1 else [f"interleaved{suffix}", f"zb-v{v}{suffix}"]
+    fixed = list(zip(names, fixed_schedules(p, m, v, placement)))
     return [next((name for name, base in fixed if base == plan), "own") for plan in plans]
 
 
