@@ -210,16 +210,16 @@ def check_two_gpus() -> None:
     train_tied(["cuda:0", "cuda:1"])
 
 
-def nccl_job(fake: bool) -> Dict[str, torch.Tensor]:
-    """Runs in each of 2 spawned processes: 1 replica x 2 devices (4 interleaved stages), one GPU each; the last
-    batch is smaller (the messages' shapes change). On the CPU (``--fake-cpu``) gloo runs it under NCCL's rules for
-    point-to-point messages (``nccl_rules``)."""
+def nccl_job(fake: bool, placement: str = "loop") -> Dict[str, torch.Tensor]:
+    """Runs in each of 2 spawned processes: 1 replica x 2 devices (4 interleaved stages, round robin or in the V),
+    one GPU each; the last batch is smaller (the messages' shapes change). On the CPU (``--fake-cpu``) gloo runs it
+    under NCCL's rules for point-to-point messages (``nccl_rules``)."""
     if fake:
         import nccl_rules
 
         nccl_rules.install()
     engine = pipeddp.HybridParallel(mlp(), stages=2, mode="stage", chunks=3, balance="uniform",
-                                    schedule="interleaved", virtual_stages=2,
+                                    schedule="interleaved", virtual_stages=2, placement=placement,
                                     **({"devices": ["cpu"], "backend": "gloo"} if fake else {}))
     assert fake or engine.backend == "nccl"
     # every process is bound to its own GPU before its first collective
@@ -238,8 +238,9 @@ def check_nccl() -> None:
     from cuda_checks import nccl_job as job  # importable by the spawned children
 
     expect = reference(mlp(), batches() + batches(1, n=7))
-    for state in pipeddp.spawn(job, 2, args=(FAKE,), timeout=300):
-        assert_close(expect, state, "nccl stage mode")
+    for placement in ("loop", "v"):
+        for state in pipeddp.spawn(job, 2, args=(FAKE, placement), timeout=300):
+            assert_close(expect, state, f"nccl stage mode, placement={placement!r}")
 
 
 CHECKS = {"one-gpu": check_one_gpu, "cut": check_cut, "tied": check_tied, "autocast": check_autocast,

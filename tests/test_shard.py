@@ -32,6 +32,7 @@ COMBOS = [
     {"shard": "optimizer", "schedule": "1f1b", "chunks": 2, "global_batch": 12, "batch_size": 3},
     {"shard": "full", "schedule": "1f1b", "chunks": 3},
     {"shard": "full", "schedule": "interleaved", "chunks": 4, "checkpoint": "except_last"},
+    {"shard": "optimizer", "schedule": "interleaved", "chunks": 4, "placement": "v"},
 ]
 
 
