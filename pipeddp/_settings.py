@@ -65,7 +65,8 @@ def check_settings(
     constructor's on/off arguments by name, each must be a bool. ``balance`` (with ``sample``):
     a method name or one number of layers per stage. ``max_activations``: ``schedule="auto"``'s cap.
     ``seed``: what a model built on the meta device is initialised from (an int >= 0), ``init`` how (a callable).
-    ``placement``: ``"loop"`` or ``"v"`` (``schedule.actions.PLACEMENTS``); ``"v"`` needs virtual stages.
+    ``placement``: ``"loop"``, ``"v"`` (``schedule.actions.PLACEMENTS``; ``"v"`` needs virtual stages) or
+    ``"auto"`` (chosen from the profile when the engine is built: ``schedule.placing``; a named schedule only).
 
     Everything here runs before any thread or process starts, so a mistake
     raises at once, naming the argument, instead of failing in a stage thread.
@@ -83,7 +84,11 @@ def check_settings(
         raise ValueError(f"init must be a callable init(module) for a model built on the meta device, got {init!r}")
     check_stage_count(stages, len(model))
     virtual = check_virtual_stages(virtual_stages, schedule)
-    check_placement(placement)
+    if placement != "auto":
+        check_placement(placement)
+    elif callable(schedule):
+        raise ValueError("placement='auto' chooses between the placements pipeddp builds its own schedules for; a "
+                         "schedule function places its stages itself: pass placement='loop' or 'v' to match it")
     if placement == "v" and virtual == 1:
         raise ValueError("placement='v' runs down the devices and back up, which needs at least two stages per device: "
                          "pass virtual_stages=2 (with schedule='interleaved', 'zb' or 'auto'), or leave placement out")
@@ -105,7 +110,7 @@ def check_settings(
     if checkpoint not in CHECKPOINT_MODES:
         raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
     # an unknown or broken schedule fails now, not at the first step
-    get_schedule(schedule, stages, 1, virtual, placement=placement)
+    get_schedule(schedule, stages, 1, virtual, placement="loop" if placement == "auto" else placement)
     if max_activations is not None and not is_auto(schedule):
         raise ValueError(f"max_activations={max_activations!r} caps what schedule='auto' builds; schedule={schedule!r} "
                          "holds what its pattern holds: use schedule='auto' or leave max_activations out")

@@ -107,8 +107,11 @@ class Pipeline(Checkpointable, StepModule):
             stages r, r + len(devices), ...; ``balance`` then lists that many stages.
         placement: with virtual stages, which device holds which: ``"loop"`` (default; as above) or ``"v"``,
             down the devices and back up (two devices, two stages each: device 0 holds stages 0 and 3),
-            so the first and the last stage, often the heaviest (an embedding and a head), share a device
-            and the turn between passes sends nothing (torch's ``ScheduleZBVZeroBubble`` places its stages so).
+            so the first and the last stage (an embedding and a head) share a device, a cut with a light
+            first stage and a heavy last one adds up more evenly on the devices, and the turn between
+            passes sends nothing (torch's ``ScheduleZBVZeroBubble`` places its stages so);
+            ``"auto"``: the one in which the schedule plays shorter on the profile's costs, chosen when the
+            engine is built (``pipeddp.runtime.schedule.placing``; ``pipe.placement`` says which).
         checkpoint: ``"never"``, ``"except_last"`` or ``"always"``: recompute
             activations in backward instead of keeping them (dropout replays the
             same random numbers).
@@ -210,8 +213,9 @@ class Pipeline(Checkpointable, StepModule):
 
     @property
     def placement(self) -> str:
-        """How the stages sit on the devices: ``"loop"`` (round robin) or ``"v"`` (down and back up)."""
-        return self.settings.placement
+        """How the stages sit on the devices: ``"loop"`` (round robin) or ``"v"`` (down and back up; what
+        ``placement="auto"`` chose)."""
+        return self._step.placement
 
     @property
     def timeout(self) -> float:

@@ -241,3 +241,84 @@ def test_a_tie_between_the_first_and_last_stage_stays_in_one_process_in_the_v(pl
     else:
         assert [res["ends"] for res in results] == [(True, False), (False, True)]
         assert [res["shared"] for res in results] == [1, 1]
+
+
+# -- placement="auto": from the profile, when the engine is built ---------------------------------------------------
+
+from pipeddp.runtime.schedule.placing import choose_placement  # noqa: E402
+
+
+def stage_costs(*forward: float) -> Costs:
+    """Per stage: F as given, I and W each as long (none for the first stage's I)."""
+    return Costs(forward, tuple(0.0 if s == 0 else f for s, f in enumerate(forward)), forward, 0.0)
+
+
+#: a light first stage and a heavy last one (a language model's head): the V pairs them, (0, 3) and (1, 2) sum to
+#: 4 and 4, where round robin's (0, 2) and (1, 3) sum to 3 and 5
+HEAD_HEAVY = stage_costs(1.0, 2.0, 2.0, 3.0)
+#: both ends heavy: the V would put both on device 0, round robin splits them
+ENDS_HEAVY = stage_costs(3.0, 1.0, 1.0, 3.0)
+
+
+@pytest.mark.parametrize("schedule", ["auto", "zb", "interleaved"])
+def test_auto_placement_takes_the_placement_whose_step_is_shorter_on_the_profile(schedule):
+    assert choose_placement(schedule, 2, 4, 2, HEAD_HEAVY) == "v"
+    assert choose_placement(schedule, 2, 4, 2, ENDS_HEAVY) == "loop"
+    assert choose_placement(schedule, 2, 4, 2, Costs.unit(4)) == "loop"  # a tie: round robin, the default
+    assert choose_placement(schedule, 2, 4, 1, stage_costs(1.0, 3.0)) == "loop"  # one stage per device
+    if schedule != "auto":  # the V's fixed order is the shorter one on those costs, which is why it was chosen
+        spans = {pl: play(get_schedule(schedule, 2, 4, 2, placement=pl),
+                          lambda row, a: HEAD_HEAVY.of(a.kind, a.stage)).makespan for pl in ("loop", "v")}
+        assert spans["v"] < spans["loop"]
+
+
+def test_auto_placement_is_refused_for_a_schedule_function():
+    with pytest.raises(ValueError, match="places its stages itself"):
+        pipeddp.Pipeline(make_mlp(), ["cpu"] * 2, schedule=lambda p, m, v: interleaved(p, m, v), virtual_stages=2,
+                         placement="auto")
+
+
+def test_a_pipeline_with_auto_placement_runs_what_the_profile_chose_and_trains_the_plain_model():
+    from pipeddp.runtime.schedule.costed import Costs as StageCosts
+
+    ref_grads, ref_params = reference(1)
+    x, _ = global_batches(1, 1)[0]
+    with pipeddp.Pipeline(make_mlp(), ["cpu"] * 2, chunks=4, schedule="auto", virtual_stages=2, balance="time",
+                          sample=x, placement="auto") as pipe:
+        expect = choose_placement("auto", 2, 4, 2, StageCosts.from_layers(pipe.partition.layers, pipe.balance))
+        assert pipe.placement == expect
+        held = {st.index: row for row, d in enumerate(pipe._runner.devices) for st in d.stages.values()}
+        assert held == {s: row_of(s, 2, expect) for s in range(4)}
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        for step, (x, y) in enumerate(global_batches(1, 3)):
+            opt.zero_grad()
+            pipe.train_step(x, y, LOSS)
+            got = dict(pipe.named_parameters())
+            assert max_diff([got[n].grad for n in ref_grads[step]], ref_grads[step].values()) < 1e-12
+            opt.step()
+
+
+def auto_placement_job():
+    """Stage mode, 2 processes, ``placement="auto"`` on a measured cut: rank 0's choice, run by both."""
+    x, _ = global_batches(1, 1)[0]
+    engine = pipeddp.HybridParallel(make_mlp(), stages=2, mode="stage", chunks=4, schedule="auto", virtual_stages=2,
+                                    balance="time", sample=x, placement="auto")
+    opt = torch.optim.SGD(engine.parameters(), lr=0.1)
+    for x, y in global_batches(1, 3):
+        opt.zero_grad()
+        engine.train_step(x if engine.is_first else None, y if engine.is_last else None, LOSS)
+        opt.step()
+    out = {"state": engine.state_dict(), "placement": engine._step.placement,
+           "stages": [st.index for st in engine.stages], "row": engine.topology.stage}
+    engine.close()
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_auto_placement_is_one_choice_for_every_rank_and_trains_the_plain_model():
+    _, ref_params = reference(1)
+    results = pipeddp.spawn(auto_placement_job, 2, timeout=150)
+    assert results[0]["placement"] == results[1]["placement"] in ("loop", "v")
+    for res in results:
+        assert res["stages"] == stages_on(res["row"], 2, 4, res["placement"])
+        assert max_diff([res["state"][n] for n in ref_params], ref_params.values()) < 1e-12

@@ -21,6 +21,7 @@ rank before any group or thread exists.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -33,6 +34,8 @@ from ..runtime.devices import DeviceLike
 from ..runtime.executor import ThreadRunner
 from ..runtime.refine import attach_auto
 from ..runtime.schedule.actions import row_of, stages_on
+from ..runtime.schedule.costed import Costs
+from ..runtime.schedule.placing import choose_placement
 from ..runtime.settings import Settings
 from ..runtime.stage import Stage, build_stages, register_layers
 from ..runtime.step import Runner, Step
@@ -66,7 +69,7 @@ def build_replica(owner: nn.Module, model: nn.Sequential, topology: Topology, se
     collective is a local call and no process group is made.
     """
     check_ddp_kwargs(ddp_kwargs, comm_hook)
-    topo, virtual, placement = topology, settings.virtual_stages, settings.placement
+    topo, virtual = topology, settings.virtual_stages
     n_stages = topo.stages * virtual
     devs = local_devices(topo, devices)
     backend = choose_backend(backend, devs, topo)
@@ -76,10 +79,15 @@ def build_replica(owner: nn.Module, model: nn.Sequential, topology: Topology, se
     if owns_group:
         init_process_group(backend, settings.timeout_delta)
     topo = with_job_group(topo, settings.timeout_delta)  # placed on a mesh: the job's collectives on its own ranks
-    agreement = Agreement(topo, devs[0] if backend == "nccl" and topo.world_size > 1 else torch.device("cpu"),
-                          last_row=row_of(n_stages - 1, topo.stages, placement))
+    agreement = Agreement(topo, devs[0] if backend == "nccl" and topo.world_size > 1 else torch.device("cpu"))
     cut = agreement.from_rank0(lambda: partition(devs[0]))
     balance = list(cut.balance)
+    if settings.placement == "auto":  # from the profile, on rank 0 for every rank (see schedule.placing)
+        settings = replace(settings, placement=agreement.from_rank0(lambda: choose_placement(
+            settings.schedule, topo.stages, settings.chunks or 2 * topo.stages, virtual,
+            Costs.from_layers(cut.layers, balance), settings.max_activations)))
+    placement = settings.placement
+    agreement.last_row = row_of(n_stages - 1, topo.stages, placement)
     groups = make_groups(topo, backend, settings.timeout_delta, virtual, placement)
     if sync_batchnorm:  # after profiling: a SyncBatchNorm would wait for the other ranks there
         model = with_sync_batchnorm(model, devs, topo.replicas, topo.rank)

@@ -322,8 +322,10 @@ def check_shard(shard: Any, *, replicas: int, model: nn.Module, split_backward: 
 
 
 def split_backward(schedule: Any, stages: int, virtual_stages: int, placement: str = "loop") -> bool:
-    """Whether ``schedule`` splits backward into input (I) and weight (W) halves."""
+    """Whether ``schedule`` splits backward into input (I) and weight (W) halves (``placement="auto"``: as placed
+    round robin; a schedule of pipeddp's splits it, or not, in either placement)."""
     from ..runtime.schedule import Kind, get_schedule
 
-    plan = get_schedule(schedule, stages, 2 * stages, virtual_stages, placement=placement)
+    plan = get_schedule(schedule, stages, 2 * stages, virtual_stages, placement="loop" if placement == "auto"
+                        else placement)
     return any(a.kind is Kind.W for row in plan for a in row)

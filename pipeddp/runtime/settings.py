@@ -31,7 +31,8 @@ class Settings:
     virtual_stages: int = 1
     #: ``schedule="auto"``: the most micro-batches a device may hold at once (None: 1F1B's)
     max_activations: Optional[int] = None
-    #: how the stages sit on the devices: ``"loop"`` (round robin) or ``"v"`` (``schedule.actions.PLACEMENTS``)
+    #: how the stages sit on the devices: ``"loop"`` (round robin) or ``"v"`` (``schedule.actions.PLACEMENTS``), or
+    #: ``"auto"``: one of them, chosen from the profile when the engine is built (``schedule.placing``)
     placement: str = "loop"
     #: the seed a model built on the meta device is initialised from, layer by layer (see ``materialize``)
     seed: int = 0

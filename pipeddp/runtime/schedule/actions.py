@@ -87,8 +87,9 @@ Event = Tuple[str, int, int]
 #: How the stages of a pipeline of ``p`` devices sit on them. ``"loop"``: round robin, device r holds stages
 #: r, r + p, ... (a micro-batch loops over the devices v times). ``"v"``: down the devices and back up, pass by
 #: pass (p = 2, v = 2: device 0 holds stages 0 and 3, device 1 stages 1 and 2), so the first and the last stage
-#: share a device, each turn between passes stays on one device, and a model whose ends are heavy (an
-#: embedding and a head) puts both on one device beside two light middle stages.
+#: share a device (a weight tied between an embedding and a head stays on it), each turn between passes stays on
+#: one device, and the devices sum other pairs of stages: a cut whose first stage is light and whose last is
+#: heavy (a language model's head) adds up more evenly in the V, one whose both ends are heavy in the loop.
 PLACEMENTS = ("loop", "v")
 
 
