@@ -11,11 +11,11 @@ import torch
 
 import pipeddp
 from conftest import data, make_mlp, max_diff
-from hybrid_jobs import LOSS, global_batches, schedule_job
+from hybrid_jobs import LOSS, global_batches
 from pipeddp.runtime.schedule import (crossings, get_schedule, interleaved, list_schedule, peak_held, play, row_of,
                                       stages_on, validate)
 from pipeddp.runtime.schedule.costed import AutoSchedule, Costs
-from test_schedules_train import reference
+from test_schedules_train import reference, train_against
 
 SCHEDULES = ["interleaved", "zb", "auto"]
 
@@ -84,6 +84,11 @@ def test_the_settings_say_what_the_v_needs():
         pipeddp.Pipeline(make_mlp(), ["cpu"] * 2, schedule=round_robin, virtual_stages=2, placement="v")
 
 
+def held_rows(pipe):
+    """Which device (thread) of ``pipe`` holds each stage."""
+    return {st.index: row for row, d in enumerate(pipe._runner.devices) for st in d.stages.values()}
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("devices", [2, 3])
 @pytest.mark.parametrize("checkpoint", ["never", "always"])
@@ -91,17 +96,10 @@ def test_a_pipeline_in_the_v_trains_the_plain_model(schedule, devices, checkpoin
     ref_grads, ref_params = reference(1)
     with pipeddp.Pipeline(make_mlp(), ["cpu"] * devices, chunks=4, schedule=schedule, virtual_stages=2,
                           checkpoint=checkpoint, balance="uniform", placement="v") as pipe:
-        held = {st.index: row for row, d in enumerate(pipe._runner.devices) for st in d.stages.values()}
+        held = held_rows(pipe)
         assert held == {s: row_of(s, devices, "v") for s in range(2 * devices)}
         assert held[0] == held[2 * devices - 1] == 0
-        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
-        for step, (x, y) in enumerate(global_batches(1, 3)):
-            opt.zero_grad()
-            pipe.train_step(x, y, LOSS)
-            got = dict(pipe.named_parameters())
-            assert max_diff([got[n].grad for n in ref_grads[step]], ref_grads[step].values()) < 1e-12
-            opt.step()
-        state = pipe.state_dict()
+        state = train_against(pipe, ref_grads)
     assert max_diff([state[n] for n in ref_params], ref_params.values()) < 1e-12
 
 
@@ -135,41 +133,10 @@ def test_a_checkpoint_of_the_v_loads_into_the_loop_and_back(tmp_path):
         assert max_diff([other.state_dict()[k] for k in saved], saved.values()) == 0
 
 
-COMBOS = [("interleaved", 2, 4, "never", "v"), ("zb", 2, 4, "always", "v"), ("auto", 2, 4, "except_last", "v")]
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode,replicas,stages", [("stage", 2, 2), ("stage", 1, 3), ("replica", 2, 2)])
-def test_hybrid_in_the_v_trains_the_plain_model(mode, replicas, stages):
-    """Stage mode: the process of row 0 holds the first and the last stage, so it alone passes x and y."""
-    nprocs = replicas if mode == "replica" else replicas * stages
-    results = pipeddp.spawn(schedule_job, nprocs, args=(mode, stages, replicas, COMBOS), timeout=280)
-    ref_grads, ref_params = reference(replicas)
-    for i, combo in enumerate(COMBOS):
-        per_rank = [r[i] for r in results]
-        grads = [{} for _ in range(3)]
-        state = {}
-        for r in per_rank:
-            assert r["combo"] == combo
-            for step in range(3):
-                grads[step].update(r["grads"][step])
-            state.update(r["state"])
-        for step in range(3):
-            assert sorted(grads[step]) == sorted(ref_grads[step])
-            assert max_diff([grads[step][n] for n in ref_grads[step]], ref_grads[step].values()) < 1e-12, combo
-        assert max_diff([state[n] for n in ref_params], ref_params.values()) < 1e-12, combo
-        if mode == "stage":
-            for rank, r in enumerate(per_rank):
-                row = rank % stages  # layout "pipeline": ranks 0..S-1 are replica 0
-                assert r["stages"] == stages_on(row, stages, 2 * stages, "v"), (rank, r["stages"])
-        if replicas > 1:
-            assert all(r["hook_calls"] == [3] * len(r["stages"]) for r in per_rank), combo
-
-
 # -- tied weights: the first and last stage share a device in the V ----------------------------------------------
 
-from tied_jobs import (global_batches as tied_batches, reference_state, shared_model,  # noqa: E402
-                       shared_tie_job)
+from tied_jobs import global_batches as tied_batches  # noqa: E402
+from tied_jobs import reference_state, shared_model  # noqa: E402
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -184,19 +151,6 @@ def test_a_weight_used_on_three_stages_of_two_devices_in_the_v(schedule):
             opt.step()
         state = pipe.state_dict()
     assert sorted(state) == sorted(expect) and max_diff([state[k] for k in expect], expect.values()) < 1e-12
-
-
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("schedule,calls", [("interleaved", 1), ("auto", 2)])
-def test_a_weight_used_on_three_stages_across_processes_in_the_v(schedule, calls):
-    """Stage mode, 2 replicas x 2 devices: the uses on stages 0 and 3 in one process, the third in the other."""
-    results = pipeddp.spawn(shared_tie_job, 4, args=("stage", schedule, 2, calls, "v"), timeout=200)
-    expect = reference_state(shared_model(), tied_batches())
-    for res in results:
-        assert sorted(res["state"]) == sorted(expect)
-        assert max_diff([res["state"][k] for k in expect], expect.values()) < 1e-12, res["rank"]
-    copies = [v for res in results for k, v in res["local"].items() if k in ("0.weight", "3.weight", "5.weight")]
-    assert len(copies) == 6 and all(torch.equal(copies[0], c) for c in copies[1:])
 
 
 def tied_ends_job(placement: str):
@@ -279,23 +233,15 @@ def test_auto_placement_is_refused_for_a_schedule_function():
 
 
 def test_a_pipeline_with_auto_placement_runs_what_the_profile_chose_and_trains_the_plain_model():
-    from pipeddp.runtime.schedule.costed import Costs as StageCosts
-
     ref_grads, ref_params = reference(1)
     x, _ = global_batches(1, 1)[0]
     with pipeddp.Pipeline(make_mlp(), ["cpu"] * 2, chunks=4, schedule="auto", virtual_stages=2, balance="time",
                           sample=x, placement="auto") as pipe:
-        expect = choose_placement("auto", 2, 4, 2, StageCosts.from_layers(pipe.partition.layers, pipe.balance))
+        expect = choose_placement("auto", 2, 4, 2, Costs.from_layers(pipe.partition.layers, pipe.balance))
         assert pipe.placement == expect
-        held = {st.index: row for row, d in enumerate(pipe._runner.devices) for st in d.stages.values()}
-        assert held == {s: row_of(s, 2, expect) for s in range(4)}
-        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
-        for step, (x, y) in enumerate(global_batches(1, 3)):
-            opt.zero_grad()
-            pipe.train_step(x, y, LOSS)
-            got = dict(pipe.named_parameters())
-            assert max_diff([got[n].grad for n in ref_grads[step]], ref_grads[step].values()) < 1e-12
-            opt.step()
+        assert held_rows(pipe) == {s: row_of(s, 2, expect) for s in range(4)}
+        state = train_against(pipe, ref_grads)
+    assert max_diff([state[n] for n in ref_params], ref_params.values()) < 1e-12
 
 
 def auto_placement_job():

@@ -13,7 +13,7 @@ from torch import nn
 import pipeddp
 from conftest import data, make_mlp, max_diff, reference_training
 from hybrid_jobs import LOSS, global_batches, schedule_job
-from pipeddp.runtime.schedule import get_schedule, play
+from pipeddp.runtime.schedule import get_schedule, play, stages_on
 
 NEW = [("interleaved", 2), ("zb", 1), ("zb", 2), ("auto", 1), ("auto", 2)]
 
@@ -25,6 +25,19 @@ def reference(replicas: int):
     return [dict(zip(names, g)) for g in grads], dict(zip(names, params))
 
 
+def train_against(pipe, ref_grads):
+    """3 SGD steps of ``global_batches(1, 3)``, each step's gradients compared with the plain model's (``ref_grads``,
+    per step by name); the final state."""
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    for step, (x, y) in enumerate(global_batches(1, 3)):
+        opt.zero_grad()
+        pipe.train_step(x, y, LOSS)
+        got = dict(pipe.named_parameters())
+        assert max_diff([got[n].grad for n in ref_grads[step]], ref_grads[step].values()) < 1e-12
+        opt.step()
+    return pipe.state_dict()
+
+
 @pytest.mark.parametrize("schedule,virtual", NEW)
 @pytest.mark.parametrize("devices", [2, 3])
 @pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
@@ -33,14 +46,7 @@ def test_pipeline_trains_the_plain_model(schedule, virtual, devices, checkpoint)
     with pipeddp.Pipeline(make_mlp(), ["cpu"] * devices, chunks=4, schedule=schedule, virtual_stages=virtual,
                           checkpoint=checkpoint, balance="uniform") as pipe:
         assert len(pipe.stages) == devices * virtual
-        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
-        for step, (x, y) in enumerate(global_batches(1, 3)):
-            opt.zero_grad()
-            pipe.train_step(x, y, LOSS)
-            got = dict(pipe.named_parameters())
-            assert max_diff([got[n].grad for n in ref_grads[step]], ref_grads[step].values()) < 1e-12
-            opt.step()
-        state = pipe.state_dict()
+        state = train_against(pipe, ref_grads)
     assert max_diff([state[n] for n in ref_params], ref_params.values()) < 1e-12
 
 
@@ -74,7 +80,24 @@ def test_measured_activation_memory_is_what_the_schedule_says(schedule, virtual)
 
 
 COMBOS = [("interleaved", 2, 4, "never"), ("interleaved", 2, 4, "always"), ("zb", 1, 4, "never"),
-          ("zb", 1, 4, "except_last"), ("zb", 2, 4, "always"), ("auto", 1, 4, "except_last"), ("auto", 2, 4, "always")]
+          ("zb", 1, 4, "except_last"), ("zb", 2, 4, "always"), ("auto", 1, 4, "except_last"), ("auto", 2, 4, "always"),
+          # in the V (placement="v"): in stage mode the process of row 0 holds the first and the last stage, so it
+          # alone passes x and y
+          ("interleaved", 2, 4, "never", "v"), ("zb", 2, 4, "always", "v"), ("auto", 2, 4, "except_last", "v")]
+
+
+def check_joined(per_rank, ref_grads, ref_params, combo) -> None:
+    """Every rank's gradients of each step and final weights (``schedule_job``'s), joined, are the plain model's."""
+    grads = [{} for _ in range(3)]
+    state = {}
+    for r in per_rank:
+        for step in range(3):
+            grads[step].update(r["grads"][step])
+        state.update(r["state"])
+    for step in range(3):
+        assert sorted(grads[step]) == sorted(ref_grads[step])
+        assert max_diff([grads[step][n] for n in ref_grads[step]], ref_grads[step].values()) < 1e-12, (combo, step)
+    assert max_diff([state[n] for n in ref_params], ref_params.values()) < 1e-12, combo
 
 
 @pytest.mark.timeout(300)
@@ -87,19 +110,11 @@ def test_hybrid_trains_the_plain_model_with_one_all_reduce_per_stage_and_step(mo
     for i, combo in enumerate(COMBOS):
         per_rank = [r[i] for r in results]
         assert all(r["combo"] == combo for r in per_rank)
-        grads = [{} for _ in range(3)]
-        state = {}
-        for r in per_rank:
-            for step in range(3):
-                grads[step].update(r["grads"][step])
-            state.update(r["state"])
-        for step in range(3):
-            assert sorted(grads[step]) == sorted(ref_grads[step])
-            assert max_diff([grads[step][n] for n in ref_grads[step]], ref_grads[step].values()) < 1e-12, \
-                (combo, step)
-        assert max_diff([state[n] for n in ref_params], ref_params.values()) < 1e-12, combo
-        virtual = combo[1]
-        for r in per_rank:
+        check_joined(per_rank, ref_grads, ref_params, combo)
+        virtual, placement = combo[1], (combo[4] if len(combo) > 4 else "loop")
+        for rank, r in enumerate(per_rank):
+            if mode == "stage":  # layout "pipeline": ranks 0..S-1 are replica 0
+                assert r["stages"] == stages_on(rank % stages, stages, stages * virtual, placement), (combo, rank)
             local = len(r["stages"])
             assert local == (stages * virtual if mode == "replica" else virtual)
             if replicas == 1:
@@ -138,13 +153,15 @@ def test_a_weight_used_on_three_stages_of_two_devices(schedule, virtual, calls):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("schedule,virtual,calls", [("interleaved", 2, 1), ("zb", 2, 1), ("interleaved", 2, 2),
-                                                    ("auto", 2, 2)])
-def test_a_weight_used_on_three_stages_across_processes(schedule, virtual, calls):
-    """Stage mode, 2 replicas x 2 devices: two uses in one process (stages 0 and 2), the third in another.
+@pytest.mark.parametrize("schedule,virtual,calls,placement", [("interleaved", 2, 1, "loop"), ("zb", 2, 1, "loop"),
+                                                              ("interleaved", 2, 2, "loop"), ("auto", 2, 2, "loop"),
+                                                              ("interleaved", 2, 1, "v"), ("auto", 2, 2, "v")])
+def test_a_weight_used_on_three_stages_across_processes(schedule, virtual, calls, placement):
+    """Stage mode, 2 replicas x 2 devices: two uses in one process (stages 0 and 2; in the V stages 0 and 3), the
+    third in another.
 
     With ``calls=2`` each step is two ``train_step`` calls on the local batch's halves, without zero_grad."""
-    results = pipeddp.spawn(shared_tie_job, 4, args=("stage", schedule, virtual, calls), timeout=200)
+    results = pipeddp.spawn(shared_tie_job, 4, args=("stage", schedule, virtual, calls, placement), timeout=200)
     expect = reference_state(shared_model(), tied_batches())
     for res in results:
         assert sorted(res["state"]) == sorted(expect)
