@@ -159,6 +159,11 @@ class HybridParallel(Checkpointable, StepModule):
         return self._step.last is not None
 
     @property
+    def placement(self) -> str:
+        """How the stages sit on the devices: ``"loop"`` or ``"v"`` (what ``placement="auto"`` chose)."""
+        return self._step.placement
+
+    @property
     def global_batch(self) -> Optional[int]:
         """Samples per optimizer step, all replicas together (None: not fixed, each call is one pass)."""
         return self.global_batch_plan.total if self.global_batch_plan is not None else None

@@ -254,7 +254,7 @@ def auto_placement_job():
         opt.zero_grad()
         engine.train_step(x if engine.is_first else None, y if engine.is_last else None, LOSS)
         opt.step()
-    out = {"state": engine.state_dict(), "placement": engine._step.placement,
+    out = {"state": engine.state_dict(), "placement": engine.placement,
            "stages": [st.index for st in engine.stages], "row": engine.topology.stage}
     engine.close()
     return out

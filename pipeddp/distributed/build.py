@@ -84,7 +84,7 @@ def build_replica(owner: nn.Module, model: nn.Sequential, topology: Topology, se
     balance = list(cut.balance)
     if settings.placement == "auto":  # from the profile, on rank 0 for every rank (see schedule.placing)
         settings = replace(settings, placement=agreement.from_rank0(lambda: choose_placement(
-            settings.schedule, topo.stages, settings.chunks or 2 * topo.stages, virtual,
+            settings.schedule, topo.stages, settings.chunks or 2 * topo.stages, virtual,  # split_size: 2 per device
             Costs.from_layers(cut.layers, balance), settings.max_activations)))
     placement = settings.placement
     agreement.last_row = row_of(n_stages - 1, topo.stages, placement)
