@@ -8,7 +8,9 @@ instead of ``LocalChannel``s::
 
 With virtual stages the process holds stages ``row, row + p, ...`` and the
 last device feeds the first device's next stage: the channels form a ring,
-one per other process it exchanges data with (both ways on one channel).
+one per other process it exchanges data with (both ways on one channel). In
+the V (``placement="v"``) the last device's two stages meet on it, through a
+mailbox of its own, and the way back runs the ring the other way.
 
 Before a step each channel is given the order of its link's messages, which
 both of its ends compute from the whole schedule (``crossings``): messages

@@ -15,9 +15,10 @@ thread per device (``workers``), joined by ``LocalChannel``s::
 
 With virtual stages a device holds several stages (device r: stages r, r + p,
 ...) and the last device feeds the first device's next stage, so channels
-form a ring. The process that owns one device of a multi-process pipeline
-runs the same ``run_actions`` on its main thread
-(``pipeddp.distributed.stage_runner``).
+form a ring (in the V, ``placement="v"``, the last device feeds itself and the
+way back runs the other way; ``Device.row_of`` says where a neighbour is).
+The process that owns one device of a multi-process pipeline runs the same
+``run_actions`` on its main thread (``pipeddp.distributed.stage_runner``).
 
 The threads (``workers``) are persistent and daemonic, and are stopped and
 joined by ``ThreadRunner.close``, which the public classes

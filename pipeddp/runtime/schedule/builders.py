@@ -9,8 +9,9 @@ print short::
     stage 2: F0 B0 F1 B1 F2 B2 F3 B3
 
 With ``virtual_stages=v`` the model is cut into ``p * v`` stages and device
-``r`` holds stages ``r, r + p, r + 2p, ...`` (round robin), so a micro-batch
-visits every device v times and the bubble shrinks about v-fold::
+``r`` holds stages ``r, r + p, r + 2p, ...`` (round robin; with
+``placement="v"`` down the devices and back up, ``actions.row_of``), so a
+micro-batch visits every device v times and the bubble shrinks about v-fold::
 
     >>> print(format_schedule(interleaved(stages=2, chunks=2, virtual_stages=2)))
     device 0: F0@s0 F1@s0 F0@s2 F1@s2 B0@s2 B1@s2 B0@s0 B1@s0
