@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -120,8 +120,8 @@ def checkpoint_resume_job(path: str, mode: str, stages: int) -> Dict[str, Any]:
     return state
 
 
-def eval_job(n_samples: int, mode: str, stages: int) -> Dict[str, float]:
-    engine = pipeddp.HybridParallel(make_mlp(width=4, depth=3), stages=stages, mode=mode, chunks=2)
+def eval_job(n_samples: int, mode: str, stages: int, options: Optional[Dict[str, Any]] = None) -> Dict[str, float]:
+    engine = pipeddp.HybridParallel(make_mlp(width=4, depth=3), stages=stages, mode=mode, chunks=2, **(options or {}))
     xs = torch.randn(n_samples, 4, dtype=torch.float64)
     ids = torch.arange(n_samples, dtype=torch.float64)
     dataset = torch.utils.data.TensorDataset(xs, ids)

@@ -144,10 +144,13 @@ def test_checkpoint_moves_between_layouts_and_resumes_exactly(tmp_path, mode):
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("mode,nprocs,stages", [("stage", 4, 2), ("replica", 3, 2)])
-def test_distributed_evaluation_counts_every_sample_once(mode, nprocs, stages):
+@pytest.mark.parametrize("mode,nprocs,stages,options", [
+    ("stage", 4, 2, None), ("replica", 3, 2, None),
+    # in the V the process of row 0 holds the first and the last stage: it takes the inputs and the targets
+    ("stage", 4, 2, {"schedule": "interleaved", "virtual_stages": 2, "placement": "v"})])
+def test_distributed_evaluation_counts_every_sample_once(mode, nprocs, stages, options):
     n = 11  # divides by neither 2 nor 3 replicas
-    results = pipeddp.spawn(eval_job, nprocs, args=(n, mode, stages), timeout=150)
+    results = pipeddp.spawn(eval_job, nprocs, args=(n, mode, stages, options), timeout=150)
     for r in results:
         assert r["samples"] == n
         assert r["one"] == pytest.approx(1.0)
