@@ -44,7 +44,7 @@ from .builders import interleaved, interleaved_limit, one_f_one_b, zero_bubble
 from .replay import peak_held, play, ready_time
 
 __all__ = ["Costs", "AutoSchedule", "build", "activation_floor", "default_activations", "check_max_activations",
-           "is_auto", "fixed_schedules"]
+           "is_auto", "fixed_schedules", "makespan"]
 
 
 @dataclass(frozen=True)
@@ -286,7 +286,8 @@ def fixed_schedules(p: int, m: int, v: int, placement: str = "loop") -> List[Sch
     return [interleaved(p, m, v, placement=placement), zero_bubble(p, m, v, placement=placement)]
 
 
-def _makespan(plan: Schedule, costs: Costs, p: int, placement: str) -> float:
+def makespan(plan: Schedule, costs: Costs, p: int, placement: str = "loop") -> float:
+    """How long ``plan`` (on ``p`` devices, placed so) takes when its actions cost ``costs``."""
     def transfer(src: int, dst: int, a: Action) -> float:
         return 0.0 if row_of(src, p, placement) == row_of(dst, p, placement) else costs.transfer
 
@@ -314,7 +315,7 @@ def ranked(stages: int, chunks: int, virtual_stages: int = 1, costs: Optional[Co
         got = _greedy(p, m, v, costs, cap, first, any_gap, depth, placement)
         if got is not None:
             candidates.append(got)
-    scored = sorted((_makespan(c, costs, p, placement), max(peak_held(row) for row in c), k)
+    scored = sorted((makespan(c, costs, p, placement), max(peak_held(row) for row in c), k)
                     for k, c in enumerate(candidates))
     seen, out = set(), []
     for span, _, k in scored:

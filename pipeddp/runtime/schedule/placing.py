@@ -18,10 +18,9 @@ from __future__ import annotations
 
 from typing import Optional, Union
 
-from .actions import PLACEMENTS, Action, ScheduleFn, row_of
-from .costed import Costs, build, is_auto
+from .actions import PLACEMENTS, ScheduleFn
+from .costed import Costs, build, is_auto, makespan
 from .registry import get_schedule
-from .replay import play
 
 __all__ = ["choose_placement"]
 
@@ -36,9 +35,5 @@ def choose_placement(schedule: Union[str, ScheduleFn], devices: int, chunks: int
     for placement in PLACEMENTS:
         plan = build(devices, chunks, virtual_stages, costs, max_activations, placement=placement) \
             if is_auto(schedule) else get_schedule(schedule, devices, chunks, virtual_stages, placement=placement)
-
-        def transfer(src: int, dst: int, a: Action, where: str = placement) -> float:
-            return 0.0 if row_of(src, devices, where) == row_of(dst, devices, where) else costs.transfer
-
-        spans[placement] = play(plan, lambda row, a: costs.of(a.kind, a.stage), transfer).makespan
+        spans[placement] = makespan(plan, costs, devices, placement)
     return "v" if spans["v"] < spans["loop"] else "loop"
