@@ -144,9 +144,22 @@ def test_a_trial_gives_short_steps_more_samples():
     assert all(trial_samples(t) % 2 == 0 for t in (0.3, 0.1, 0.07, 0.04, 0.01))
 
 
+def test_each_timed_trial_step_follows_a_step_of_its_own_candidate_and_no_more_untimed_ones_run():
+    from pipeddp.runtime.refine import trial_steps
+
+    assert trial_steps([0, 1, 1, 0]) == [(0, False), (0, True), (1, False), (1, True), (1, True), (0, False), (0, True)]
+    for tried, k in ((2, 2), (3, 6), (2, 24), (5, 24)):
+        order = (list(range(tried)) + list(range(tried - 1, -1, -1))) * (k // 2)
+        steps = trial_steps(order)
+        assert [c for c, timed in steps if timed] == order  # every candidate timed k times, in the order asked
+        assert all(i > 0 and steps[i - 1][0] == c for i, (c, timed) in enumerate(steps) if timed)
+        assert all(i == 0 or steps[i - 1][0] != c for i, (c, timed) in enumerate(steps) if not timed)
+    assert len(trial_steps(([0, 1, 1, 0]) * 12)) == 73  # two candidates at 24 samples: 96 steps without the turns
+
+
 def test_close_candidates_are_timed_on_real_steps_and_the_steps_stay_exact():
     """Orders within a few percent on paper, and the fixed 1F1B and zero-bubble, each run whole steps (A B C C B A,
-    repeated for steps of milliseconds), each timed step after an untimed one of its own order; the fastest measured
+    repeated for steps of milliseconds), each timed step after a step of its own order; the fastest measured
     is kept; every step of the trial trains the plain model's gradients, whichever order ran it."""
     model = make_mlp()
     names = [n for n, _ in model.named_parameters()]
@@ -171,11 +184,16 @@ def test_close_candidates_are_timed_on_real_steps_and_the_steps_stay_exact():
         assert pipeddp.one_f_one_b(2, 4) in options and pipeddp.zero_bubble(2, 4) in options and len(options) >= 3
         tried, k = len(options), refiner.samples
         assert k >= 2 and k % 2 == 0 and len(batches) > 1 + 2 * k * tried  # steps of milliseconds: up to 24 each
-        # step 2 refines the costs, then each candidate runs k times, in the order A B .. B A, repeated, each time
-        # twice in a row (an untimed step, then a timed one)
+        # step 2 refines the costs, then each candidate is timed k times, in the order A B .. B A, repeated; a timed
+        # step follows a step of its own candidate: an untimed one first, except at the turns (B B, A A)
         order = (list(range(tried)) + list(range(tried - 1, -1, -1))) * (k // 2)
-        assert ran[1:1 + 2 * k * tried] == [c for c in order for _ in range(2)]
-        assert ran[1 + 2 * k * tried:] == [None] * (len(batches) - 1 - 2 * k * tried)  # then the trial is over
+        turns = sum(order[i - 1] == order[i] for i in range(1, len(order)))
+        assert turns == k - 1
+        expect = [c for i, c in enumerate(order) for _ in range(1 if i and order[i - 1] == c else 2)]
+        n = len(expect)
+        assert n == 2 * k * tried - turns
+        assert ran[1:1 + n] == expect
+        assert ran[1 + n:] == [None] * (len(batches) - 1 - n)  # then the trial is over
         assert sorted(refiner.times) == list(range(tried)) and all(len(t) == k for t in refiner.times.values())
         assert refiner.chosen == auto.pick and refiner.chosen in refiner.times
         assert pipe._step._plan("train", 4)[0] == options[refiner.chosen]

@@ -17,8 +17,9 @@ So when several are that close, each runs whole steps, in the order
 A B C C B A (a drift in the host's speed weighs on each alike), repeated
 where steps are short (``trial_samples``: a step of milliseconds is within
 the host's noise of its neighbour, a step of seconds is not); each timed
-step comes after an untimed one of the same order, since a step run right
-after another order's is not what that order's steps take in a row
+step comes after a step of the same order (an untimed one where the step
+before ran another), since a step run right after another order's is not
+what that order's steps take in a row
 (resnet50, 2 processes, m = 4: one order's two trial steps 1256 and 1347
 ms, 1291-1351 in a row). The one whose quickest step (``quickest``: each
 step as long as its slowest process took) was shortest, as rank 0 finds
@@ -38,7 +39,7 @@ from .schedule.costed import AutoSchedule, Costs, is_auto
 from .trace import Span, Trace
 
 __all__ = ["Refiner", "attach_auto", "action_samples", "action_overhead", "fastest", "quickest", "trial_samples",
-           "MOST_SAMPLES"]
+           "trial_steps", "MOST_SAMPLES"]
 
 T = TypeVar("T")
 #: Per (stage, action kind): the measured seconds of each such action of a step.
@@ -57,9 +58,22 @@ def trial_samples(step_s: float) -> int:
     one's 24 steps, ``fastest`` kept zero-bubble over 1F1B in 12 of 200 trials (a 2-process gloo job, m = 4 and
     8, where zero-bubble's steps took 13-26% longer in blocks of consecutive steps), on the first 16 in 2, on
     all 24 in none. 24 steps of milliseconds cost a tenth of a second or two per candidate. Each timed step comes
-    after an untimed one of its order (see the module's docstring), so a candidate runs twice as many steps."""
+    after a step of its order (``trial_steps``), so a candidate runs up to twice as many steps."""
     k = math.ceil(TRIAL_S / step_s) if step_s > 0 else 2
     return max(2, min(MOST_SAMPLES, k + k % 2))
+
+
+def trial_steps(order: Sequence[int]) -> List[Tuple[int, bool]]:
+    """The trial's steps for candidates timed in ``order``: ``(candidate, timed)``, each timed step right after a
+    step of the same candidate. Where the candidate before was another, an untimed step of it comes first; at the
+    turns of A B .. B A (B B, and A A where the pattern repeats) the timed step before serves, so a trial of two
+    candidates timed twice runs 7 steps, not 8, and one timed 24 times each 73, not 96."""
+    steps: List[Tuple[int, bool]] = []
+    for i, c in enumerate(order):
+        if i == 0 or order[i - 1] != c:
+            steps.append((c, False))
+        steps.append((c, True))
+    return steps
 
 
 def action_samples(spans: Sequence[Span]) -> Samples:
@@ -162,7 +176,7 @@ class Refiner:
             tried = len(self.auto.close(key)) if key is not None else 0
             if tried > 1:
                 order = (list(range(tried)) + list(range(tried - 1, -1, -1))) * (self.samples // 2)
-                self.trial = [(c, timed) for c in order for timed in (False, True)]  # untimed, then timed
+                self.trial = trial_steps(order)
                 self._starting = True  # the first candidate runs from the next step on (see ``ended``)
 
     def ended(self) -> None:
