@@ -45,7 +45,7 @@ def check_settings(
     checkpoint: str,
     timeout: Timeout,
     compile: Union[bool, Dict[str, Any]] = False,
-    virtual_stages: Optional[int] = None,
+    virtual_stages: Union[None, int, str] = None,
     threads: Optional[int] = None,
     flags: Optional[Dict[str, Any]] = None,
     balance: Union[None, str, Sequence[int]] = None,
@@ -60,7 +60,8 @@ def check_settings(
     ``stages`` is the number of devices of a pipeline. ``chunks`` defaults to
     two micro-batches per device. ``timeout`` is seconds or a ``timedelta``.
     ``compile``: True or a dict of ``torch.compile`` options.
-    ``virtual_stages``: stages per device (default 2 for ``schedule="interleaved"``, else 1).
+    ``virtual_stages``: stages per device (default 2 for ``schedule="interleaved"``, else 1), or ``"auto"``
+    (with ``schedule="auto"`` and a profile: chosen when the engine is built, ``schedule.placing``).
     ``threads``: intra-op threads per stage thread (None or an int >= 1). ``flags``: the
     constructor's on/off arguments by name, each must be a bool. ``balance`` (with ``sample``):
     a method name or one number of layers per stage. ``max_activations``: ``schedule="auto"``'s cap.
@@ -83,7 +84,10 @@ def check_settings(
     if init is not None and not callable(init):
         raise ValueError(f"init must be a callable init(module) for a model built on the meta device, got {init!r}")
     check_stage_count(stages, len(model))
-    virtual = check_virtual_stages(virtual_stages, schedule)
+    choose_virtual = virtual_stages == "auto"
+    if choose_virtual:
+        check_virtual_auto(schedule, placement, balance, sample)
+    virtual = 1 if choose_virtual else check_virtual_stages(virtual_stages, schedule)  # type: ignore[arg-type]
     if placement != "auto":
         check_placement(placement)
     elif callable(schedule):
@@ -121,8 +125,27 @@ def check_settings(
     if not isinstance(compile, (bool, dict)):
         raise ValueError(f"compile must be True, False or a dict of torch.compile options, got {compile!r}")
     options = dict(compile) if isinstance(compile, dict) else ({} if compile else None)
-    return Settings(chunks, split_size, schedule, checkpoint, float(seconds), options, virtual, max_activations,
-                    placement, seed, init)
+    return Settings(chunks, split_size, schedule, checkpoint, float(seconds), options, virtual, choose_virtual,
+                    max_activations, placement, seed, init)
+
+
+def check_virtual_auto(schedule: Union[str, ScheduleFn], placement: str, balance: Union[None, str, Sequence[int]],
+                       sample: Any) -> None:
+    """``virtual_stages="auto"`` is chosen by playing ``schedule="auto"`` on the layers' measured times, each
+    number of stages per device on its own cut: it needs that schedule, a profile, and a placement it may pick."""
+    if not is_auto(schedule):
+        raise ValueError(f"virtual_stages='auto' chooses the stages per device for the order schedule='auto' builds "
+                         f"from measured costs; schedule={schedule!r} has its own pattern: pass schedule='auto', or a "
+                         "number of virtual stages")
+    if placement not in ("loop", "auto"):
+        raise ValueError(f"virtual_stages='auto' may choose one stage per device, where placement={placement!r} has "
+                         "no meaning: pass placement='auto' (the V where it plays shorter) or leave placement out")
+    if not isinstance(balance, str) and balance is not None:
+        raise ValueError(f"balance {list(balance)} fixes the number of stages, so virtual_stages='auto' has nothing to "
+                         "choose: give virtual_stages=len(balance) // devices, or balance='time' with a sample")
+    if balance not in (None, "time") or sample is None:
+        raise ValueError("virtual_stages='auto' chooses from the layers' measured times: pass sample=<one input "
+                         "batch> (and balance='time' or no balance), or a number of virtual stages")
 
 
 def check_balance_arg(balance: Union[str, Sequence[int]], sample: Any, devices: int, virtual: int,

@@ -67,7 +67,8 @@ class HybridParallel(Checkpointable, StepModule):
             stage mode). A measured balance is computed on rank 0 and sent to every rank. With
             ``virtual_stages=v`` the model has ``stages * v`` stages; device r of each replica (a
             thread in replica mode, a process in stage mode) holds stages r, r + stages, ... (with
-            ``placement="v"``: r, 2 * stages - 1 - r, ...)
+            ``placement="v"``: r, 2 * stages - 1 - r, ...); ``virtual_stages="auto"`` and ``placement="auto"``
+            are chosen on rank 0 from its profile, the same for every rank (``engine.settings`` says what).
         mode: ``"replica"`` (one process per replica, driving ``stages`` devices with threads) or ``"stage"``.
         devices: this process's devices (``stages`` of them in replica mode, one in stage mode).
             Default: consecutive CUDA devices by local rank, else CPU (one process with fewer GPUs
@@ -107,7 +108,7 @@ class HybridParallel(Checkpointable, StepModule):
                  comm_hook: Optional[CommHook] = None, sync_batchnorm: bool = False,
                  timeout: Union[float, timedelta] = timedelta(minutes=30), trace: bool = False,
                  threads: Optional[int] = None, skip_nonfinite: bool = False, deferred_batch_norm: bool = False,
-                 compile: Union[bool, Dict[str, Any]] = False, virtual_stages: Optional[int] = None,
+                 compile: Union[bool, Dict[str, Any]] = False, virtual_stages: Union[None, int, str] = None,
                  placement: str = "loop", global_batch: Optional[int] = None, batch_size: Optional[int] = None,
                  shard: str = "none", max_activations: Optional[int] = None, seed: int = 0,
                  init: Optional[Callable[[nn.Module], None]] = None, mesh: Optional[Any] = None) -> None:
@@ -139,6 +140,7 @@ class HybridParallel(Checkpointable, StepModule):
                                               sync_batchnorm=sync_batchnorm, trace=trace, threads=threads,
                                               deferred_batch_norm=deferred_batch_norm, shard=self.shard)
         self.devices, self.backend, self.agreement = wired.devices, wired.backend, wired.agreement
+        self.settings = wired.settings  # virtual_stages and placement as built, where "auto" left them to the profile
         self.partition: Partition = wired.partition
         self.balance: List[int] = list(self.partition.balance)
         self._step, self._ddps = wired.step, wired.ddps

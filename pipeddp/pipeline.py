@@ -105,6 +105,10 @@ class Pipeline(Checkpointable, StepModule):
         virtual_stages: stages per device (default 2 for ``"interleaved"``, else 1): the
             model is cut into ``len(devices) * virtual_stages`` stages and device r holds
             stages r, r + len(devices), ...; ``balance`` then lists that many stages.
+            ``"auto"`` (with ``schedule="auto"`` and a ``sample``): one or two, whichever plays shorter on
+            the profile, each on its own cut, every action priced at what the engine spends on it beside its
+            compute, chosen when the engine is built (``pipeddp.runtime.schedule.placing``;
+            ``pipe.virtual_stages`` says which).
         placement: with virtual stages, which device holds which: ``"loop"`` (default; as above) or ``"v"``,
             down the devices and back up (two devices, two stages each: device 0 holds stages 0 and 3),
             so the first and the last stage (an embedding and a head) share a device, a cut with a light
@@ -157,7 +161,7 @@ class Pipeline(Checkpointable, StepModule):
         timeout: Union[float, timedelta] = timedelta(minutes=30),
         deferred_batch_norm: bool = False,
         compile: Union[bool, Dict[str, Any]] = False,
-        virtual_stages: Optional[int] = None,
+        virtual_stages: Union[None, int, str] = None,
         placement: str = "loop",
         max_activations: Optional[int] = None,
         seed: int = 0,
@@ -183,7 +187,7 @@ class Pipeline(Checkpointable, StepModule):
         assert isinstance(wired.runner, ThreadRunner)  # replica mode: the stages run on this process's threads
         self._runner, self._step = wired.runner, wired.step
         self._finalizer = weakref.finalize(self, self._runner.close)
-        self.settings = settings
+        self.settings = wired.settings  # virtual_stages and placement as built, where "auto" left them to the profile
         #: one process, one replica: what checkpoints record of the layout, and what their functions take
         self.topology, self.agreement = wired.topology, wired.agreement
         self._saver = Saver(self.topology, settings.timeout_delta)
@@ -208,7 +212,7 @@ class Pipeline(Checkpointable, StepModule):
 
     @property
     def virtual_stages(self) -> int:
-        """Stages per device (the model has ``len(devices) * virtual_stages`` stages)."""
+        """Stages per device (the model has ``len(devices) * virtual_stages`` stages; what ``"auto"`` chose)."""
         return self.settings.virtual_stages
 
     @property

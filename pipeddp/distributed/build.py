@@ -35,7 +35,7 @@ from ..runtime.executor import ThreadRunner
 from ..runtime.refine import attach_auto
 from ..runtime.schedule.actions import row_of, stages_on
 from ..runtime.schedule.costed import Costs
-from ..runtime.schedule.placing import choose_placement
+from ..runtime.schedule.placing import VIRTUAL_CHOICES, choose_layout, choose_placement
 from ..runtime.settings import Settings
 from ..runtime.stage import Stage, build_stages, register_layers
 from ..runtime.step import Runner, Step
@@ -81,11 +81,12 @@ def build_replica(owner: nn.Module, model: nn.Sequential, topology: Topology, se
     topo = with_job_group(topo, settings.timeout_delta)  # placed on a mesh: the job's collectives on its own ranks
     agreement = Agreement(topo, devs[0] if backend == "nccl" and topo.world_size > 1 else torch.device("cpu"))
     cut = agreement.from_rank0(lambda: partition(devs[0]))
+    if settings.choose_virtual or settings.placement == "auto":  # from the profile, on rank 0 for every rank
+        virtual, placement = agreement.from_rank0(lambda: _layout(cut, settings, topo.stages, len(model)))
+        settings = replace(settings, virtual_stages=virtual, choose_virtual=False, placement=placement)
+        n_stages = topo.stages * virtual
+        cut = cut if len(cut.balance) == n_stages else cut.recut(n_stages)  # the same solve on every rank
     balance = list(cut.balance)
-    if settings.placement == "auto":  # from the profile, on rank 0 for every rank (see schedule.placing)
-        settings = replace(settings, placement=agreement.from_rank0(lambda: choose_placement(
-            settings.schedule, topo.stages, settings.chunks or 2 * topo.stages, virtual,  # split_size: 2 per device
-            Costs.from_layers(cut.layers, balance), settings.max_activations)))
     placement = settings.placement
     agreement.last_row = row_of(n_stages - 1, topo.stages, placement)
     groups = make_groups(topo, backend, settings.timeout_delta, virtual, placement)
@@ -117,7 +118,23 @@ def build_replica(owner: nn.Module, model: nn.Sequential, topology: Topology, se
         runner.close()  # its threads (or links) must not outlive a construction that failed
         raise
     return Replica(topo, devs, backend, owns_group=owns_group, agreement=agreement, partition=cut, groups=groups,
-                   step=step, runner=runner, ties=exchange, ddps=ddps, shards=shards)
+                   step=step, runner=runner, ties=exchange, ddps=ddps, shards=shards, settings=settings)
+
+
+def _layout(cut: Partition, settings: Settings, devices: int, layers: int) -> Tuple[int, str]:
+    """``(virtual stages, placement)`` where ``virtual_stages="auto"`` or ``placement="auto"`` leave them to the
+    profile (``schedule.placing``): each number of stages per device played on the measured ``cut`` recut for it."""
+    chunks = settings.chunks or 2 * devices  # with split_size, the default: two micro-batches per device
+
+    def costs_of(v: int) -> Costs:
+        return Costs.from_layers(cut.layers, cut.balance if len(cut.balance) == devices * v
+                                 else cut.recut(devices * v).balance)
+
+    if settings.choose_virtual:
+        return choose_layout(devices, chunks, layers, costs_of, settings.placement, settings.max_activations,
+                             VIRTUAL_CHOICES)
+    v = settings.virtual_stages
+    return v, choose_placement(settings.schedule, devices, chunks, v, costs_of(v), settings.max_activations)
 
 
 def _step_over(model: nn.Sequential, topo: Topology, settings: Settings, local: List[Stage], balance: List[int],

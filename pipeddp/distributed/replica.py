@@ -29,6 +29,7 @@ from ..partitioning.report import Partition
 from ..runtime.clip import Combine
 from ..runtime.microbatch import batch_size as samples_of
 from ..runtime.microbatch import tree_map
+from ..runtime.settings import Settings
 from ..runtime.step import Runner, Step
 from ..runtime.trace import timed
 from .agreement import Agreement
@@ -48,9 +49,12 @@ class Replica:
 
     def __init__(self, topology: Topology, devices: List[torch.device], backend: str, *, owns_group: bool,
                  agreement: Agreement, partition: Partition, groups: Groups, step: Step, runner: Runner,
-                 ties: TieExchange, ddps: List[Optional[DistributedDataParallel]],
+                 ties: TieExchange, ddps: List[Optional[DistributedDataParallel]], settings: Settings,
                  shards: Sequence[Optional[StageShard]] = ()) -> None:
         self.topology = topology
+        #: the settings the engine was built with, the layout the profile chose included (``virtual_stages`` and
+        #: ``placement`` where they were ``"auto"``)
+        self.settings = settings
         self.devices = devices
         self.backend = backend
         #: whether the process group was started here (and is destroyed by ``close``)

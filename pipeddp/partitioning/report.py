@@ -18,7 +18,7 @@ to measure it: a 0.00 there would read as a measured zero.
 from __future__ import annotations
 
 import io
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -64,6 +64,14 @@ class Partition:
     def ideal(self) -> float:
         """The bottleneck of a perfect split: total cost / stages."""
         return sum(self.stage_costs) / len(self.stage_costs) if self.stage_costs else 0.0
+
+    def recut(self, stages: int) -> "Partition":
+        """The same measurements cut into ``stages`` stages, as ``partition`` cuts them (no link priced, as the
+        engines measure): ``virtual_stages="auto"`` weighs one and two stages per device without profiling
+        twice."""
+        balance = solve(self.layer_costs, stages)
+        return replace(self, balance=balance,
+                       stage_costs=stage_costs(balance, self.layer_costs, [0.0] * len(self.layer_costs)))
 
     def ranges(self) -> List[Tuple[int, int]]:
         """``(first, last+1)`` layer index of each stage."""

@@ -29,6 +29,9 @@ class Settings:
     compile: Optional[Dict[str, Any]] = None
     #: stages per device: the model is cut into ``devices x virtual_stages`` stages
     virtual_stages: int = 1
+    #: ``virtual_stages="auto"``: ``virtual_stages`` (1 until then) is chosen from the profile when the engine is
+    #: built, one of ``VIRTUAL_CHOICES`` (``schedule.placing.choose_layout``)
+    choose_virtual: bool = False
     #: ``schedule="auto"``: the most micro-batches a device may hold at once (None: 1F1B's)
     max_activations: Optional[int] = None
     #: how the stages sit on the devices: ``"loop"`` (round robin) or ``"v"`` (``schedule.actions.PLACEMENTS``), or
