@@ -87,7 +87,7 @@ def check_settings(
     choose_virtual = virtual_stages == "auto"
     if choose_virtual:
         check_virtual_auto(schedule, placement, balance, sample)
-    virtual = 1 if choose_virtual else check_virtual_stages(virtual_stages, schedule)  # type: ignore[arg-type]
+    virtual = check_virtual_stages(None if choose_virtual else virtual_stages, schedule)  # "auto": 1 until built
     if placement != "auto":
         check_placement(placement)
     elif callable(schedule):
@@ -164,13 +164,15 @@ def check_balance_arg(balance: Union[str, Sequence[int]], sample: Any, devices: 
     check_balance(balance, layers, devices * virtual)
 
 
-def check_virtual_stages(virtual_stages: Optional[int], schedule: Union[str, ScheduleFn]) -> int:
-    """Stages per device: given, or 2 for the interleaved schedule and 1 for the others."""
+def check_virtual_stages(virtual_stages: Union[None, int, str], schedule: Union[str, ScheduleFn]) -> int:
+    """Stages per device: given, or 2 for the interleaved schedule and 1 for the others (``"auto"`` is
+    ``check_virtual_auto``'s)."""
     if isinstance(schedule, str):
         schedule_name(schedule)  # an unknown name is refused here, with the list of names
     if virtual_stages is None:
         return 2 if isinstance(schedule, str) and schedule_name(schedule) == "interleaved" else 1
-    _positive_int(virtual_stages, "virtual_stages", "stages per device")
+    _positive_int(virtual_stages, "virtual_stages", "stages per device, or 'auto' with schedule='auto'")
+    assert isinstance(virtual_stages, int)
     if virtual_stages > 1 and not accepts_virtual_stages(schedule):
         raise ValueError(f"virtual_stages={virtual_stages} needs a schedule that runs several stages per device: "
                          "schedule='interleaved', 'zb' or 'auto', or a function (stages, chunks, virtual_stages); got "

@@ -75,6 +75,11 @@ def test_the_settings_say_what_virtual_stages_auto_needs(kwargs, match):
         pipeddp.Pipeline(make_mlp(), ["cpu"] * 2, virtual_stages="auto", sample=sample, **kwargs)
 
 
+def test_a_word_other_than_auto_is_refused_naming_auto():
+    with pytest.raises(ValueError, match="or 'auto' with schedule='auto'"):
+        pipeddp.Pipeline(make_mlp(), ["cpu"] * 2, schedule="auto", virtual_stages="two")
+
+
 def test_a_model_of_microseconds_per_layer_keeps_one_stage_per_device_and_trains_the_plain_model():
     ref_grads, ref_params = reference(1)
     x = torch.randn(10, 12, dtype=torch.float64)
