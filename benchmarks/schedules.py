@@ -3,9 +3,9 @@
 One spawned 2-process gloo job (mode="stage", 1 intra-op thread each) times per model and m, round by round between
 barriers, the order reversed every other round, every gradient first checked against accumulation: ``accum`` (the
 plain model over the same m micro-batches); pipeddp's ``gpipe``, ``1f1b``, ``zb``, ``auto`` on its 2-stage cut,
-``interleaved``, ``zb-v2``, ``auto-v2`` with 2 virtual stages on its 4-stage cut, ``zbv``, ``auto-v`` on that
-cut in the V (``placement="v"``), and ``auto-layout``, ``auto`` with ``virtual_stages="auto"`` and
-``placement="auto"`` on the engine's own profile (its choice printed); torch's ScheduleGPipe and Schedule1F1B on the 2-stage cut,
+``interleaved``, ``zb-v2``, ``auto-v2`` with 2 virtual stages on its 4-stage cut, ``zbv``, ``auto-v`` on that cut in
+the V (``placement="v"``), and ``auto-layout``, ``auto`` with ``virtual_stages="auto"`` and ``placement="auto"`` on
+the engine's own profile (its choice printed); torch's ScheduleGPipe and Schedule1F1B on the 2-stage cut,
 ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble on the 4-stage cut (placed as pipeddp places them) and
 ScheduleZBVZeroBubble on it in its V; ``1f1b`` and ``interleaved`` in replica mode (``--torch-cut equal``: torch's
 stages at equal layers per stage instead, pipeddp keeping its measured cut).
@@ -158,7 +158,7 @@ def traced_bubbles(steps: Sequence[baselines.Step], rank: int) -> Dict[str, Dict
         every = [s for p in parts for s in p]
         bubble, makespan = measured_bubble(every)
         schedule = PIPEDDP[base][0]
-        v, placement = step.module.settings.virtual_stages, step.module.placement  # as built ("auto": as chosen)
+        v, placement = step.module.virtual_stages, step.module.placement  # as built ("auto": as chosen)
         m = max(s.mb for s in every if s.kind in WORK) + 1
         plan = get_schedule(step.module._step.schedule, DEVICES, m, v,  # "auto": the engine's own order
                             placement=placement)

@@ -68,7 +68,8 @@ class HybridParallel(Checkpointable, StepModule):
             ``virtual_stages=v`` the model has ``stages * v`` stages; device r of each replica (a
             thread in replica mode, a process in stage mode) holds stages r, r + stages, ... (with
             ``placement="v"``: r, 2 * stages - 1 - r, ...); ``virtual_stages="auto"`` and ``placement="auto"``
-            are chosen on rank 0 from its profile, the same for every rank (``engine.settings`` says what).
+            are chosen on rank 0 from its profile, the same for every rank (``engine.virtual_stages`` and
+            ``engine.placement`` say what).
         mode: ``"replica"`` (one process per replica, driving ``stages`` devices with threads) or ``"stage"``.
         devices: this process's devices (``stages`` of them in replica mode, one in stage mode).
             Default: consecutive CUDA devices by local rank, else CPU (one process with fewer GPUs
@@ -164,6 +165,11 @@ class HybridParallel(Checkpointable, StepModule):
     def placement(self) -> str:
         """How the stages sit on the devices: ``"loop"`` or ``"v"`` (what ``placement="auto"`` chose)."""
         return self._step.placement
+
+    @property
+    def virtual_stages(self) -> int:
+        """Stages per device (a replica has ``stages * virtual_stages`` stages; what ``"auto"`` chose)."""
+        return self.settings.virtual_stages
 
     @property
     def global_batch(self) -> Optional[int]:

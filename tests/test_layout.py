@@ -150,7 +150,7 @@ def weighed_job():
     engine = pipeddp.HybridParallel(weighed_model(), stages=2, mode="stage", chunks=8, schedule="auto",
                                     virtual_stages="auto", placement="auto", sample=batches[0][0])
     grads = train_weighed(engine, batches, engine.is_first, engine.is_last)
-    out = {"grads": grads, "state": engine.state_dict(), "layout": (engine.settings.virtual_stages, engine.placement),
+    out = {"grads": grads, "state": engine.state_dict(), "layout": (engine.virtual_stages, engine.placement),
            "stages": [st.index for st in engine.stages], "row": engine.topology.stage}
     engine.close()
     return out
