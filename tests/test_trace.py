@@ -52,17 +52,19 @@ def test_chrome_trace_and_picture(tmp_path):
         assert png == str(tmp_path / "t.png") and (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zb"])
-def test_timeline_command(tmp_path, capsys, schedule):
+@pytest.mark.parametrize("schedule,placement", [("1f1b", "loop"), ("interleaved", "loop"), ("zb", "loop"),
+                                                ("interleaved", "v")])
+def test_timeline_command(tmp_path, capsys, schedule, placement):
     from pipeddp.tools.cli import main
 
     out = tmp_path / "tl"
     assert main(["timeline", "--stages", "2", "--chunks", "4", "--batch", "16", "--steps", "2", "--out", str(out),
-                 "--schedule", schedule]) == 0
+                 "--schedule", schedule, "--placement", placement]) == 0
     events = json.loads((tmp_path / "tl.json").read_text())["traceEvents"]
     kinds = {e["cat"] for e in events}
     assert kinds >= ({"F", "I", "W"} if schedule == "zb" else {"F", "B"})
     text = capsys.readouterr().out
+    assert ("in the V" in text) == (placement == "v")
     measured, predicted = text.split("per device: measured ")[1].split(", predicted ")
     assert measured.strip() == predicted.split("\n")[0].strip()  # peak activations held: as the schedule says
     if have_matplotlib():

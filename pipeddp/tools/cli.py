@@ -14,7 +14,7 @@ import contextlib
 import os
 import sys
 import warnings
-from typing import Callable, Iterator, List, Optional, Tuple
+from typing import Callable, Iterator, List, Optional, Tuple, Union
 
 from rich.console import Console
 from rich.markup import escape
@@ -98,6 +98,16 @@ def timeline_paths(out: str) -> Tuple[str, str]:
     return stem + ".json", stem + ".png"
 
 
+def _virtual_stages(text: str) -> Union[int, str]:
+    """``--virtual-stages``: a number, or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of stages per device, or auto") from None
+
+
 def _timeline(args: argparse.Namespace, console: Console) -> int:
     import copy
 
@@ -118,7 +128,8 @@ def _timeline(args: argparse.Namespace, console: Console) -> int:
     with torch.no_grad():
         y = copy.deepcopy(model)(x)
     pipe = Pipeline(model, ["cpu"] * args.stages, chunks=args.chunks, sample=x, schedule=args.schedule,
-                    checkpoint=args.checkpoint, threads=1, virtual_stages=args.virtual_stages)
+                    checkpoint=args.checkpoint, threads=1, virtual_stages=args.virtual_stages,
+                    placement=args.placement)
     trace = pipe.trace = Trace()
     with pipe:
         for _ in range(args.steps):
@@ -128,10 +139,12 @@ def _timeline(args: argparse.Namespace, console: Console) -> int:
         trace.save(json_path)
     p, m, v = args.stages, min(args.chunks, args.batch), pipe.virtual_stages
     # the schedule's own bubble with equal stages (F = 1, B = 2): (p - 1) / (m + p - 1) for GPipe and 1F1B
-    theory = simulate([StageCost(1.0, 2.0)] * (p * v), args.schedule, stages=p, chunks=m, virtual_stages=v)
+    theory = simulate([StageCost(1.0, 2.0)] * (p * v), args.schedule, stages=p, chunks=m, virtual_stages=v,
+                      placement=pipe.placement)
     bound = theory.bubble
     bubble, span = measured_bubble(spans)
-    what = f"{args.schedule}" + (f" (virtual_stages={v})" if v > 1 else "")
+    what = f"{args.schedule}" + (f" (virtual_stages={v}" + (", in the V)" if pipe.placement == "v" else ")")
+                                 if v > 1 else "")
     console.print(f"{args.model}: {p} devices {pipe.balance}, {m} micro-batches, {what}: step {span * 1e3:.1f} ms, "
                   f"measured bubble {bubble:.1%} (equal stages: {bound:.1%})")
     held = [trace.peak_in_flight.get(r, 0) for r in range(p)]
@@ -291,8 +304,12 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--chunks", type=int, default=8, help="micro-batches per batch")
     t.add_argument("--batch", type=int, default=128, help="batch size")
     t.add_argument("--schedule", default="1f1b", choices=schedules, help="pipeline schedule")
-    t.add_argument("--virtual-stages", type=int, default=None,
-                   help="stages per device; None: 2 for interleaved, else 1")
+    t.add_argument("--virtual-stages", type=_virtual_stages, default=None,
+                   help="stages per device; None: 2 for interleaved, else 1; auto (with --schedule auto): 1 or 2, "
+                   "from the profile")
+    t.add_argument("--placement", default="loop", choices=["loop", "v", "auto"],
+                   help="with virtual stages: round robin (loop), down the devices and back up (v), or the one "
+                   "that plays shorter on the profile (auto)")
     t.add_argument("--checkpoint", default="never", choices=["never", "except_last", "always"],
                    help="which micro-batches recompute their activations in backward")
     t.add_argument("--steps", type=int, default=3, help="steps to run; the last one is drawn")
