@@ -18,8 +18,9 @@ the V) and 2% shorter for resnet50 (measured: level within 1-2%).
 The stages per device (``VIRTUAL_CHOICES``): a second stage per device
 shortens the bubble and doubles the device's actions, and the profile times
 compute only; so here every action is also priced at ``ACTION_COST``, what
-the engine spends on it beside its compute (the same for every layout, so the
-placement's choice is unchanged by it), and the fewest stages win a tie.
+the engine spends on it beside its compute (both placements run as many
+actions, so the price weighs on the number of stages, not on where they sit),
+and the fewest stages win a tie.
 Without that price the paper put two stages per device ahead of one (2-4%,
 and over 5% in another profile) on a model of tens of microseconds per layer,
 where they ran twice as slow (2 gloo processes; 1.3x in one process's
@@ -74,7 +75,8 @@ def choose_layout(devices: int, chunks: int, layers: int, costs_of: Callable[[in
                   choices: Sequence[int] = VIRTUAL_CHOICES) -> Tuple[int, str]:
     """``(virtual stages, placement)`` for ``schedule="auto"`` on ``devices`` devices: the layout whose step plays
     shortest on paper, every action priced at ``ACTION_COST`` beside its compute (a tie: the fewest stages per
-    device), placed as ``choose_placement`` places it (``placement="auto"``) or round robin (``"loop"``).
+    device, then round robin); with ``placement="auto"`` two stages per device are weighed in both placements,
+    with ``"loop"`` round robin only.
 
     ``costs_of(v)``: the stage costs of the model (``layers`` layers) cut into ``devices * v`` stages; a choice
     that cannot be cut (fewer layers than stages) or held (``max_activations`` under its floor) is not weighed.
