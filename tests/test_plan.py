@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from pipeddp.tools.models import mlp
+from pipeddp.runtime.schedule import row_of
 from pipeddp.tools.plan import LayerModel, fit_layers, parse_bytes, plan
 
 
@@ -68,7 +69,14 @@ def test_plan_ranks_the_new_schedules_and_says_how_to_run_its_choice():
             assert t <= min(by[(p, r, m, s)] for s in ("1f1b", "zb", "gpipe")) * (1 + 1e-9)
     for c in cands:
         if c.schedule == "interleaved" and c.stages > 1:
-            assert c.virtual_stages == 2 and len(c.balance) == 2 * c.stages and "(v=2)" in c.schedule_text
+            assert c.virtual_stages == 2 and len(c.balance) == 2 * c.stages
+            assert c.schedule_text == "interleaved (v=2" + (", the V)" if c.placement == "v" else ")")
+    # interleaved is ranked in both placements, each simulated as placed
+    pairs = {}
+    for c in cands:
+        if c.schedule == "interleaved" and c.stages > 1:
+            pairs.setdefault((c.stages, c.replicas, c.chunks), {})[c.placement] = c
+    assert pairs and all(set(both) == {"loop", "v"} for both in pairs.values())
     dp = [c for c in cands if c.stages == 1 and c.replicas == 4]
     assert len(dp) == len({c.chunks for c in dp})  # one configuration per m: no schedule to choose
     assert dp[0].kind == "data parallel (DDP)" and dp[0].schedule_text == "-" and dp[0].layout == "4 x 1"
@@ -81,8 +89,18 @@ def test_plan_ranks_the_new_schedules_and_says_how_to_run_its_choice():
     engine = eval(text.replace("HybridParallel(model, ", "HybridParallel(model, devices=['cpu', 'cpu'], "),
                   {"pipeddp": pipeddp, "model": model})
     try:
-        assert list(engine.balance) == list(pipe_choice.balance) and engine.settings.virtual_stages == 2
+        assert list(engine.balance) == list(pipe_choice.balance) and engine.virtual_stages == 2
+        assert engine.placement == pipe_choice.placement
         assert engine.settings.chunks == pipe_choice.chunks
+    finally:
+        engine.close()
+    in_v = next(c for c in cands if c.stages == 2 and c.schedule == "interleaved" and c.placement == "v")
+    text = in_v.arguments()
+    assert "virtual_stages=2, placement='v'" in text
+    engine = eval(text.replace("HybridParallel(model, ", "HybridParallel(model, devices=['cpu', 'cpu'], "),
+                  {"pipeddp": pipeddp, "model": model})
+    try:
+        assert engine.placement == "v" and list(engine.balance) == list(in_v.balance)
     finally:
         engine.close()
     assert dp[0].command(devices_per_node=4) == "torchrun --nproc_per_node=4 train.py"
@@ -112,3 +130,23 @@ def test_plan_shards_over_replicas_only_where_memory_demands_it():
     assert max(c.memory[0] for c in sgd if c.replicas == 4) < whole
     with pytest.raises(ValueError, match="adam"):
         optimizer_slots("lamb")
+
+
+def test_a_device_in_the_v_is_planned_with_the_memory_of_the_stages_it_holds():
+    # one heavy first stage: round robin's device 0 holds stages 0 and 2, the V's stages 0 and 3
+    layers = [LayerModel(f"l{i}", 1e-3, 1e-4, 2e-3, 2e-4, 4096, (40 if i == 0 else 1) * 1_000_000) for i in range(8)]
+    cands = [c for c in plan(layers, devices=2, batch=16, link="nvlink", schedules=("interleaved",))
+             if c.stages == 2 and c.chunks == 4]
+    by = {c.placement: c for c in cands}
+    assert set(by) == {"loop", "v"}
+    for placement, c in by.items():
+        starts = [sum(c.balance[:k]) for k in range(4)]
+        params = [sum(layers[i].param_bytes for i in range(starts[k], starts[k] + c.balance[k])) for k in range(4)]
+        held = [[k for k in range(4) if row_of(k, 2, placement) == r] for r in range(2)]
+        assert held == ([[0, 2], [1, 3]] if placement == "loop" else [[0, 3], [1, 2]])
+        # Adam: weights, gradients and two slots per parameter; then the peak of micro-batches held times the
+        # largest stage's saved activations (4096 bytes per sample per layer)
+        expect = [4 * sum(params[k] for k in mine)
+                  + c.prediction.peak_activations[r] * max(4096 * c.micro_batch * c.balance[k] for k in mine)
+                  for r, mine in enumerate(held)]
+        assert c.memory == pytest.approx(expect)

@@ -34,6 +34,7 @@ from torch import nn
 
 from ..partitioning.profile import profile_layers
 from ..partitioning.solve import solve
+from ..runtime.schedule.actions import PLACEMENTS, row_of
 from .simulate import Link, Prediction, StageCost, resolve_link, simulate
 
 __all__ = ["LayerModel", "fit_layers", "Candidate", "plan", "parse_bytes", "SCHEDULES", "optimizer_slots",
@@ -113,6 +114,8 @@ class Candidate:
     shard: str = "none"
     #: seconds the shard setting adds to the simulated step ("full" gathers each stage again per micro-batch)
     shard_time: float = 0.0
+    #: with virtual stages, which device holds which: round robin ("loop") or down and back up ("v")
+    placement: str = "loop"
 
     @property
     def step_time(self) -> float:
@@ -135,7 +138,8 @@ class Candidate:
     def schedule_text(self) -> str:
         if self.stages == 1:
             return "-"
-        return self.schedule + (f" (v={self.virtual_stages})" if self.virtual_stages > 1 else "")
+        in_v = ", the V" if self.placement == "v" else ""
+        return self.schedule + (f" (v={self.virtual_stages}{in_v})" if self.virtual_stages > 1 else "")
 
     def arguments(self) -> str:
         """The ``HybridParallel`` call that runs this configuration (``model`` is the user's nn.Sequential)."""
@@ -144,6 +148,8 @@ class Candidate:
             args += [f"schedule={self.schedule!r}"]
             if self.virtual_stages > 1:
                 args += [f"virtual_stages={self.virtual_stages}"]
+            if self.placement != "loop":
+                args += [f"placement={self.placement!r}"]
             args += [f"balance={list(self.balance)}"]
         if self.shard != "none":
             args += [f"shard={self.shard!r}"]
@@ -212,7 +218,7 @@ def plan(
     unless ``allreduce_link`` says otherwise, replicas. ``optimizer_slots`` is
     the optimizer state per parameter in parameter sizes (2 for Adam, 1 for
     SGD with momentum, 0 for plain SGD). The interleaved schedule is tried with
-    ``virtual_stages`` stages per device; one stage per device (plain data
+    ``virtual_stages`` stages per device, placed round robin and in the V; one stage per device (plain data
     parallelism, or the plain model) is one configuration, whatever the schedule.
     """
     if devices < 1 or batch < 1:
@@ -239,18 +245,20 @@ def plan(
                     continue
                 balance = solve(cost, stages * v, comm)
                 stage_costs, saved = _stages(layers, balance, b)
-                pred = simulate(stage_costs, schedule, stages=stages, chunks=m, replicas=replicas, links=stage_link,
-                                allreduce_link=ar_link, virtual_stages=v)
-                chosen = _choose_shard(layers, balance, stages, v, replicas, m, optimizer_slots, pred, saved,
-                                       memory, ar_link)
-                if chosen is None:
-                    continue
-                shard, mem, extra = chosen
-                why = _why(stage_costs, pred, balance, stages, replicas)
-                if shard != "none":
-                    why += f"; shard={shard!r}: " + ("optimizer state and gradients split over the replicas"
-                                                     if shard == "optimizer" else "parameters split too")
-                found.append(Candidate(stages, replicas, m, b, schedule, balance, pred, mem, why, v, shard, extra))
+                for placement in PLACEMENTS if v > 1 else ("loop",):  # the V: first and last stage on device 0
+                    pred = simulate(stage_costs, schedule, stages=stages, chunks=m, replicas=replicas,
+                                    links=stage_link, allreduce_link=ar_link, virtual_stages=v, placement=placement)
+                    chosen = _choose_shard(layers, balance, stages, v, replicas, m, optimizer_slots, pred, saved,
+                                           memory, ar_link, placement)
+                    if chosen is None:
+                        continue
+                    shard, mem, extra = chosen
+                    why = _why(stage_costs, pred, balance, stages, replicas)
+                    if shard != "none":
+                        why += f"; shard={shard!r}: " + ("optimizer state and gradients split over the replicas"
+                                                         if shard == "optimizer" else "parameters split too")
+                    found.append(Candidate(stages, replicas, m, b, schedule, balance, pred, mem, why, v, shard,
+                                           extra, placement))
     found.sort(key=lambda c: (c.step_time, max(c.memory)))
     return found[:top] if top else found
 
@@ -273,14 +281,14 @@ def shard_memory(params: float, largest: float, slots: int, replicas: int, shard
 
 def _choose_shard(layers: Sequence[LayerModel], balance: Sequence[int], stages: int, v: int, replicas: int,
                   m: int, slots: int, pred: Prediction, saved: Sequence[float], memory: Optional[float],
-                  link: Link) -> Optional[tuple]:
+                  link: Link, placement: str = "loop") -> Optional[tuple]:
     """The first shard= setting ("none", then "optimizer", then "full") whose memory fits: (shard, memory, time)."""
     starts = [sum(balance[:k]) for k in range(len(balance))]
     per_stage = [[layers[i].param_bytes for i in range(starts[k], starts[k] + balance[k])] for k in range(len(balance))]
+    held = [[k for k in range(stages * v) if row_of(k, stages, placement) == r] for r in range(stages)]
     for shard in ("none", "optimizer", "full") if replicas > 1 else ("none",):
         mem = []
-        for r in range(stages):  # a device holds its stages' state and its peak of stage activations
-            mine = [k for k in range(stages * v) if k % stages == r]
+        for r, mine in enumerate(held):  # a device holds its stages' state and its peak of stage activations
             params = sum(sum(per_stage[k]) for k in mine)
             largest = max(max(per_stage[k], default=0) for k in mine)
             mem.append(shard_memory(params, largest, slots, replicas, shard)
@@ -288,8 +296,7 @@ def _choose_shard(layers: Sequence[LayerModel], balance: Sequence[int], stages: 
         if memory is None or max(mem) <= memory:
             extra = 0.0
             if shard == "full":  # gathered again for every micro-batch's forward and backward (the first is DDP's)
-                gather = max(sum(sum(per_stage[k]) for k in range(stages * v) if k % stages == r)
-                             for r in range(stages)) * (replicas - 1) / replicas
+                gather = max(sum(sum(per_stage[k]) for k in mine) for mine in held) * (replicas - 1) / replicas
                 extra = (2 * m - 1) * link.time(gather)
             return shard, mem, extra
     return None
