@@ -18,7 +18,7 @@ from conftest import make_mlp, max_diff, reference_training
 from hybrid_jobs import LOSS
 from pipeddp.partitioning.solve import solve
 from pipeddp.runtime.schedule import stages_on
-from pipeddp.runtime.schedule.costed import Costs
+from pipeddp.runtime.schedule.costed import Costs, build, makespan
 from pipeddp.runtime.schedule.placing import choose_layout
 from test_placement import held_rows
 from test_schedules_train import reference, train_against
@@ -32,7 +32,6 @@ def layer_costs(seconds):
 
 def paper(costs_of, v, placement="loop", m=2):
     """The step on paper of ``auto``'s best order, without the price per action."""
-    from pipeddp.runtime.schedule.costed import build, makespan
     return makespan(build(2, m, v, costs_of(v), placement=placement), costs_of(v), 2, placement)
 
 
