@@ -30,7 +30,7 @@ model whose head outweighs five blocks (497 against 529 ms at m = 4; measured
 529-539 against 573-642), and for resnet50 two at m = 8 in three profiles of
 three (12-13% shorter in the two whose figures were kept; measured 6-7%
 faster) and at m = 4 two in two profiles of three (2% and 7% shorter) and one
-in the third (measured: two 4% faster).
+in the third (measured: two 3-4% faster).
 """
 
 from __future__ import annotations
