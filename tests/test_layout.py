@@ -129,6 +129,7 @@ def test_a_model_only_the_v_balances_gets_two_stages_per_device_and_trains_the_p
                           placement=placement, sample=batches[0][0]) as pipe:
         layout = pipe.virtual_stages, pipe.placement
         cut = pipe.partition  # the measurements every layout was weighed on, cut for the one chosen
+        assert cut.recut(len(cut.balance)) is cut and len(cut.recut(3).balance) == 3
         assert layout == choose_layout(2, 8, 4, lambda v: Costs.from_layers(cut.layers, cut.recut(2 * v).balance),
                                        placement)
         if placement == "auto":  # the V's step is a quarter shorter on paper than any other: no noise hides that

@@ -85,7 +85,7 @@ def build_replica(owner: nn.Module, model: nn.Sequential, topology: Topology, se
         virtual, placement = agreement.from_rank0(lambda: _layout(cut, settings, topo.stages, len(model)))
         settings = replace(settings, virtual_stages=virtual, choose_virtual=False, placement=placement)
         n_stages = topo.stages * virtual
-        cut = cut if len(cut.balance) == n_stages else cut.recut(n_stages)  # the same solve on every rank
+        cut = cut.recut(n_stages)  # the same solve on every rank
     balance = list(cut.balance)
     placement = settings.placement
     agreement.last_row = row_of(n_stages - 1, topo.stages, placement)
@@ -127,8 +127,7 @@ def _layout(cut: Partition, settings: Settings, devices: int, layers: int) -> Tu
     chunks = settings.chunks or 2 * devices  # with split_size, the default: two micro-batches per device
 
     def costs_of(v: int) -> Costs:
-        return Costs.from_layers(cut.layers, cut.balance if len(cut.balance) == devices * v
-                                 else cut.recut(devices * v).balance)
+        return Costs.from_layers(cut.layers, cut.recut(devices * v).balance)
 
     if settings.choose_virtual:
         return choose_layout(devices, chunks, layers, costs_of, settings.placement, settings.max_activations,

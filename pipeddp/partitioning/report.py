@@ -68,7 +68,9 @@ class Partition:
     def recut(self, stages: int) -> "Partition":
         """The same measurements cut into ``stages`` stages, as ``partition`` cuts them (no link priced, as the
         engines measure): ``virtual_stages="auto"`` weighs one and two stages per device without profiling
-        twice."""
+        twice. A cut of that many stages already is kept as it is (an explicit balance stays the user's)."""
+        if len(self.balance) == stages:
+            return self
         balance = solve(self.layer_costs, stages)
         return replace(self, balance=balance,
                        stage_costs=stage_costs(balance, self.layer_costs, [0.0] * len(self.layer_costs)))
