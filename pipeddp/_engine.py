@@ -80,6 +80,17 @@ class StepModule(nn.Module):
         self._step.trace = value
 
     @property
+    def placement(self) -> str:
+        """How the stages sit on the devices: ``"loop"`` (round robin) or ``"v"`` (down and back up; what
+        ``placement="auto"`` chose)."""
+        return self._step.placement
+
+    @property
+    def virtual_stages(self) -> int:
+        """Stages per device (each pipeline has ``devices * virtual_stages`` stages; what ``"auto"`` chose)."""
+        return self._step.virtual_stages
+
+    @property
     def stages(self) -> List[Stage]:
         """The stages this process runs, in order (each has ``.module``, ``.device``, ``.index``)."""
         return list(self._step.stages)

@@ -162,16 +162,6 @@ class HybridParallel(Checkpointable, StepModule):
         return self._step.last is not None
 
     @property
-    def placement(self) -> str:
-        """How the stages sit on the devices: ``"loop"`` or ``"v"`` (what ``placement="auto"`` chose)."""
-        return self._step.placement
-
-    @property
-    def virtual_stages(self) -> int:
-        """Stages per device (a replica has ``stages * virtual_stages`` stages; what ``"auto"`` chose)."""
-        return self.settings.virtual_stages
-
-    @property
     def global_batch(self) -> Optional[int]:
         """Samples per optimizer step, all replicas together (None: not fixed, each call is one pass)."""
         return self.global_batch_plan.total if self.global_batch_plan is not None else None

@@ -211,17 +211,6 @@ class Pipeline(Checkpointable, StepModule):
         return self.settings.checkpoint
 
     @property
-    def virtual_stages(self) -> int:
-        """Stages per device (the model has ``len(devices) * virtual_stages`` stages; what ``"auto"`` chose)."""
-        return self.settings.virtual_stages
-
-    @property
-    def placement(self) -> str:
-        """How the stages sit on the devices: ``"loop"`` (round robin) or ``"v"`` (down and back up; what
-        ``placement="auto"`` chose)."""
-        return self._step.placement
-
-    @property
     def timeout(self) -> float:
         return self.settings.timeout
 
