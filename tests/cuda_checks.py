@@ -4,7 +4,7 @@
     python tests/cuda_checks.py cut           # a GPU-to-CPU cut and a CPU-to-GPU cut
     python tests/cuda_checks.py autocast      # torch.autocast("cuda", bfloat16) reaches every stage
     python tests/cuda_checks.py dropout       # dropout on GPU stages: the same masks under every schedule and recompute
-    python tests/cuda_checks.py syncs         # a training step makes no device-to-host sync (needs a GPU)
+    python tests/cuda_checks.py syncs         # a step syncs with the device only where its loss comes (needs a GPU)
     python tests/cuda_checks.py two-gpus      # real cross-device stages (needs 2 GPUs)
     python tests/cuda_checks.py nccl          # stage mode, one process per GPU, over nccl (needs 2 GPUs)
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import os
 import sys
+import traceback
 from typing import Any, Dict, List, Sequence
 
 import torch
@@ -187,8 +188,25 @@ def check_dropout() -> None:
 
 def check_syncs() -> None:
     """No device-to-host synchronisation inside a training step on GPU stages (the loss comes back as a tensor):
-    under ``set_sync_debug_mode("error")`` any synchronising call in any stage thread raises."""
+    under ``set_sync_debug_mode("error")`` any synchronising call in any stage thread raises. A ``HybridParallel``
+    step agrees on its loss and non-finite vote: the one copy that brings them to the host is its first sync."""
     assert not FAKE, "syncs needs a GPU"
+    torch.manual_seed(0)
+    engine = pipeddp.HybridParallel(mlp(), stages=2, mode="replica", devices=["cuda:0", "cuda:0"], chunks=4,
+                                    balance="uniform", skip_nonfinite=True)
+    x, y = (torch.randn(32, 12, dtype=torch.float64, device="cuda:0") for _ in range(2))
+    engine.train_step(x, y, LOSS)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        engine.train_step(x, y, LOSS)
+        raise AssertionError("the step's loss never came to the host")
+    except RuntimeError as exc:
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if "pipeddp" in f.filename]
+        assert frames[-1].name == "finish_step", (exc, frames[-1])  # nothing synced before the crossing
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        engine.close()
     torch.manual_seed(0)
     model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(64, 64), nn.Tanh())], nn.Linear(64, 10))
     x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))

@@ -1,19 +1,22 @@
 """Device-to-host copies in a training step: each one would stall a GPU's stream (``.item()``, ``.tolist()``,
-``.cpu()``, ``bool(tensor)``), so the step's agreements make at most two, the batch check and the table of losses
-and votes at the end, whatever the number of ranks, and the loss stays a tensor until then; and a step whose batch
-has the shapes of the step before sends no headers between processes, so the transport reads none. Counted here
-on the CPU by the calls that would sync; on a GPU ``tests/cuda_checks.py syncs`` runs a step under
-``torch.cuda.set_sync_debug_mode("error")``."""
+``.cpu()``, ``bool(tensor)``), so a step makes one, where the loss and the non-finite vote cross to the host
+together at its end; the agreements' tables (the batch check's, the losses') hold host values and are gathered on
+the host (over gloo: on an nccl job a gloo twin of its groups, ``groups.host_group``), so reading them syncs with
+no device. A step whose batch has the shapes of the step before sends no headers between processes, so the
+transport reads none. Counted here on the CPU by the calls that would sync; on a GPU ``tests/cuda_checks.py syncs``
+runs a step under ``torch.cuda.set_sync_debug_mode``."""
 
 import os
 import traceback
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 import pipeddp
-from conftest import data, make_mlp
+from conftest import data, make_mlp, max_diff, reference_training
+from hybrid_jobs import LOSS, global_batches, train
 
 SYNCS = {"item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__"}
 TRANSPORT = "p2p.py"  # an activation's header is read where it arrives (its shapes size the receives)
@@ -46,11 +49,63 @@ def step_job(skip_nonfinite: bool):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("skip_nonfinite", [False, True])
-def test_a_step_s_agreements_copy_to_the_host_twice(skip_nonfinite):
+def test_a_step_crosses_from_its_device_to_the_host_once(skip_nonfinite):
     results = pipeddp.spawn(step_job, 4, args=(skip_nonfinite,), timeout=100)  # 2 replicas x 2 stages
-    for res in results:
-        agreements = [c for c in res["calls"] if c[1] != TRANSPORT]
-        assert len(agreements) == 2, agreements
-        assert [c for c in res["calls"] if c[1] == TRANSPORT] == []  # the shapes repeat: no header to read
-        assert all(name == "tolist" for name, _, _ in agreements), agreements
+    for rank, res in enumerate(results):
+        assert [c for c in res["calls"] if c[1] != TRANSPORT] == res["calls"], res["calls"]  # shapes repeat: no header
+        names = [name for name, where, _ in res["calls"] if where == "agreement.py"]
+        assert len(names) == len(res["calls"]), res["calls"]
+        # the batch check's table; the loss and vote crossing (where this rank has a loss or votes); the losses'
+        # table
+        last = rank % 2 == 1
+        assert names == (["tolist", "cpu", "tolist"] if last or skip_nonfinite else ["tolist", "tolist"]), names
         assert isinstance(res["loss"], torch.Tensor) and torch.isfinite(res["loss"])
+
+
+def twin_job():
+    """Stage mode as on an nccl job: the agreements on gloo twins of the job's group and of the pipeline's."""
+    from pipeddp.distributed import build, groups
+
+    real = groups.host_group
+    build.host_group = groups.host_group = lambda topo, ranks, _, group, timeout: real(topo, ranks, "nccl", group,
+                                                                                      timeout)
+    dist.init_process_group("gloo")
+    engine = pipeddp.HybridParallel(make_mlp(), stages=2, mode="stage", chunks=2, balance="uniform")
+    wired = engine._replica.groups
+    twins = [engine.agreement.rows_group, wired.pipeline_host]
+    facts = {"backends": [dist.get_backend(g) for g in twins],
+             "members": [dist.get_process_group_ranks(g) for g in twins],
+             "distinct": twins[0] is not dist.group.WORLD and twins[1] is not wired.pipeline}
+    batches = global_batches(2, 3) + [data(16, seed=7)]  # the last one larger: a changed shape
+    losses = train(engine, batches[:3], local=10) + train(engine, batches[3:], local=8)
+    x, y = data(10, seed=9)
+    wrong = engine.topology.rank == 3  # the last stage of replica 1 passes 6 targets for 10 inputs
+    try:
+        engine.train_step(x if engine.is_first else None, (y[:6] if wrong else y) if engine.is_last else None, LOSS)
+        facts["refused"] = "no error"
+    except ValueError as exc:
+        facts["refused"] = str(exc)
+    with torch.no_grad():
+        out = engine(x[:5] if engine.is_first else None)
+    facts.update(losses=losses, state=engine.state_dict(), out=out)
+    engine.close()
+    return facts
+
+
+@pytest.mark.timeout(180)
+def test_agreements_on_a_gloo_twin_train_the_plain_model_s_weights():
+    results = pipeddp.spawn(twin_job, 4, timeout=150)
+    batches = global_batches(2, 3) + [data(16, seed=7)]
+    model = make_mlp()
+    _, params = reference_training(model, batches, LOSS)
+    names = [n for n, _ in model.named_parameters()]
+    pipelines = [[0, 1], [2, 3]]
+    for rank, res in enumerate(results):
+        assert res["backends"] == ["gloo", "gloo"] and res["distinct"], res
+        assert res["members"] == [[0, 1, 2, 3], pipelines[rank // 2]]
+        assert max_diff([res["state"][n] for n in names], params) < 1e-12
+        assert "rank 3 passed y with 6 samples but the others have 10" in res["refused"], res["refused"]
+    final = make_mlp()
+    final.load_state_dict(results[0]["state"])
+    for rank in (1, 3):  # the last stages give the trained model's output
+        torch.testing.assert_close(results[rank]["out"], final(data(10, seed=9)[0][:5]), rtol=0, atol=1e-12)

@@ -88,11 +88,11 @@ def _not_finite(grads: Sequence[torch.Tensor], dev: torch.device) -> torch.Tenso
 class CallCheck:
     """Which of the engine's collective calls each rank is in: checked by the first collective of every one.
 
-    ``topology`` and ``comm_device`` are the agreement's (``Agreement`` is one).
+    ``topology`` and ``rows_group`` are the agreement's (``Agreement`` is one).
     """
 
     topology: Topology
-    comm_device: torch.device
+    rows_group: Any
 
     @property
     def distributed(self) -> bool:
@@ -101,7 +101,7 @@ class CallCheck:
     def enter(self, call: str) -> None:
         """Every rank enters the collective ``call`` together (see ``_calls``); nothing else is exchanged."""
         if self.distributed:
-            self._calls(call, [0, 0, 0, 0, 0], self.topology.group, self.topology.job_ranks)
+            self._calls(call, [0, 0, 0, 0, 0], self.rows_group, self.topology.job_ranks)
 
     def _calls(self, call: str, payload: List[int], group: Any, ranks: List[int]) -> List[List[int]]:
         """Every rank's ``payload`` (five ints), gathered with the name of the collective call each rank is in.
@@ -112,12 +112,12 @@ class CallCheck:
         or a hang). A rank that never comes leaves the others an error after the
         process group's timeout that says what to do.
         """
-        t = torch.tensor([COLLECTIVES.index(call), *payload], dtype=torch.int64, device=self.comm_device)
+        t = torch.tensor([COLLECTIVES.index(call), *payload], dtype=torch.int64)  # host values, gathered on the host
         gathered = [torch.zeros_like(t) for _ in ranks]
         with self._waiting(f"entered {call}, a collective, and not every rank came: each must call {call} too, "
                            "together (not under `if rank == 0:`); or a rank stalled or died"):
             gather_rows(gathered, t, group=group, ranks=ranks, rank=self.topology.rank, kind=0)
-        rows = [[int(v) for v in row] for row in torch.stack(gathered).tolist()]  # one device-to-host copy
+        rows = [[int(v) for v in row] for row in torch.stack(gathered).tolist()]
         calls = [COLLECTIVES[row[0]] if 0 <= row[0] < len(COLLECTIVES) else "?" for row in rows]
         if len(set(calls)) > 1:
             listing = ", ".join(f"rank {r} {c}" for r, c in zip(ranks, calls))
@@ -141,12 +141,16 @@ class CallCheck:
 
 
 class Agreement(CallCheck):
-    """The collectives of one engine (``comm_device``: where gloo or nccl wants its tensors; ``last_row``: the
-    pipeline's device row that holds the last stage, whose rank passes the targets in stage mode)."""
+    """The collectives of one engine (``comm_device``: where the job's backend wants its tensors; ``last_row``: the
+    pipeline's device row that holds the last stage, whose rank passes the targets in stage mode; ``rows_group``:
+    the job's ranks over gloo, where its tables of host values are gathered, default the job's group, see
+    ``groups.host_group``)."""
 
-    def __init__(self, topology: Topology, comm_device: torch.device, last_row: Optional[int] = None) -> None:
+    def __init__(self, topology: Topology, comm_device: torch.device, last_row: Optional[int] = None, *,
+                 rows_group: Any = None) -> None:
         self.topology = topology
         self.comm_device = comm_device
+        self.rows_group = topology.group if rows_group is None else rows_group
         self.last_row = topology.stages - 1 if last_row is None else last_row
         #: whether the last batch check found every rank's call and batch shapes as in the one before it
         self.repeated = False
@@ -217,9 +221,10 @@ class Agreement(CallCheck):
         The rank of stage 0 must pass ``x``, the rank of the last stage ``y``
         when ``need_y``; every replica the same number of samples. ``flag`` rides
         along at no cost: ``flagged`` then tells whether any rank raised it.
+        ``group`` gathers host values (``groups.host_group``).
         """
         topo = self.topology
-        group = topo.group if group is None else group
+        group = self.rows_group if group is None else group
         ranks = dist.get_process_group_ranks(group) if (group is not None and self.distributed) \
             else topo.job_ranks
         infos = self._gather_sizes(x, y, group, ranks, call, flag)
@@ -257,8 +262,8 @@ class Agreement(CallCheck):
                     count: Optional[float] = None) -> Tuple[torch.Tensor, bool, Optional[float]]:
         """Average the loss over replicas (one collective); vote on non-finite gradients.
 
-        ``local_loss``: this rank's loss, a tensor (None where it runs no last stage); it, the vote and the count
-        travel in one tensor and come to the host in one copy, after the gather.
+        ``local_loss``: this rank's loss, a tensor (None where it runs no last stage); it and the vote come to the
+        host in one copy, the step's one synchronisation with a device, and travel with the count in one row.
 
         ``count``: where the loss_fn returned ``(total, count)``, ``local_loss``
         is this rank's sum of totals and ``count`` its sum of counts; the loss is
@@ -276,24 +281,24 @@ class Agreement(CallCheck):
         """
         params = list(params)
         grads = [p.grad for p in params if p.grad is not None]
-        dev, f64 = self.comm_device, torch.float64
-        # every value stays a tensor on the device until the one copy of the gathered table: no sync before it
-        loss = local_loss.detach().reshape(()).to(dev, f64) if local_loss is not None else torch.zeros((), dtype=f64,
-                                                                                                      device=dev)
-        bad_grads = torch.zeros((), dtype=f64, device=dev)
-        if (skip_nonfinite or overflow_to_scaler) and grads:
-            bad_grads = _not_finite(grads, dev)
-        rest = torch.tensor([count or 0.0, count is not None], dtype=f64, device=dev)
-        mine = torch.cat([loss.reshape(1), bad_grads.reshape(1), rest])
+        f64, vote = torch.float64, (skip_nonfinite or overflow_to_scaler) and bool(grads)
+        dev = local_loss.device if local_loss is not None else local_tensor(grads[0]).device if vote else None
+        head = torch.zeros(2, dtype=f64)  # (loss, grads not finite): nothing on a device to copy
+        if dev is not None:  # both on the device until one copy brings them to the host
+            loss = local_loss.detach().reshape(()).to(dev, f64) if local_loss is not None else \
+                torch.zeros((), dtype=f64, device=dev)
+            bad_grads = _not_finite(grads, dev) if vote else torch.zeros((), dtype=f64, device=dev)
+            head = torch.stack([loss, bad_grads]).cpu()
+        mine = torch.cat([head, torch.tensor([count or 0.0, count is not None], dtype=f64)])
         if self.distributed:
             everyone = [torch.zeros_like(mine) for _ in range(self.topology.world_size)]
             with self._waiting("waited for every rank's loss at the end of a step: a rank stalled or died in its "
                                "step, or skipped train_step (a collective: call it on every rank)"):
-                gather_rows(everyone, mine, group=self.topology.group, ranks=self.topology.job_ranks,
+                gather_rows(everyone, mine, group=self.rows_group, ranks=self.topology.job_ranks,
                             rank=self.topology.rank, kind=1)
         else:
             everyone = [mine]
-        table = torch.stack(everyone).tolist()  # every rank's row (loss, bad grads, count, counted), one copy
+        table = torch.stack(everyone).tolist()  # every rank's row (loss, bad grads, count, counted), on the host
         total = sum(t[0] for t in table)
         counted = any(t[3] > 0 for t in table)
         n = sum(t[2] for t in table) if counted else None

@@ -43,7 +43,7 @@ from ..runtime.tied import find_ties
 from ..runtime.trace import Trace
 from .agreement import Agreement
 from .ddp import CommHook, attach_stages, check_ddp_kwargs, with_sync_batchnorm
-from .groups import Groups, choose_backend, init_process_group, local_devices, make_groups, with_job_group
+from .groups import Groups, choose_backend, host_group, init_process_group, local_devices, make_groups, with_job_group
 from .replica import Replica
 from .shard import StageShard, attach_shards
 from .stage_runner import ProcessRunner
@@ -79,7 +79,8 @@ def build_replica(owner: nn.Module, model: nn.Sequential, topology: Topology, se
     if owns_group:
         init_process_group(backend, settings.timeout_delta)
     topo = with_job_group(topo, settings.timeout_delta)  # placed on a mesh: the job's collectives on its own ranks
-    agreement = Agreement(topo, devs[0] if backend == "nccl" and topo.world_size > 1 else torch.device("cpu"))
+    agreement = Agreement(topo, devs[0] if backend == "nccl" and topo.world_size > 1 else torch.device("cpu"),
+                          rows_group=host_group(topo, None, backend, topo.group, settings.timeout_delta))
     cut = agreement.from_rank0(lambda: partition(devs[0]))
     if settings.choose_virtual or settings.placement == "auto":  # from the profile, on rank 0 for every rank
         virtual, placement = agreement.from_rank0(lambda: _layout(cut, settings, topo.stages, len(model)))

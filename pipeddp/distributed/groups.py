@@ -11,6 +11,8 @@ collective::
     groups       per stage, the ranks holding a copy of it (its DDP group); in stage mode, per
                  replica, the ranks of its pipeline. Created on every rank in the same order,
                  as ``torch.distributed.new_group`` requires.
+    host groups  where the job runs nccl, a gloo twin of the job's group and of each pipeline's, for
+                 the agreements' small tables of host values (``host_group``)
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ from ..runtime.schedule.actions import row_of
 from ..runtime.warn import warn
 from .topology import Topology, env_world
 
-__all__ = ["Groups", "current_topology", "local_devices", "choose_backend", "init_process_group", "make_groups",
-           "subgroup", "with_job_group"]
+__all__ = ["Groups", "current_topology", "local_devices", "choose_backend", "host_group", "init_process_group",
+           "make_groups", "subgroup", "with_job_group"]
 
 
 def current_topology(stages: int, mode: str, layout: str) -> Topology:
@@ -143,6 +145,8 @@ class Groups:
 
     stage: Dict[int, Any] = field(default_factory=dict)
     pipeline: Any = None
+    #: ``pipeline`` over gloo, for the agreements' tables (``host_group``); ``pipeline`` itself on a gloo job
+    pipeline_host: Any = None
 
 
 def subgroup(topo: Topology, ranks: Optional[Sequence[int]], backend: Optional[str], timeout: timedelta) -> Any:
@@ -158,6 +162,19 @@ def subgroup(topo: Topology, ranks: Optional[Sequence[int]], backend: Optional[s
     if topo.rank not in members:
         return None
     return dist.new_group(members, timeout=timeout, backend=backend, use_local_synchronization=True)
+
+
+def host_group(topo: Topology, ranks: Optional[Sequence[int]], backend: str, group: Any, timeout: timedelta) -> Any:
+    """``group`` (of ``ranks``; None: the job's), or where ``backend`` is nccl a gloo group of the same ranks, for
+    the agreements' tables: sizes, flags and votes that start and end on the host.
+
+    Over nccl such a table would cross to the GPU and back, two synchronisations of the host with the device at
+    each agreement, and the first of them waits for every kernel queued before it (the last step's optimizer
+    included) before the host may queue the next step's; over gloo it never touches a device.
+    """
+    if backend != "nccl" or topo.world_size == 1:
+        return group
+    return subgroup(topo, ranks, "gloo", timeout)
 
 
 def with_job_group(topo: Topology, timeout: timedelta) -> Topology:
@@ -181,6 +198,7 @@ def make_groups(topo: Topology, backend: str, timeout: timedelta, virtual_stages
     if topo.mode == "stage":
         for r in range(topo.replicas):
             g = subgroup(topo, topo.pipeline_ranks(r), backend, timeout)
+            host = host_group(topo, topo.pipeline_ranks(r), backend, g, timeout)
             if r == topo.replica:
-                groups.pipeline = g
+                groups.pipeline, groups.pipeline_host = g, host
     return groups

@@ -115,7 +115,7 @@ class Replica:
         if self.topology.mode == "replica":
             n = samples_of(x, name="input")
         else:
-            n = self.agreement.local_batch(x, None, need_y=False, group=self.groups.pipeline, call="forward",
+            n = self.agreement.local_batch(x, None, need_y=False, group=self.groups.pipeline_host, call="forward",
                                            flag=self.ties.changed())
             self._agreed("forward")
         out = self.step.forward(x, n, need_grad=need_grad)
