@@ -289,8 +289,8 @@ class Pipeline(Checkpointable, StepModule):
         if loss is None:  # cannot happen: a Pipeline runs every stage, the last one included
             raise RuntimeError("the pipeline's last stage returned no loss")
         count = self._step.count
-        self._step.finish_counted(count is not None, count or 0.0)
-        return loss if count is None else loss / count
+        self._step.finish_counted(count is not None, 0.0 if count is None else count)
+        return loss if count is None else (loss / count).to(loss.dtype)
 
     def extra_repr(self) -> str:
         devs = ", ".join(str(d) for d in self.devices)

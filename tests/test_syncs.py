@@ -35,11 +35,21 @@ class CountSyncs(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def step_job(skip_nonfinite: bool):
+def counted_mse(out, y):
+    """A loss over counted items (``(total, count)``): the rows whose first target is positive, counted on the
+    loss's device as a token loss counts its tokens."""
+    keep = y[:, 0] > 0
+    return (((out - y) ** 2) * keep[:, None]).sum(), keep.sum()
+
+
+LOSSES = {"mean": torch.nn.functional.mse_loss, "counted": counted_mse}
+
+
+def step_job(skip_nonfinite: bool, loss: str = "mean"):
     engine = pipeddp.HybridParallel(make_mlp(), stages=2, mode="stage", chunks=2, balance="uniform",
                                     skip_nonfinite=skip_nonfinite)
     x, y = data(10)
-    args = (x if engine.is_first else None, y if engine.is_last else None, torch.nn.functional.mse_loss)
+    args = (x if engine.is_first else None, y if engine.is_last else None, LOSSES[loss])
     engine.train_step(*args)
     with CountSyncs() as counted:
         loss = engine.train_step(*args)
@@ -48,9 +58,10 @@ def step_job(skip_nonfinite: bool):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("skip_nonfinite", [False, True])
-def test_a_step_crosses_from_its_device_to_the_host_once(skip_nonfinite):
-    results = pipeddp.spawn(step_job, 4, args=(skip_nonfinite,), timeout=100)  # 2 replicas x 2 stages
+@pytest.mark.parametrize("skip_nonfinite,loss", [(False, "mean"), (True, "mean"), (False, "counted")])
+def test_a_step_crosses_from_its_device_to_the_host_once(skip_nonfinite, loss):
+    """A counted loss's count joins the crossing: no sync per micro-batch for it."""
+    results = pipeddp.spawn(step_job, 4, args=(skip_nonfinite, loss), timeout=100)  # 2 replicas x 2 stages
     for rank, res in enumerate(results):
         assert [c for c in res["calls"] if c[1] != TRANSPORT] == res["calls"], res["calls"]  # shapes repeat: no header
         names = [name for name, where, _ in res["calls"] if where == "agreement.py"]
@@ -60,6 +71,26 @@ def test_a_step_crosses_from_its_device_to_the_host_once(skip_nonfinite):
         last = rank % 2 == 1
         assert names == (["tolist", "cpu", "tolist"] if last or skip_nonfinite else ["tolist", "tolist"]), names
         assert isinstance(res["loss"], torch.Tensor) and torch.isfinite(res["loss"])
+
+
+def test_a_pipeline_s_counted_step_syncs_nowhere():
+    """A one-process ``Pipeline`` keeps a counted loss's count on the loss's device: the step's loss, divided by
+    it, comes back as a tensor and the gradients are divided by it there, without a sync (before: one per
+    micro-batch). Its loss and gradients are the plain model's sum over counted items divided by their count."""
+    model = make_mlp()
+    x, y = data(12)
+    with pipeddp.Pipeline(model, ["cpu", "cpu"], chunks=4, balance="uniform") as pipe:
+        pipe.train_step(x, y, counted_mse)
+        pipe.zero_grad()
+        with CountSyncs() as counted:
+            loss = pipe.train_step(x, y, counted_mse)
+        grads = [p.grad.clone() for p in pipe.parameters()]
+    assert counted.calls == [], counted.calls
+    model.zero_grad(set_to_none=True)  # the pipeline's stages hold the model's own parameters
+    total, count = counted_mse(model(x), y)
+    (total / count).backward()
+    assert loss.dtype == torch.float64 and torch.allclose(loss, total / count, rtol=1e-12)
+    assert max_diff(grads, [p.grad for p in model.parameters()]) < 1e-12
 
 
 def twin_job():

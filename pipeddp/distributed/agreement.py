@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..runtime.counted import Count
 from ..runtime.microbatch import batch_size
 from ..runtime.warn import warn
 from .rows import gather_rows
@@ -259,11 +260,11 @@ class Agreement(CallCheck):
 
     def finish_step(self, local_loss: Optional[torch.Tensor], params: Iterable[nn.Parameter], *, skip_nonfinite: bool,
                     skipped: int, overflow_to_scaler: bool = False,
-                    count: Optional[float] = None) -> Tuple[torch.Tensor, bool, Optional[float]]:
+                    count: Optional[Count] = None) -> Tuple[torch.Tensor, bool, Optional[float]]:
         """Average the loss over replicas (one collective); vote on non-finite gradients.
 
-        ``local_loss``: this rank's loss, a tensor (None where it runs no last stage); it and the vote come to the
-        host in one copy, the step's one synchronisation with a device, and travel with the count in one row.
+        ``local_loss``: this rank's loss, a tensor (None where it runs no last stage); it, the vote and the count
+        come to the host in one copy, the step's one synchronisation with a device, and travel in one row.
 
         ``count``: where the loss_fn returned ``(total, count)``, ``local_loss``
         is this rank's sum of totals and ``count`` its sum of counts; the loss is
@@ -282,14 +283,17 @@ class Agreement(CallCheck):
         params = list(params)
         grads = [p.grad for p in params if p.grad is not None]
         f64, vote = torch.float64, (skip_nonfinite or overflow_to_scaler) and bool(grads)
-        dev = local_loss.device if local_loss is not None else local_tensor(grads[0]).device if vote else None
-        head = torch.zeros(2, dtype=f64)  # (loss, grads not finite): nothing on a device to copy
-        if dev is not None:  # both on the device until one copy brings them to the host
-            loss = local_loss.detach().reshape(()).to(dev, f64) if local_loss is not None else \
-                torch.zeros((), dtype=f64, device=dev)
-            bad_grads = _not_finite(grads, dev) if vote else torch.zeros((), dtype=f64, device=dev)
-            head = torch.stack([loss, bad_grads]).cpu()
-        mine = torch.cat([head, torch.tensor([count or 0.0, count is not None], dtype=f64)])
+        on = [t.device for t in (local_loss, count) if isinstance(t, torch.Tensor)]
+        dev = on[0] if on else local_tensor(grads[0]).device if vote else torch.device("cpu")
+
+        def there(value: Any) -> torch.Tensor:  # 0-d float64 on dev: copied device to device or filled, no sync
+            if isinstance(value, torch.Tensor):
+                return value.detach().reshape(()).to(dev, f64)
+            return torch.full((), float(value or 0.0), dtype=f64, device=dev)
+
+        # (loss, grads not finite, count): on the device until one copy brings them to the host (none: all numbers)
+        head = torch.stack([there(local_loss), _not_finite(grads, dev) if vote else there(0.0), there(count)])
+        mine = torch.cat([head.cpu() if on or vote else head, torch.tensor([count is not None], dtype=f64)])
         if self.distributed:
             everyone = [torch.zeros_like(mine) for _ in range(self.topology.world_size)]
             with self._waiting("waited for every rank's loss at the end of a step: a rank stalled or died in its "

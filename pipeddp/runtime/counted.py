@@ -15,17 +15,41 @@ micro-batch has run its forward, after the first backwards have started, so
 backward runs from the totals and what the step added to ``.grad`` is divided
 by the global count at its end (``Baseline.scale``). Gradients that were there
 before the step (accumulation over calls) are kept aside in ``Baseline`` and
-left as they were.
+left as they were. A count made on a GPU stays there (``summed``): a
+``Pipeline`` divides by it on the device, and ``HybridParallel`` brings it to
+the host in the one copy of the step's loss, instead of a sync per micro-batch.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Union
 
 import torch
 from torch import nn
 
-__all__ = ["Baseline"]
+__all__ = ["Baseline", "Count", "per_count", "summed"]
+
+#: a count: a number, or a 0-d float64 tensor where the loss_fn counted on a device (kept there until the step's
+#: loss crosses to the host with it)
+Count = Union[float, torch.Tensor]
+
+
+def summed(counts: Iterable[Union[int, float, torch.Tensor]]) -> Count:
+    """The micro-batches' counts added up: a float where they are numbers, else summed on the device of the first
+    tensor, so that counts made on a GPU reach the host once with the step's loss instead of one sync each."""
+    values = list(counts)
+    dev = next((c.device for c in values if isinstance(c, torch.Tensor)), None)
+    if dev is None:
+        return float(sum(values))
+    return torch.stack([c.detach().reshape(()).to(dev, torch.float64) if isinstance(c, torch.Tensor)
+                        else torch.full((), float(c), dtype=torch.float64, device=dev) for c in values]).sum()
+
+
+def per_count(replicas: int, count: Count) -> Count:
+    """``replicas / count``, NaN where nothing was counted (0/0, as the plain model gives); a tensor stays one."""
+    if isinstance(count, torch.Tensor):
+        return torch.where(count != 0, replicas / count, torch.full_like(count, float("nan")))
+    return replicas / count if count else float("nan")
 
 
 class Baseline:
@@ -43,8 +67,9 @@ class Baseline:
         if self.had_grads and counting is not False:
             self.kept = {id(p): p.grad.detach().clone() for p in self.params if p.grad is not None}
 
-    def scale(self, factor: float) -> None:
-        """Multiply what the step added to every gradient by ``factor``; what was there before stays."""
+    def scale(self, factor: Count) -> None:
+        """Multiply what the step added to every gradient by ``factor`` (a tensor: copied to each gradient's device
+        once, device to device); what was there before stays."""
         if self.had_grads and self.kept is None:
             raise ValueError(
                 "this step's loss_fn returned (total, count) while the gradients held earlier steps' sums, after a "
@@ -52,11 +77,15 @@ class Baseline:
                 "(optimizer.zero_grad()) before a step whose loss changes kind"
             )
         kept = self.kept or {}
+        on: Dict[torch.device, Count] = {}
         for p in self.params:
             if p.grad is None:
                 continue
+            dev = p.grad.device
+            if dev not in on:
+                on[dev] = factor.to(dev) if isinstance(factor, torch.Tensor) else factor
             before = kept.get(id(p))
             if before is None:
-                p.grad.mul_(factor)
+                p.grad.mul_(on[dev])
             else:
-                p.grad.sub_(before).mul_(factor).add_(before)
+                p.grad.sub_(before).mul_(on[dev]).add_(before)

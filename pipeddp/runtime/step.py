@@ -31,7 +31,7 @@ import torch
 from . import _bridge
 from .amp import Autocast
 from .batchnorm import DeferredStatistics
-from .counted import Baseline
+from .counted import Baseline, Count, per_count, summed
 from .executor import StageResults
 from .microbatch import merge, split, split_sizes, tree_map
 from .rng import draw_base_seed
@@ -117,7 +117,7 @@ class Step:
         #: whether the last training step's loss_fn returned (total, count) (None: no step yet), and that step's
         #: count and the gradients it started from (see ``counted``)
         self.counting: Optional[bool] = None
-        self.count: Optional[float] = None
+        self.count: Optional[Count] = None
         self.baseline: Optional[Baseline] = None
 
     @property
@@ -213,7 +213,8 @@ class Step:
         if final:
             self._call(self.after_backward)
         if spec.counted:
-            self.count = (self.count or 0.0) + sum(float(c) for c in spec.counts.values())
+            part = summed(spec.counts.values())  # on the loss's device where it counted there: no sync
+            self.count = part if self.count is None else self.count + part
         if self.last is None:
             return None
         losses = self._of_last(results).losses
@@ -245,13 +246,13 @@ class Step:
                 total = loss if total is None else total + loss
         return total
 
-    def finish_counted(self, counted: bool, count: float, replicas: int = 1) -> None:
+    def finish_counted(self, counted: bool, count: Count, replicas: int = 1) -> None:
         """End a training step: where its loss_fn returned ``(total, count)`` (in any process: ``counted``), divide
         what the step added to the gradients by ``count``, the count of the whole batch over every replica (data
         parallelism already divided by ``replicas``). See ``counted``."""
         self.counting = counted
         if counted and self.baseline is not None:
-            self.baseline.scale(replicas / count if count else float("nan"))  # nothing counted: 0/0, as the plain model
+            self.baseline.scale(per_count(replicas, count))
         self.baseline = None
         self._call(self.after_step)
 
