@@ -93,13 +93,18 @@ def test_a_pipeline_s_counted_step_syncs_nowhere():
     assert max_diff(grads, [p.grad for p in model.parameters()]) < 1e-12
 
 
-def twin_job():
-    """Stage mode as on an nccl job: the agreements on gloo twins of the job's group and of the pipeline's."""
+def as_on_nccl():
+    """Make the engine's agreements take gloo twins of its groups, as on an nccl job (in this spawned process)."""
     from pipeddp.distributed import build, groups
 
     real = groups.host_group
     build.host_group = groups.host_group = lambda topo, ranks, _, group, timeout: real(topo, ranks, "nccl", group,
                                                                                       timeout)
+
+
+def twin_job():
+    """Stage mode as on an nccl job: the agreements on gloo twins of the job's group and of the pipeline's."""
+    as_on_nccl()
     dist.init_process_group("gloo")
     engine = pipeddp.HybridParallel(make_mlp(), stages=2, mode="stage", chunks=2, balance="uniform")
     wired = engine._replica.groups
@@ -140,3 +145,21 @@ def test_agreements_on_a_gloo_twin_train_the_plain_model_s_weights():
     final.load_state_dict(results[0]["state"])
     for rank in (1, 3):  # the last stages give the trained model's output
         torch.testing.assert_close(results[rank]["out"], final(data(10, seed=9)[0][:5]), rtol=0, atol=1e-12)
+
+
+def unreachable_twin_job():
+    as_on_nccl()
+    dist.init_process_group("gloo")
+    os.environ["GLOO_SOCKET_IFNAME"] = "nosuch0"  # gloo finds no such interface for the twin
+    try:
+        pipeddp.HybridParallel(make_mlp(), stages=2, mode="stage", chunks=2, balance="uniform")
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_a_twin_gloo_cannot_make_names_the_fix():
+    for rank, message in enumerate(pipeddp.spawn(unreachable_twin_job, 2, timeout=100)):
+        assert message.startswith(f"rank {rank}: could not make the gloo group"), message
+        assert "GLOO_SOCKET_IFNAME" in message and "nosuch0" in message, message

@@ -174,7 +174,14 @@ def host_group(topo: Topology, ranks: Optional[Sequence[int]], backend: str, gro
     """
     if backend != "nccl" or topo.world_size == 1:
         return group
-    return subgroup(topo, ranks, "gloo", timeout)
+    try:
+        return subgroup(topo, ranks, "gloo", timeout)
+    except RuntimeError as exc:
+        raise RuntimeError(
+            f"rank {topo.rank}: could not make the gloo group that carries pipeddp's agreements beside nccl ({exc}); "
+            "gloo must reach every rank of the job, as the gloo half of torch's default group does: set "
+            "GLOO_SOCKET_IFNAME to the network interface the hosts reach each other on"
+        ) from exc
 
 
 def with_job_group(topo: Topology, timeout: timedelta) -> Topology:
