@@ -102,13 +102,14 @@ def as_on_nccl():
                                                                                       timeout)
 
 
-def twin_job():
-    """Stage mode as on an nccl job: the agreements on gloo twins of the job's group and of the pipeline's."""
+def twin_job(path: str):
+    """Stage mode as on an nccl job: the agreements (their objects too: the cut, the state dict, a saved file's
+    shares) on gloo twins of the job's group and of the pipeline's."""
     as_on_nccl()
     dist.init_process_group("gloo")
     engine = pipeddp.HybridParallel(make_mlp(), stages=2, mode="stage", chunks=2, balance="uniform")
     wired = engine._replica.groups
-    twins = [engine.agreement.rows_group, wired.pipeline_host]
+    twins = [engine.agreement.host_group, wired.pipeline_host]
     facts = {"backends": [dist.get_backend(g) for g in twins],
              "members": [dist.get_process_group_ranks(g) for g in twins],
              "distinct": twins[0] is not dist.group.WORLD and twins[1] is not wired.pipeline}
@@ -123,14 +124,16 @@ def twin_job():
         facts["refused"] = str(exc)
     with torch.no_grad():
         out = engine(x[:5] if engine.is_first else None)
+    engine.save(path)  # replica 0's shares gathered on rank 0 over the twin
     facts.update(losses=losses, state=engine.state_dict(), out=out)
     engine.close()
     return facts
 
 
 @pytest.mark.timeout(180)
-def test_agreements_on_a_gloo_twin_train_the_plain_model_s_weights():
-    results = pipeddp.spawn(twin_job, 4, timeout=150)
+def test_agreements_on_a_gloo_twin_train_the_plain_model_s_weights(tmp_path):
+    path = str(tmp_path / "model.pt")
+    results = pipeddp.spawn(twin_job, 4, args=(path,), timeout=150)
     batches = global_batches(2, 3) + [data(16, seed=7)]
     model = make_mlp()
     _, params = reference_training(model, batches, LOSS)
@@ -141,6 +144,9 @@ def test_agreements_on_a_gloo_twin_train_the_plain_model_s_weights():
         assert res["members"] == [[0, 1, 2, 3], pipelines[rank // 2]]
         assert max_diff([res["state"][n] for n in names], params) < 1e-12
         assert "rank 3 passed y with 6 samples but the others have 10" in res["refused"], res["refused"]
+    saved = torch.load(path, weights_only=False)["model"]
+    assert list(saved) == list(model.state_dict())
+    assert max_diff([saved[n] for n in names], params) < 1e-12
     final = make_mlp()
     final.load_state_dict(results[0]["state"])
     for rank in (1, 3):  # the last stages give the trained model's output

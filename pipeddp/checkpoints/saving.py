@@ -133,7 +133,7 @@ def _whole_on_rank0(engine: Engine, local: Any, merge: Callable[[List[Any]], Any
     if topo.mode == "replica" or topo.world_size == 1:
         return local
     parts: Optional[List[Any]] = [None] * topo.world_size if topo.is_root else None
-    dist.gather_object(local if topo.replica == 0 else None, parts, dst=topo.root, group=topo.group)
+    dist.gather_object(local if topo.replica == 0 else None, parts, dst=topo.root, group=engine.agreement.host_group)
     return merge([p for p in parts if p is not None]) if parts is not None else None
 
 

@@ -89,11 +89,11 @@ def _not_finite(grads: Sequence[torch.Tensor], dev: torch.device) -> torch.Tenso
 class CallCheck:
     """Which of the engine's collective calls each rank is in: checked by the first collective of every one.
 
-    ``topology`` and ``rows_group`` are the agreement's (``Agreement`` is one).
+    ``topology`` and ``host_group`` are the agreement's (``Agreement`` is one).
     """
 
     topology: Topology
-    rows_group: Any
+    host_group: Any
 
     @property
     def distributed(self) -> bool:
@@ -102,7 +102,7 @@ class CallCheck:
     def enter(self, call: str) -> None:
         """Every rank enters the collective ``call`` together (see ``_calls``); nothing else is exchanged."""
         if self.distributed:
-            self._calls(call, [0, 0, 0, 0, 0], self.rows_group, self.topology.job_ranks)
+            self._calls(call, [0, 0, 0, 0, 0], self.host_group, self.topology.job_ranks)
 
     def _calls(self, call: str, payload: List[int], group: Any, ranks: List[int]) -> List[List[int]]:
         """Every rank's ``payload`` (five ints), gathered with the name of the collective call each rank is in.
@@ -143,15 +143,15 @@ class CallCheck:
 
 class Agreement(CallCheck):
     """The collectives of one engine (``comm_device``: where the job's backend wants its tensors; ``last_row``: the
-    pipeline's device row that holds the last stage, whose rank passes the targets in stage mode; ``rows_group``:
-    the job's ranks over gloo, where its tables of host values are gathered, default the job's group, see
-    ``groups.host_group``)."""
+    pipeline's device row that holds the last stage, whose rank passes the targets in stage mode; ``host_group``:
+    the job's ranks over gloo for its tables and objects of host values, default the job's group; see
+    ``groups.host_group``: over nccl an object crosses to the GPU, padded there to the largest, once per rank)."""
 
     def __init__(self, topology: Topology, comm_device: torch.device, last_row: Optional[int] = None, *,
-                 rows_group: Any = None) -> None:
+                 host_group: Any = None) -> None:
         self.topology = topology
         self.comm_device = comm_device
-        self.rows_group = topology.group if rows_group is None else rows_group
+        self.host_group = topology.group if host_group is None else host_group
         self.last_row = topology.stages - 1 if last_row is None else last_row
         #: whether the last batch check found every rank's call and batch shapes as in the one before it
         self.repeated = False
@@ -176,7 +176,7 @@ class Agreement(CallCheck):
                 box[0] = make()
             except Exception as exc:  # noqa: BLE001 - re-raised below, after the others are told
                 error, box[1] = exc, f"{type(exc).__name__}: {exc}"
-        dist.broadcast_object_list(box, src=self.topology.root, group=self.topology.group)
+        dist.broadcast_object_list(box, src=self.topology.root, group=self.host_group)
         if error is not None:
             raise error
         if box[1]:
@@ -225,7 +225,7 @@ class Agreement(CallCheck):
         ``group`` gathers host values (``groups.host_group``).
         """
         topo = self.topology
-        group = self.rows_group if group is None else group
+        group = self.host_group if group is None else group
         ranks = dist.get_process_group_ranks(group) if (group is not None and self.distributed) \
             else topo.job_ranks
         infos = self._gather_sizes(x, y, group, ranks, call, flag)
@@ -298,7 +298,7 @@ class Agreement(CallCheck):
             everyone = [torch.zeros_like(mine) for _ in range(self.topology.world_size)]
             with self._waiting("waited for every rank's loss at the end of a step: a rank stalled or died in its "
                                "step, or skipped train_step (a collective: call it on every rank)"):
-                gather_rows(everyone, mine, group=self.rows_group, ranks=self.topology.job_ranks,
+                gather_rows(everyone, mine, group=self.host_group, ranks=self.topology.job_ranks,
                             rank=self.topology.rank, kind=1)
         else:
             everyone = [mine]
@@ -360,7 +360,7 @@ class Agreement(CallCheck):
                     problem = (f"stage {st.index}: parameter {rename(name)!r} differs between replicas "
                                f"(ranks {odd} disagree with rank {ranks[0]})")
         problems: List[Any] = [None] * self.topology.world_size
-        dist.all_gather_object(problems, problem, group=self.topology.group)
+        dist.all_gather_object(problems, problem, group=self.host_group)
         first = next((p for p in problems if p), "")
         if first:
             raise RuntimeError(first)
@@ -376,7 +376,7 @@ class Agreement(CallCheck):
         parts: List[Any] = [(count, sums, counts or {})]
         if self.distributed:
             parts = [None] * self.topology.world_size
-            dist.all_gather_object(parts, (count, sums, counts or {}), group=self.topology.group)
+            dist.all_gather_object(parts, (count, sums, counts or {}), group=self.host_group)
         total = sum(c for c, _, _ in parts)
         merged: Dict[str, float] = {}
         denominators: Dict[str, float] = {}
@@ -394,6 +394,6 @@ class Agreement(CallCheck):
         if not self.distributed:
             return [value]
         parts: List[Any] = [None] * self.topology.world_size
-        dist.all_gather_object(parts, value, group=self.topology.group)
+        dist.all_gather_object(parts, value, group=self.host_group)
         return parts
 

@@ -80,7 +80,7 @@ def build_replica(owner: nn.Module, model: nn.Sequential, topology: Topology, se
         init_process_group(backend, settings.timeout_delta)
     topo = with_job_group(topo, settings.timeout_delta)  # placed on a mesh: the job's collectives on its own ranks
     agreement = Agreement(topo, devs[0] if backend == "nccl" and topo.world_size > 1 else torch.device("cpu"),
-                          rows_group=host_group(topo, None, backend, topo.group, settings.timeout_delta))
+                          host_group=host_group(topo, None, backend, topo.group, settings.timeout_delta))
     cut = agreement.from_rank0(lambda: partition(devs[0]))
     if settings.choose_virtual or settings.placement == "auto":  # from the profile, on rank 0 for every rank
         virtual, placement = agreement.from_rank0(lambda: _layout(cut, settings, topo.stages, len(model)))

@@ -166,11 +166,14 @@ def subgroup(topo: Topology, ranks: Optional[Sequence[int]], backend: Optional[s
 
 def host_group(topo: Topology, ranks: Optional[Sequence[int]], backend: str, group: Any, timeout: timedelta) -> Any:
     """``group`` (of ``ranks``; None: the job's), or where ``backend`` is nccl a gloo group of the same ranks, for
-    the agreements' tables: sizes, flags and votes that start and end on the host.
+    the agreements' tables (sizes, flags and votes that start and end on the host) and objects (a cut, the shares
+    of a state dict).
 
     Over nccl such a table would cross to the GPU and back, two synchronisations of the host with the device at
     each agreement, and the first of them waits for every kernel queued before it (the last step's optimizer
-    included) before the host may queue the next step's; over gloo it never touches a device.
+    included) before the host may queue the next step's; over gloo it never touches a device. An object
+    gathered over nccl is padded on the GPU to the largest rank's, once per rank: a state dict's shares would
+    take the whole model's size on a GPU that may not have it.
     """
     if backend != "nccl" or topo.world_size == 1:
         return group
