@@ -12,7 +12,7 @@ collective::
                  replica, the ranks of its pipeline. Created on every rank in the same order,
                  as ``torch.distributed.new_group`` requires.
     host groups  where the job runs nccl, a gloo twin of the job's group and of each pipeline's, for
-                 the agreements' small tables of host values (``host_group``)
+                 the agreements' tables and objects of host values (``host_group``)
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ class Groups:
 
     stage: Dict[int, Any] = field(default_factory=dict)
     pipeline: Any = None
-    #: ``pipeline`` over gloo, for the agreements' tables (``host_group``); ``pipeline`` itself on a gloo job
+    #: ``pipeline``'s ranks over gloo, for the agreements' tables (``host_group``); ``pipeline`` on a gloo job
     pipeline_host: Any = None
 
 
