@@ -86,6 +86,21 @@ def _not_finite(grads: Sequence[torch.Tensor], dev: torch.device) -> torch.Tenso
     return (~largest.isfinite().all()).to(torch.float64)
 
 
+def _means(parts: Sequence[Tuple[int, Dict[str, float], Dict[str, float]]]) -> Dict[str, float]:
+    """Every rank's ``(count, sums, counts)`` merged into means (see ``Agreement.mean_metrics``)."""
+    total = sum(c for c, _, _ in parts)
+    merged: Dict[str, float] = {}
+    denominators: Dict[str, float] = {}
+    for _, s, c in parts:
+        for k, v in s.items():
+            merged[k] = merged.get(k, 0.0) + v
+        for k, v in c.items():
+            denominators[k] = denominators.get(k, 0.0) + v
+    result = {k: v / denominators.get(k, total) for k, v in merged.items()} if total else {}
+    result["samples"] = float(total)
+    return result
+
+
 class CallCheck:
     """Which of the engine's collective calls each rank is in: checked by the first collective of every one.
 
@@ -365,29 +380,13 @@ class Agreement(CallCheck):
         if first:
             raise RuntimeError(first)
 
-    # -- metrics ---------------------------------------------------------------------------------------
-
     def mean_metrics(self, count: int, sums: Dict[str, float],
                      counts: Optional[Dict[str, float]] = None) -> Dict[str, float]:
         """Sample-weighted means over every rank's ``(count, sums)``, plus ``"samples"`` (same on every rank).
 
         A metric in ``counts`` (one returned as ``(total, count)``) is its summed totals over its summed counts.
         """
-        parts: List[Any] = [(count, sums, counts or {})]
-        if self.distributed:
-            parts = [None] * self.topology.world_size
-            dist.all_gather_object(parts, (count, sums, counts or {}), group=self.host_group)
-        total = sum(c for c, _, _ in parts)
-        merged: Dict[str, float] = {}
-        denominators: Dict[str, float] = {}
-        for _, s, c in parts:
-            for k, v in s.items():
-                merged[k] = merged.get(k, 0.0) + v
-            for k, v in c.items():
-                denominators[k] = denominators.get(k, 0.0) + v
-        result = {k: v / denominators.get(k, total) for k, v in merged.items()} if total else {}
-        result["samples"] = float(total)
-        return result
+        return _means(self.gather_to_all((count, sums, counts or {})))
 
     def gather_to_all(self, value: Any) -> List[Any]:
         """Every rank's ``value``, on every rank (one ``all_gather_object``)."""
