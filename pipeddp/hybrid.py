@@ -233,7 +233,7 @@ class HybridParallel(Checkpointable, StepModule):
         holds a different part of every parameter, so there is nothing to compare and it returns at once."""
         if self.shard != "none":  # each replica holds its own part of every parameter: nothing to compare
             return
-        self.agreement.check_replicas(self._step.stages, self._replica.groups.stage, rename=self.key_names.original)
+        self.agreement.check_replicas(self._step.stages, rename=self.key_names.original)
 
     def _norm_scope(self) -> Tuple[List[nn.Parameter], torch.device, Optional[Combine]]:
         return self._replica.norm_scope()

@@ -2,6 +2,7 @@
 abort or a wait for the whole timeout; and what one rank may do alone."""
 
 import os
+import re
 import time
 
 import pytest
@@ -90,3 +91,30 @@ def test_in_replica_mode_one_rank_may_take_the_state_dict_alone():
     state = pipeddp.spawn(replica_state_job, 2, timeout=100)[0]
     assert list(state) == list(plain.state_dict())
     assert all(torch.equal(state[k], v) for k, v in plain.state_dict().items())  # no step taken: the initial weights
+
+
+def drifted_replica_job():
+    """2 replicas x 2 stages; rank 3 (stage 1 of replica 1) changes one weight alone."""
+    engine = pipeddp.HybridParallel(make_mlp(), stages=2, mode="stage", chunks=2, balance="uniform")
+    engine.check_replicas()  # identical copies pass
+    if engine.topology.rank == 3:
+        with torch.no_grad():
+            next(engine.parameters()).add_(1e-3)
+    try:
+        engine.check_replicas()
+        return "no error"
+    except RuntimeError as exc:
+        return str(exc)
+    finally:
+        engine.close()
+
+
+@pytest.mark.timeout(120)
+def test_replicas_that_drifted_apart_are_named_on_every_rank():
+    messages = pipeddp.spawn(drifted_replica_job, 4, timeout=100)
+    keys = set(make_mlp().state_dict())
+    for message in messages:
+        found = re.fullmatch(r"stage 1: parameter '(.+)' differs between replicas \(ranks \[3\] disagree with rank 1\)",
+                             message)
+        assert found and found.group(1) in keys, message
+    assert len(set(messages)) == 1

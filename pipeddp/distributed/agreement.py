@@ -13,7 +13,7 @@ then all ranks raise, or proceed, alike::
                     (``repeated``) and activations cross between processes without a header; ``flagged``:
                     whether any rank raised its flag (a tied weight changed since the processes last synchronised it)
     the loss        one float64 row per rank, gathered: (local loss, loss not finite, grads not finite)
-    replicas        a CRC32 of every parameter, compared within each stage's group
+    replicas        a CRC32 of every parameter, gathered once, compared between each stage's copies
     a partition     rank 0 measures, every rank uses rank 0's cut (DDP needs identical replicas)
     metrics         sample-weighted sums, gathered once after an evaluation
 """
@@ -351,34 +351,27 @@ class Agreement(CallCheck):
 
     # -- identical replicas ----------------------------------------------------------------------------
 
-    def check_replicas(self, stages: Sequence[Any], groups: Dict[int, Any],
-                       rename: Callable[[str], str] = str) -> None:
+    def check_replicas(self, stages: Sequence[Any], rename: Callable[[str], str] = str) -> None:
         """Raise if any stage's parameters differ between its replicas (a collective: every rank calls it).
 
-        ``rename`` gives a parameter's name in the model (``Names.original``) for the message.
+        Every rank's checksums travel in one gathering on the host group; every rank then compares each stage's
+        copies alike. ``rename`` gives a parameter's name in the model (``Names.original``) for the message.
         """
         if not self.distributed or self.topology.replicas == 1:
             return
-        problem = ""
-        for st in stages:
-            names = [n for n, _ in st.module.named_parameters()]
-            sums = [zlib.crc32(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-                    for p in st.module.parameters()]
-            group = groups[st.index]
-            everyone: List[Any] = [None] * dist.get_world_size(group)
-            dist.all_gather_object(everyone, sums, group=group)
-            ranks = dist.get_process_group_ranks(group)
-            for i, name in enumerate(names):
-                values = [e[i] for e in everyone]
-                if len(set(values)) > 1 and not problem:
-                    odd = [r for r, v in zip(ranks, values) if v != values[0]]
-                    problem = (f"stage {st.index}: parameter {rename(name)!r} differs between replicas "
-                               f"(ranks {odd} disagree with rank {ranks[0]})")
-        problems: List[Any] = [None] * self.topology.world_size
-        dist.all_gather_object(problems, problem, group=self.host_group)
-        first = next((p for p in problems if p), "")
-        if first:
-            raise RuntimeError(first)
+        mine = {st.index: [(n, zlib.crc32(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()))
+                           for n, p in st.module.named_parameters()] for st in stages}
+        holders: Dict[int, List[Tuple[int, List[Tuple[str, int]]]]] = {}
+        for r, sums in zip(self.topology.job_ranks, self.gather_to_all(mine)):
+            for index, named in sums.items():
+                holders.setdefault(index, []).append((r, named))
+        for index in sorted(holders):
+            ranks = [r for r, _ in holders[index]]
+            for i, (name, first) in enumerate(holders[index][0][1]):
+                odd = [r for r, named in holders[index] if named[i][1] != first]
+                if odd:
+                    raise RuntimeError(f"stage {index}: parameter {rename(name)!r} differs between replicas "
+                                       f"(ranks {odd} disagree with rank {ranks[0]})")
 
     def mean_metrics(self, count: int, sums: Dict[str, float],
                      counts: Optional[Dict[str, float]] = None) -> Dict[str, float]:
