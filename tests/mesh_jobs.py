@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import pipeddp
 from conftest import make_mlp
-from hybrid_jobs import LOSS, global_batches, train
+from hybrid_jobs import LOSS, as_on_nccl, global_batches, train
 
 STEPS = 3
 
@@ -45,9 +45,12 @@ def two_by_two_job(order: str) -> Dict[str, Any]:
     return {"rank": dist.get_rank(), "place": place, "state": state, "told": told}
 
 
-def beside_another_dimension_job() -> Dict[str, Any]:
+def beside_another_dimension_job(twins: bool = False) -> Dict[str, Any]:
     """4 processes as a (dp=1, pp=2, tp=2) mesh: each tp slice runs an engine of its own on other data, starting at
-    another time, with a collective over the tp dimension between steps (what a tensor-parallel layer would do)."""
+    another time, with a collective over the tp dimension between steps (what a tensor-parallel layer would do).
+    ``twins``: the agreements on gloo twins of the slice's groups, as on an nccl job (made by the slice alone)."""
+    if twins:
+        as_on_nccl()
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp", "pp", "tp"))
     tp = mesh.get_local_rank("tp")
@@ -67,5 +70,7 @@ def beside_another_dimension_job() -> Dict[str, Any]:
             dist.all_reduce(t, group=mesh.get_group("tp"))
             others.append(t.item())
     state = engine.state_dict()
+    host = engine.agreement.host_group
+    twin = host is not engine.topology.group and dist.get_process_group_ranks(host) == engine.topology.job_ranks
     engine.close()
-    return {"rank": dist.get_rank(), "tp": tp, "state": state, "tp_sums": others}
+    return {"rank": dist.get_rank(), "tp": tp, "state": state, "tp_sums": others, "twin": twin}

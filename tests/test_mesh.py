@@ -31,8 +31,9 @@ def test_an_engine_on_a_mesh_trains_the_plain_model_with_the_meshs_ranks(order):
 
 
 @pytest.mark.timeout(200)
-def test_engines_on_two_slices_of_a_mesh_train_apart_beside_a_collective_of_the_third_dimension():
-    results = pipeddp.spawn(beside_another_dimension_job, 4, timeout=150)
+@pytest.mark.parametrize("twins", [False, True])
+def test_engines_on_two_slices_of_a_mesh_train_apart_beside_a_collective_of_the_third_dimension(twins):
+    results = pipeddp.spawn(beside_another_dimension_job, 4, args=(twins,), timeout=150)
     for res in results:
         tp = res["tp"]
         batches = [(x + tp, y - tp) for x, y in global_batches(1, STEPS + tp)]
@@ -40,3 +41,4 @@ def test_engines_on_two_slices_of_a_mesh_train_apart_beside_a_collective_of_the_
         assert max_diff(expected.values(), res["state"].values()) < 1e-12, res["rank"]
         partner = res["rank"] ^ 1  # the tp group pairs ranks 0-1 and 2-3
         assert res["tp_sums"] == [float(res["rank"] + partner)] * STEPS
+        assert res["twin"] == twins  # the slice's own gloo group, of its ranks alone

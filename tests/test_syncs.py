@@ -16,7 +16,7 @@ from torch.overrides import TorchFunctionMode
 
 import pipeddp
 from conftest import data, make_mlp, max_diff, reference_training
-from hybrid_jobs import LOSS, global_batches, train
+from hybrid_jobs import LOSS, as_on_nccl, global_batches, train
 
 SYNCS = {"item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__"}
 TRANSPORT = "p2p.py"  # an activation's header is read where it arrives (its shapes size the receives)
@@ -91,15 +91,6 @@ def test_a_pipeline_s_counted_step_syncs_nowhere():
     (total / count).backward()
     assert loss.dtype == torch.float64 and torch.allclose(loss, total / count, rtol=1e-12)
     assert max_diff(grads, [p.grad for p in model.parameters()]) < 1e-12
-
-
-def as_on_nccl():
-    """Make the engine's agreements take gloo twins of its groups, as on an nccl job (in this spawned process)."""
-    from pipeddp.distributed import build, groups
-
-    real = groups.host_group
-    build.host_group = groups.host_group = lambda topo, ranks, _, group, timeout: real(topo, ranks, "nccl", group,
-                                                                                      timeout)
 
 
 def twin_job(path: str):
