@@ -1,7 +1,8 @@
 """``rows.gather_rows``: every rank's row on every rank, as the agreements gather it (over gloo a ping-pong through
-the group's first rank, in place of an all-gather). Compared with torch's own all-gather of the same rows, on
-the whole job and on a group of some of its ranks, under NCCL's rules for messages (tags stripped) and gloo's;
-and its messages carry tags no pipeline message has, whatever the schedule."""
+the group's first rank, or over a binomial tree beyond ``rows.STAR_UP_TO`` members, in place of an all-gather).
+Compared with torch's own all-gather of the same rows, on the whole job and on a group of some of its ranks, under
+NCCL's rules for messages (tags stripped) and gloo's; and its messages carry tags no pipeline message has,
+whatever the schedule."""
 
 from datetime import timedelta
 
@@ -11,14 +12,16 @@ import torch.distributed as dist
 
 import pipeddp
 from pipeddp.distributed.p2p import _tag, spare_tag
+from pipeddp.distributed import rows
 from pipeddp.distributed.rows import gather_rows
 from pipeddp.runtime.schedule import SCHEDULES, accepts_virtual_stages, crossings, get_schedule
 
 
-def rows_job():
+def rows_job(star_up_to: int = rows.STAR_UP_TO):
+    rows.STAR_UP_TO = star_up_to  # 1: every group gathers over the tree
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
-    some = [1, 2]
+    some = list(range(1, world))
     sub = dist.new_group(some)  # every rank of the world creates it; only its members gather on it
     out = {}
     for name, group, ranks in [("all", None, list(range(world))), ("some", sub, some)]:
@@ -36,11 +39,12 @@ def rows_job():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("rules", ["nccl", "tags"])
-def test_every_rank_gets_every_row_in_the_group_s_order(rules):
-    results = pipeddp.spawn(rows_job, 3, timeout=90, env={"PIPEDDP_P2P_RULES": rules})
+@pytest.mark.parametrize("rules,world,star_up_to", [("nccl", 3, rows.STAR_UP_TO), ("tags", 3, rows.STAR_UP_TO),
+                                                    ("nccl", 6, 1), ("tags", 5, 1)])
+def test_every_rank_gets_every_row_in_the_group_s_order(rules, world, star_up_to):
+    results = pipeddp.spawn(rows_job, world, args=(star_up_to,), timeout=90, env={"PIPEDDP_P2P_RULES": rules})
     for rank, res in enumerate(results):
-        assert {name for name, _ in res} == ({"all", "some"} if rank else {"all"})
+        assert {name for name, _ in res} == ({"all", "some"} if rank else {"all"})  # "some": every rank but 0
         for got, expected in res.values():
             assert torch.equal(got, expected)
     assert torch.equal(results[1][("some", "torch.int64")][0], results[2][("some", "torch.int64")][0])

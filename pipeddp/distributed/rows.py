@@ -8,6 +8,10 @@ all-gather, as before: a point-to-point message there would take a place in the 
 pipeline's messages between two ranks.
 
 The messages carry tags that no pipeline message has (``p2p.spare_tag``), so on gloo they never meet one.
+
+Beyond ``STAR_UP_TO`` members the first rank would send and receive a message per member, one after another on
+its core: the rows then climb a binomial tree to it and the table comes back down the same tree, 2 log2(n)
+messages deep and at most log2(n) per rank, as an nccl job's agreements need on their gloo group at scale.
 """
 
 from __future__ import annotations
@@ -19,7 +23,10 @@ import torch.distributed as dist
 
 from .p2p import spare_tag
 
-__all__ = ["gather_rows"]
+__all__ = ["gather_rows", "STAR_UP_TO"]
+
+#: the most members gathered through the first rank directly; a larger group gathers over a tree
+STAR_UP_TO = 16
 
 
 def gather_rows(out: List[torch.Tensor], mine: torch.Tensor, *, group: Any, ranks: Sequence[int], rank: int,
@@ -34,6 +41,9 @@ def gather_rows(out: List[torch.Tensor], mine: torch.Tensor, *, group: Any, rank
         dist.all_gather(out, mine, group=group)
         return
     tag, root = spare_tag(kind), ranks[0]
+    if len(ranks) > STAR_UP_TO:
+        _tree(out, mine, group=group, ranks=list(ranks), rank=rank, tag=tag)
+        return
     if rank == root:
         works: List[Any] = [dist.irecv(row, r, group=group, tag=tag) for row, r in zip(out, ranks) if r != root]
         out[0].copy_(mine)
@@ -49,5 +59,34 @@ def gather_rows(out: List[torch.Tensor], mine: torch.Tensor, *, group: Any, rank
     recv: Any = dist.irecv(table, root, group=group, tag=tag)
     recv.wait()
     send.wait()
+    for row, got in zip(out, table):
+        row.copy_(got)
+
+
+def _tree(out: List[torch.Tensor], mine: torch.Tensor, *, group: Any, ranks: List[int], rank: int, tag: int) -> None:
+    """``gather_rows`` over a binomial tree of the members in ``ranks`` order: member i takes the rows of i + k
+    (k = 1, 2, 4, ... while i % 2k == 0) and passes its rows i .. to i - k at the first k where i % 2k == k; the
+    first member sends the whole table back down the same edges, in reverse."""
+    n, i = len(ranks), ranks.index(rank)
+    table = torch.empty((n, *mine.shape), dtype=mine.dtype)
+    table[i].copy_(mine)
+    k, children = 1, []
+    while k < n and i % (2 * k) == 0:
+        if i + k < n:
+            children.append(k)
+        k *= 2
+    parent = i - k if i else None  # the loop stops at the first k where i % 2k == k (member 0: never)
+    works: List[Any] = [dist.irecv(table[i + c:min(i + 2 * c, n)], ranks[i + c], group=group, tag=tag)
+                        for c in children]
+    for work in works:
+        work.wait()
+    if parent is not None:
+        up: Any = dist.isend(table[i:min(i + k, n)].contiguous(), ranks[parent], group=group, tag=tag)
+        up.wait()
+        down: Any = dist.irecv(table, ranks[parent], group=group, tag=tag)
+        down.wait()
+    sends: List[Any] = [dist.isend(table, ranks[i + c], group=group, tag=tag) for c in reversed(children)]
+    for work in sends:
+        work.wait()
     for row, got in zip(out, table):
         row.copy_(got)
