@@ -1,11 +1,10 @@
 """Every rank's row of a small table on every rank: how the agreements gather what each rank reports.
 
-On gloo (CPU) as a ping-pong through the group's first rank: each other rank sends it its row and waits for the
-whole table back. A gloo all-gather sends both ways at once, and on shared cores its socket thread polls while
-the other side writes: a 2-rank all-gather took 0.5-0.6 ms on a 2-core host, a message there and back 0.17 ms;
-with each process pinned to one core a small model's training step fell from 8.1 to 6.2 ms. On NCCL an
-all-gather, as before: a point-to-point message there would take a place in the order in which NCCL pairs the
-pipeline's messages between two ranks.
+The rows are host values (CPU tensors) and travel over gloo (on an nccl job a gloo twin of its group,
+``groups.host_group``), as a ping-pong through the group's first rank: each other rank sends it its row and waits
+for the whole table back. A gloo all-gather sends both ways at once, and on shared cores its socket thread polls
+while the other side writes: a 2-rank all-gather took 0.5-0.6 ms on a 2-core host, a message there and back 0.17
+ms; with each process pinned to one core a small model's training step fell from 8.1 to 6.2 ms.
 
 The messages carry tags that no pipeline message has (``p2p.spare_tag``), so on gloo they never meet one.
 
@@ -38,8 +37,7 @@ def gather_rows(out: List[torch.Tensor], mine: torch.Tensor, *, group: Any, rank
     group's timeout error.
     """
     if mine.device.type != "cpu":
-        dist.all_gather(out, mine, group=group)
-        return
+        raise ValueError(f"gather_rows gathers host values over gloo; got a row on {mine.device}")
     tag, root = spare_tag(kind), ranks[0]
     if len(ranks) > STAR_UP_TO:
         _tree(out, mine, group=group, ranks=list(ranks), rank=rank, tag=tag)
