@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 import pipeddp
+from pipeddp.distributed.headers import HEADER
 from conftest import data, make_mlp, max_diff, reference_training
 from hybrid_jobs import LOSS, as_on_nccl, global_batches, train
 
@@ -101,6 +102,15 @@ def twin_job(path: str):
     engine = pipeddp.HybridParallel(make_mlp(), stages=2, mode="stage", chunks=2, balance="uniform")
     wired = engine._replica.groups
     twins = [engine.agreement.host_group, wired.pipeline_host]
+    headers = {"twin": 0, "elsewhere": 0}  # the int64 headers ahead of activations, by the group they went on
+    real_isend = dist.isend
+
+    def isend(tensor, dst=None, group=None, tag=0, **kw):
+        if tensor.dtype == torch.int64 and tuple(tensor.shape) == (HEADER,):
+            headers["twin" if group is wired.pipeline_host else "elsewhere"] += 1
+        return real_isend(tensor, dst, group, tag, **kw)
+
+    dist.isend = isend
     facts = {"backends": [dist.get_backend(g) for g in twins],
              "members": [dist.get_process_group_ranks(g) for g in twins],
              "distinct": twins[0] is not dist.group.WORLD and twins[1] is not wired.pipeline}
@@ -116,7 +126,9 @@ def twin_job(path: str):
     with torch.no_grad():
         out = engine(x[:5] if engine.is_first else None)
     engine.save(path)  # replica 0's shares gathered on rank 0 over the twin
-    facts.update(losses=losses, state=engine.state_dict(), out=out)
+    dist.isend = real_isend
+    facts.update(losses=losses, state=engine.state_dict(), out=out, headers=headers,
+                 counted=sum(ch.headers for ch in engine._replica.runner.channels))
     engine.close()
     return facts
 
@@ -135,6 +147,10 @@ def test_agreements_on_a_gloo_twin_train_the_plain_model_s_weights(tmp_path):
         assert res["members"] == [[0, 1, 2, 3], pipelines[rank // 2]]
         assert max_diff([res["state"][n] for n in names], params) < 1e-12
         assert "rank 3 passed y with 6 samples but the others have 10" in res["refused"], res["refused"]
+        # a changed shape sends headers (the first step, the larger batch, the forward): all on the gloo twin,
+        # none beside the activations on the group that carries them (on nccl each would cross host and GPU)
+        if rank % 2 == 0:
+            assert res["headers"] == {"twin": res["counted"], "elsewhere": 0} and res["counted"] >= 3 * 2, res
     saved = torch.load(path, weights_only=False)["model"]
     assert list(saved) == list(model.state_dict())
     assert max_diff([saved[n] for n in names], params) < 1e-12

@@ -107,8 +107,9 @@ def build_replica(owner: nn.Module, model: nn.Sequential, topology: Topology, se
         runner = ThreadRunner(local, threads=threads, timeout=settings.timeout, rank=topo.rank, rows=topo.stages,
                               n_stages=n_stages, placement=placement)
     else:
+        twin = groups.pipeline_host if groups.pipeline_host is not groups.pipeline else None  # nccl: gloo headers
         runner = ProcessRunner.connect(local, topo, n_stages=n_stages, comm_device=agreement.comm_device,
-                                       timeout=settings.timeout_delta, placement=placement)
+                                       timeout=settings.timeout_delta, placement=placement, header_group=twin)
     try:
         step, exchange, ddps, shards = _step_over(model, topo, settings, local, balance, runner, agreement, groups,
                                                   backend, ddp_kwargs=ddp_kwargs, comm_hook=comm_hook, trace=trace,

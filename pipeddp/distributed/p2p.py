@@ -31,7 +31,15 @@ wrong buffer), but nothing depends on them.
 
 An activation crosses as a small int64 *header* (container, dtypes and
 shapes) followed by its tensors, so batch sizes may change from step to step;
-its tensors' receives are posted once the header is in. Gradients need no
+its tensors' receives are posted once the header is in. A header is a host
+value at both ends (the sender builds it from shapes, the receiver reads it to
+size its buffers), so on an nccl job it travels over the pipeline's gloo twin
+(``header_group``, ``groups.host_group``): over nccl the sender's copy to the
+GPU and the receiver's copy back each waited for the stream's queued work, two
+synchronisations of the host per activation wherever shapes change from step to
+step (variable sequence lengths), which the host then cannot queue ahead of.
+gloo pairs a header with its receive by tag, so it takes no place in the link's
+order on nccl. Gradients need no
 header: they have the shapes of the activation this process sent. Where every
 rank's batch has the shapes of the previous call of its kind (the batch check
 says so to every rank alike: ``Agreement.repeated``), both ends take each
@@ -158,8 +166,11 @@ class P2PChannel:
     """Messages to and from the stages held by ``peer`` (a global rank), both ways, in the link's order."""
 
     def __init__(self, peer: int, *, rank: int, stage: int, peer_stage: int, device: torch.device,
-                 comm_device: torch.device, timeout: timedelta) -> None:
+                 comm_device: torch.device, timeout: timedelta, header_group: Any = None) -> None:
         self.peer = peer
+        #: the gloo group the headers travel on where the tensors' backend keeps them on a device (see the module's
+        #: docstring); None: the tensors' group (the default), headers in the link's order
+        self.header_group = header_group
         self.rank = rank
         #: the pipeline positions (device rows) of this process and of the peer
         self.stage = stage
@@ -231,8 +242,9 @@ class P2PChannel:
 
     # -- receiving ---------------------------------------------------------------------------------
 
-    def _irecv(self, bufs: List[torch.Tensor], m: Message, first_slot: int) -> List[Any]:
-        return [dist.irecv(b, self.peer, tag=_tag(m.kind, m.stage, m.mb, first_slot + i)) for i, b in enumerate(bufs)]
+    def _irecv(self, bufs: List[torch.Tensor], m: Message, first_slot: int, group: Any = None) -> List[Any]:
+        return [dist.irecv(b, self.peer, group=group, tag=_tag(m.kind, m.stage, m.mb, first_slot + i))
+                for i, b in enumerate(bufs)]
 
     def _post(self, i: int, *, block: bool) -> bool:
         """Post the receives of incoming message ``i``; False where that needs what is not known yet and not
@@ -247,14 +259,16 @@ class P2PChannel:
             metas = known[1]
         elif m.kind == "F":
             if posted.header is None:
-                buf = torch.empty((HEADER,), dtype=torch.int64, device=self.comm_device)
-                posted.header = (self._irecv([buf], m, 0)[0], buf)
+                on_host = self.header_group is not None
+                buf = torch.empty((HEADER,), dtype=torch.int64, device="cpu" if on_host else self.comm_device)
+                posted.header = (self._irecv([buf], m, 0, self.header_group)[0], buf)
             if posted.meta is None:
                 work, buf = posted.header
                 if not block and not work.is_completed():
                     return False
                 self._wait([work], m)
-                posted.meta = self._meta[(m.stage, m.mb)] = self._seen[(m.stage, m.mb)] = decode(buf.cpu())
+                posted.meta = self._meta[(m.stage, m.mb)] = self._seen[(m.stage, m.mb)] = \
+                    decode(buf if buf.device.type == "cpu" else buf.cpu())
                 metas = posted.meta[1]
             else:
                 return True
@@ -321,21 +335,21 @@ class P2PChannel:
                     "shapes follow the input's")
             self.ordering.catch_up(self, i)
             self._meta[(stage, mb)] = self._seen[(stage, mb)] = meta
-            out, first_slot = ([header] if header is not None else []) + tensors, 0 if header is not None else 1
+            out = tensors
             self.headers += header is not None
         else:
             # Gradients of the activation this process received: one per floating tensor, zeros where unused.
             i = self._find(True, kind, stage, mb)
             _, metas = self._meta.pop(_activation(kind, stage, mb))
-            out, first_slot = [], 1
+            out, header = [], None
             for (dtype, shape), g in zip(metas, value):
                 if wants_grad(dtype):
                     out.append(g if g is not None else torch.zeros(shape, dtype=dtype, device=self.device))
             self.ordering.catch_up(self, i)
         m = self._order[i]
         sent = [t.detach().to(self.comm_device).contiguous() for t in out]
-        works = [(dist.isend(t, self.peer, tag=_tag(m.kind, m.stage, m.mb, first_slot + k)), [t])
-                 for k, t in enumerate(sent)]
+        works = [] if header is None else [self._send_header(header, m)]  # ahead of its tensors
+        works += [(dist.isend(t, self.peer, tag=_tag(m.kind, m.stage, m.mb, 1 + k)), [t]) for k, t in enumerate(sent)]
         self._next = i + 1
         self.ordering.issued()
         if self.comm_device.type == "cpu" and sum(t.numel() * t.element_size() for t in sent) <= EAGER_BYTES:
@@ -343,6 +357,13 @@ class P2PChannel:
         else:
             self._inflight = [(w, ts) for w, ts in self._inflight if not w.is_completed()] + works
         self.ordering.advance()
+
+    def _send_header(self, header: torch.Tensor, m: Message) -> Tuple[Any, List[torch.Tensor]]:
+        """Post ``header`` (built on the host) ahead of message ``m``'s tensors: on ``header_group`` as it is, else
+        on the tensors' device and group."""
+        if self.header_group is None:
+            header = header.to(self.comm_device)
+        return dist.isend(header, self.peer, group=self.header_group, tag=_tag(m.kind, m.stage, m.mb, 0)), [header]
 
     def _delivered(self, works: List[Tuple[Any, List[torch.Tensor]]]) -> None:
         """Wait for ``works`` (sends, each with the tensors it sends)."""

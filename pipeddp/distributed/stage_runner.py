@@ -61,8 +61,9 @@ class ProcessRunner:
 
     @classmethod
     def connect(cls, stages: Sequence[Stage], topology: Topology, *, n_stages: int, comm_device: torch.device,
-                timeout: timedelta, placement: str = "loop") -> "ProcessRunner":
-        """The runner of this process's stages (one device row of ``topology``), with channels to the others."""
+                timeout: timedelta, placement: str = "loop", header_group: Any = None) -> "ProcessRunner":
+        """The runner of this process's stages (one device row of ``topology``), with channels to the others
+        (``header_group``: the pipeline's gloo twin on an nccl job, for the activations' headers; see ``p2p``)."""
         (device,) = group_rows(stages, topology.stages, n_stages, placement)
         peers = set()
         for s in device.stages:
@@ -79,7 +80,7 @@ class ProcessRunner:
             else:
                 links[r] = P2PChannel(topology.rank_of(topology.replica, r), rank=topology.rank, stage=device.row,
                                       peer_stage=r, device=device.first.device, comm_device=comm_device,
-                                      timeout=timeout)
+                                      timeout=timeout, header_group=header_group)
         runner = cls(device, links, rank=topology.rank)
         runner._own = own
         return runner
