@@ -94,6 +94,21 @@ def test_a_pipeline_s_counted_step_syncs_nowhere():
     assert max_diff(grads, [p.grad for p in model.parameters()]) < 1e-12
 
 
+def spy_headers(twin):
+    """Count the int64 headers sent ahead of activations by the group they go on (the pipeline's gloo ``twin`` or
+    another); returns the counts and the real ``isend``, to be put back."""
+    headers = {"twin": 0, "elsewhere": 0}
+    real_isend = dist.isend
+
+    def isend(tensor, dst=None, group=None, tag=0, **kw):
+        if tensor.dtype == torch.int64 and tuple(tensor.shape) == (HEADER,):
+            headers["twin" if group is twin else "elsewhere"] += 1
+        return real_isend(tensor, dst, group, tag, **kw)
+
+    dist.isend = isend
+    return headers, real_isend
+
+
 def twin_job(path: str):
     """Stage mode as on an nccl job: the agreements (their objects too: the cut, the state dict, a saved file's
     shares) on gloo twins of the job's group and of the pipeline's."""
@@ -102,15 +117,7 @@ def twin_job(path: str):
     engine = pipeddp.HybridParallel(make_mlp(), stages=2, mode="stage", chunks=2, balance="uniform")
     wired = engine._replica.groups
     twins = [engine.agreement.host_group, wired.pipeline_host]
-    headers = {"twin": 0, "elsewhere": 0}  # the int64 headers ahead of activations, by the group they went on
-    real_isend = dist.isend
-
-    def isend(tensor, dst=None, group=None, tag=0, **kw):
-        if tensor.dtype == torch.int64 and tuple(tensor.shape) == (HEADER,):
-            headers["twin" if group is wired.pipeline_host else "elsewhere"] += 1
-        return real_isend(tensor, dst, group, tag, **kw)
-
-    dist.isend = isend
+    headers, real_isend = spy_headers(wired.pipeline_host)
     facts = {"backends": [dist.get_backend(g) for g in twins],
              "members": [dist.get_process_group_ranks(g) for g in twins],
              "distinct": twins[0] is not dist.group.WORLD and twins[1] is not wired.pipeline}
@@ -176,3 +183,46 @@ def test_a_twin_gloo_cannot_make_names_the_fix():
     for rank, message in enumerate(pipeddp.spawn(unreachable_twin_job, 2, timeout=100)):
         assert message.startswith(f"rank {rank}: could not make the gloo group"), message
         assert "GLOO_SOCKET_IFNAME" in message and "nosuch0" in message, message
+
+
+SIZES = [8, 8, 6, 10]  # local batch sizes, step by step: every change sends headers
+
+
+def twin_virtual_job(schedule: str, placement: str):
+    """Two stages per process, activations crossing both ways, batch sizes changing: headers on the twin."""
+    as_on_nccl()
+    dist.init_process_group("gloo")
+    engine = pipeddp.HybridParallel(make_mlp(), stages=2, mode="stage", chunks=2, virtual_stages=2,
+                                    placement=placement, schedule=schedule, balance="uniform")
+    headers, real_isend = spy_headers(engine._replica.groups.pipeline_host)
+    losses = []
+    for i, n in enumerate(SIZES):
+        losses += train(engine, [data(n, seed=20 + i)], local=n)
+    dist.isend = real_isend
+    facts = {"losses": losses, "state": engine.state_dict(), "headers": headers,
+             "counted": sum(ch.headers for ch in engine._replica.runner.channels)}
+    engine.close()
+    return facts
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("schedule,placement", [("interleaved", "loop"), ("zb", "v")])
+def test_headers_both_ways_on_a_gloo_twin_train_the_plain_model_s_weights(schedule, placement):
+    """Under NCCL's rules on the activations' group (tags stripped, one stream per pair), with the headers on the
+    gloo twin beside them: each process sends activations to the other, and a step whose shapes changed sends a
+    header per activation; the weights are the plain model's on the same batches."""
+    results = pipeddp.spawn(twin_virtual_job, 2, args=(schedule, placement), timeout=150)
+    model = make_mlp()  # the plain model, on the same batches
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for i, n in enumerate(SIZES):
+        x, y = data(n, seed=20 + i)
+        opt.zero_grad()
+        loss = LOSS(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    for res in results:
+        assert res["headers"] == {"twin": res["counted"], "elsewhere": 0} and res["counted"] >= 3 * 2, res
+        assert max_diff([res["state"][n] for n, _ in model.named_parameters()], list(model.parameters())) < 1e-12
+        assert max(abs(a - b) for a, b in zip(res["losses"], losses)) < 1e-12
