@@ -33,10 +33,11 @@ def start_job(script, args, nprocs):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("how", ["kill", "stall"])
-def test_survivors_fail_with_a_named_error_within_the_timeout(how):
-    timeout, margin, victim = 10.0, 25.0, 3
-    procs = start_job("fault_job.py", [victim, how, timeout], 4)
+@pytest.mark.parametrize("how,twins", [("kill", False), ("stall", False), ("stall", True)])
+def test_survivors_fail_with_a_named_error_within_the_timeout(how, twins):
+    """With ``twins`` (as on an nccl job) the survivor next to the victim waits for a header on the gloo twin."""
+    timeout, margin, victim = 10.0, 25.0, 2 if twins else 3
+    procs = start_job("fault_job.py", [victim, how, timeout] + (["twins"] if twins else []), 4)
     try:
         # wait for the victim to stop itself (it prints first)
         deadline = time.monotonic() + 120
@@ -64,6 +65,8 @@ def test_survivors_fail_with_a_named_error_within_the_timeout(how):
         assert "finished" not in err
         assert took < timeout + margin
         assert f"rank {rank}" in err and "stage" in err and "micro-batch" in err, err[-3000:]
+    if twins:  # the victim's next stage waited for micro-batch 1's header
+        assert "got no activation of micro-batch 1 for stage 1 from rank 2" in outcomes[3][1], outcomes[3][1][-3000:]
 
 
 def _is_stopped(pid):
