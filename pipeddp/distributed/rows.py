@@ -4,7 +4,8 @@ The rows are host values (CPU tensors) and travel over gloo (on an nccl job a gl
 ``groups.host_group``), as a ping-pong through the group's first rank: each other rank sends it its row and waits
 for the whole table back. A gloo all-gather sends both ways at once, and on shared cores its socket thread polls
 while the other side writes: a 2-rank all-gather took 0.5-0.6 ms on a 2-core host, a message there and back 0.17
-ms; with each process pinned to one core a small model's training step fell from 8.1 to 6.2 ms.
+ms; with each process pinned to one core a small model's training step fell from 8.1 to 6.2 ms. Two members
+sending their rows to each other at once made that step 27% slower again, for the same reason.
 
 The messages carry tags that no pipeline message has (``p2p.spare_tag``), so on gloo they never meet one.
 
