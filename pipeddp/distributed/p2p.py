@@ -1,68 +1,51 @@
 """``P2PChannel``: the transport between stages that live in different processes, right under NCCL's rules.
 
-Same two calls as ``LocalChannel`` (``send(kind, stage, mb, value)``,
-``recv(kind, stage, mb)``), over ``torch.distributed`` point-to-point messages.
-One channel links this process to one other process of its pipeline, both
-ways: with virtual stages the same two processes exchange activations and
-gradients of several stages, told apart by the receiving stage.
+Same two calls as ``LocalChannel`` (``send(kind, stage, mb, value)``, ``recv(kind, stage, mb)``), over
+``torch.distributed`` point-to-point messages. One channel links this process to one other process of its pipeline,
+both ways: with virtual stages the same two processes exchange activations and gradients of several stages, told
+apart by the receiving stage.
 
-**Order, not tags, pairs messages.** NCCL ignores tags: between two ranks it
-pairs the n-th send with the n-th receive, and runs the operations of the pair
-one after another on one stream, both directions together (torch's
-ProcessGroupNCCL gives every pair of ranks a communicator and stream of its own
-for single sends and receives; the process group is not bound to a device with
-``device_id``, which may make them share the group's one). So both ends of a
-channel issue their operations in one order, which both compute from the
-schedule before the step (``crossings``; ``begin`` hands it to the channel)::
+**Order, not tags, pairs messages.** NCCL ignores tags: between two ranks it pairs the n-th send with the n-th
+receive, and runs the operations of the pair one after another on one stream, both directions together (torch's
+ProcessGroupNCCL gives every pair of ranks a communicator and stream of its own for single sends and receives; the
+process group is not bound to a device with ``device_id``, which may make them share the group's one). So both ends
+of a channel issue their operations in one order, which both compute from the schedule before the step
+(``crossings``; ``begin`` hands it to the channel)::
 
     link order:   F0->1  F1->1  B0->0  F2->1  B1->0 ...
     rank 0:       send   send   recv   send   recv  ...   (a receive is posted before any later send)
     rank 1:       recv   recv   send   recv   send  ...
 
-A send is issued when its action has produced it, after every receive that
-comes before it in the link's order has been posted; a receive is posted as
-early as the order and its shapes allow (``Ordering.advance``, on every call),
-so what a stage waits for is usually there already. A process with several
-links issues the operations of all of them in one order for the whole pipeline
-(``Ordering``, from ``in_order``), so it stays right even where every send and
-receive of a rank, to any peer, runs on one stream. Tags are still set (gloo honours
-them, and a message that went astray then waits instead of landing in the
-wrong buffer), but nothing depends on them.
+A send is issued when its action has produced it, after every receive that comes before it in the link's order has
+been posted; a receive is posted as early as the order and its shapes allow (``Ordering.advance``, on every call),
+so what a stage waits for is usually there already. A process with several links issues the operations of all of
+them in one order for the whole pipeline (``Ordering``, from ``in_order``), so it stays right even where every send
+and receive of a rank, to any peer, runs on one stream. Tags are still set (gloo honours them, and a message that
+went astray then waits instead of landing in the wrong buffer), but nothing depends on them.
 
-An activation crosses as a small int64 *header* (container, dtypes and
-shapes) followed by its tensors, so batch sizes may change from step to step;
-its tensors' receives are posted once the header is in. A header is a host
-value at both ends (the sender builds it from shapes, the receiver reads it to
-size its buffers), so on an nccl job it travels over the pipeline's gloo twin
-(``header_group``, ``groups.host_group``): over nccl the sender's copy to the
-GPU and the receiver's copy back each waited for the stream's queued work, two
-synchronisations of the host per activation wherever shapes change from step to
-step (variable sequence lengths), which the host then cannot queue ahead of.
-gloo pairs a header with its receive by tag, so it takes no place in the link's
-order on nccl. Gradients need no
-header: they have the shapes of the activation this process sent. Where every
-rank's batch has the shapes of the previous call of its kind (the batch check
-says so to every rank alike: ``Agreement.repeated``), both ends take each
-activation's shapes from that call (``begin(..., key, repeat)``): no header
-crosses, and receives are posted at once. The sender still checks its
-activation against them and refuses one that differs (a stage whose output's
-shape depends on its input's values) before anything of it is sent.
+An activation crosses as a small int64 *header* (container, dtypes and shapes) followed by its tensors, so batch
+sizes may change from step to step; its tensors' receives are posted once the header is in. A header is a host value
+at both ends (the sender builds it from shapes, the receiver reads it to size its buffers), so on an nccl job it
+travels over the pipeline's gloo twin (``header_group``, ``groups.host_group``): over nccl the sender's copy to the
+GPU and the receiver's copy back each waited for the stream's queued work, two synchronisations of the host per
+activation wherever shapes change from step to step (variable sequence lengths), which the host then cannot queue
+ahead of. gloo pairs a header with its receive by tag, so it takes no place in the link's order on nccl. Gradients
+need no header: they have the shapes of the activation this process sent. Where every rank's batch has the shapes of
+the previous call of its kind (the batch check says so to every rank alike: ``Agreement.repeated``), both ends take
+each activation's shapes from that call (``begin(..., key, repeat)``): no header crosses, and receives are posted at
+once. The sender still checks its activation against them and refuses one that differs (a stage whose output's shape
+depends on its input's values) before anything of it is sent.
 
-Sends are asynchronous (``isend``). A gloo send completes only once the peer
-has posted its receive and the data has crossed. Over gloo (CPU) a small one
-(up to ``EAGER_BYTES``) is waited for at once, as torch's schedules do: its
-receive is mostly posted ahead (``Ordering``), so the caller sleeps while
-gloo's socket thread writes it rather than computing on the core that thread
-needs (a small model's 1F1B step on 2 shared cores, messages of 1-2 KiB:
-11-21% faster at m = 8 in three A/B runs, the same at m = 4). A large one
-stays in flight, so the compute goes on while it crosses (resnet50, messages
-of 256 KiB-4 MiB, each waited for at once: interleaved 10-11% slower at m = 8
-and 7% at m = 4, 1F1B 0-4%, in A/B runs in one job). No deadlock in waiting:
-the peer posts its receive of message n before any later operation of the
-link's order (``catch_up``), and all it may wait for first came before n.
-Over NCCL a wait would hold the compute stream, so ``flush`` waits at the
-step's end. A failed step leaves operations posted that no later message may
-meet, so the channel refuses further steps (``fail``).
+Sends are asynchronous (``isend``). A gloo send completes only once the peer has posted its receive and the data has
+crossed. Over gloo (CPU) a small one (up to ``EAGER_BYTES``) is waited for at once, as torch's schedules do: its
+receive is mostly posted ahead (``Ordering``), so the caller sleeps while gloo's socket thread writes it rather than
+computing on the core that thread needs (a small model's 1F1B step on 2 shared cores, messages of 1-2 KiB: 11-21%
+faster at m = 8 in three A/B runs, the same at m = 4). A large one stays in flight, so the compute goes on while it
+crosses (resnet50, messages of 256 KiB-4 MiB, each waited for at once: interleaved 10-11% slower at m = 8 and 7% at
+m = 4, 1F1B 0-4%, in A/B runs in one job). No deadlock in waiting: the peer posts its receive of message n before
+any later operation of the link's order (``catch_up``), and all it may wait for first came before n. Over NCCL a
+wait would hold the compute stream, so ``flush`` waits at the step's end. A failed step leaves operations posted
+that no later message may meet, so the channel refuses further steps (``fail``).
 """
 
 from __future__ import annotations
