@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..runtime.counted import Count
+from ..runtime.counted import Count, scalar_on
 from ..runtime.microbatch import batch_size
 from ..runtime.warn import warn
 from .rows import gather_rows
@@ -300,14 +300,9 @@ class Agreement(CallCheck):
         f64, vote = torch.float64, (skip_nonfinite or overflow_to_scaler) and bool(grads)
         on = [t.device for t in (local_loss, count) if isinstance(t, torch.Tensor)]
         dev = on[0] if on else local_tensor(grads[0]).device if vote else torch.device("cpu")
-
-        def there(value: Any) -> torch.Tensor:  # 0-d float64 on dev: copied device to device or filled, no sync
-            if isinstance(value, torch.Tensor):
-                return value.detach().reshape(()).to(dev, f64)
-            return torch.full((), float(value or 0.0), dtype=f64, device=dev)
-
         # (loss, grads not finite, count): on the device until one copy brings them to the host (none: all numbers)
-        head = torch.stack([there(local_loss), _not_finite(grads, dev) if vote else there(0.0), there(count)])
+        head = torch.stack([scalar_on(local_loss, dev), _not_finite(grads, dev) if vote else scalar_on(0.0, dev),
+                            scalar_on(count, dev)])
         mine = torch.cat([head.cpu() if on or vote else head, torch.tensor([count is not None], dtype=f64)])
         if self.distributed:
             everyone = [torch.zeros_like(mine) for _ in range(self.topology.world_size)]

@@ -27,11 +27,19 @@ from typing import Dict, Iterable, List, Optional, Union
 import torch
 from torch import nn
 
-__all__ = ["Baseline", "Count", "per_count", "summed"]
+__all__ = ["Baseline", "Count", "per_count", "scalar_on", "summed"]
 
 #: a count: a number, or a 0-d float64 tensor where the loss_fn counted on a device (kept there until the step's
 #: loss crosses to the host with it)
 Count = Union[float, torch.Tensor]
+
+
+def scalar_on(value: Union[None, int, float, torch.Tensor], dev: torch.device) -> torch.Tensor:
+    """``value`` as a 0-d float64 tensor on ``dev``, without a sync: a tensor copied there (device to device), a
+    number (None: 0) filled there."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().reshape(()).to(dev, torch.float64)
+    return torch.full((), float(value or 0.0), dtype=torch.float64, device=dev)
 
 
 def summed(counts: Iterable[Union[int, float, torch.Tensor]]) -> Count:
@@ -41,8 +49,7 @@ def summed(counts: Iterable[Union[int, float, torch.Tensor]]) -> Count:
     dev = next((c.device for c in values if isinstance(c, torch.Tensor)), None)
     if dev is None:
         return float(sum(values))
-    return torch.stack([c.detach().reshape(()).to(dev, torch.float64) if isinstance(c, torch.Tensor)
-                        else torch.full((), float(c), dtype=torch.float64, device=dev) for c in values]).sum()
+    return torch.stack([scalar_on(c, dev) for c in values]).sum()
 
 
 def per_count(replicas: int, count: Count) -> Count:
