@@ -45,10 +45,7 @@ def main() -> None:
     victim, how, timeout = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
     twins = sys.argv[4:] == ["twins"]
     if twins:
-        from pipeddp.distributed import build, groups
-
-        real = groups.host_group
-        build.host_group = groups.host_group = lambda topo, ranks, _, group, t: real(topo, ranks, "nccl", group, t)
+        nccl_rules.as_on_nccl()
     rank = int(os.environ["RANK"])
     torch.manual_seed(0)
     wire = Tripwire(rank == victim, how)

@@ -45,15 +45,6 @@ def train(engine: pipeddp.HybridParallel, batches, local: int, optimizer=None, l
     return losses
 
 
-def as_on_nccl() -> None:
-    """Make the engine's agreements take gloo twins of its groups, as on an nccl job (in this spawned process)."""
-    from pipeddp.distributed import build, groups
-
-    real = groups.host_group
-    build.host_group = groups.host_group = lambda topo, ranks, _, group, timeout: real(topo, ranks, "nccl", group,
-                                                                                      timeout)
-
-
 def init() -> None:
     """One process group for the whole job, so that several engines can be built one after another."""
     import torch.distributed as dist

@@ -11,7 +11,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import pipeddp
 from conftest import make_mlp
-from hybrid_jobs import LOSS, as_on_nccl, global_batches, train
+from hybrid_jobs import LOSS, global_batches, train
+from nccl_rules import as_on_nccl
 
 STEPS = 3
 

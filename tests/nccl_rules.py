@@ -21,6 +21,9 @@ Collectives are untouched (NCCL runs them on other communicators). Installed in 
 ``PIPEDDP_P2P_RULES=nccl-one`` runs all of a rank's operations, to every peer, on one stream: what a process
 group whose single sends and receives share its one communicator would do (torch gives each pair its own today;
 pipeddp's transport is right under both).
+
+``as_on_nccl()`` completes the picture: the engine's agreements and headers then take gloo twins of its groups, as
+they do beside nccl.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-__all__ = ["install", "active"]
+__all__ = ["install", "active", "as_on_nccl"]
 
 _REAL: Dict[str, Callable[..., Any]] = {}
 _STREAMS: Dict[Tuple[int, int], "_PairStream"] = {}
@@ -123,3 +126,13 @@ def install() -> None:
     for module in (dist, c10d):
         module.isend = _isend  # type: ignore[assignment]
         module.irecv = _irecv  # type: ignore[assignment]
+
+
+def as_on_nccl() -> None:
+    """Make the engines built in this process take gloo twins of their groups for the agreements and the
+    activations' headers, as on an nccl job (``groups.host_group``), while the job itself runs gloo."""
+    from pipeddp.distributed import build, groups
+
+    real = groups.host_group
+    build.host_group = groups.host_group = lambda topo, ranks, _, group, timeout: real(topo, ranks, "nccl", group,
+                                                                                      timeout)

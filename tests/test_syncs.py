@@ -17,7 +17,8 @@ from torch.overrides import TorchFunctionMode
 import pipeddp
 from pipeddp.distributed.headers import HEADER
 from conftest import data, make_mlp, max_diff, reference_training
-from hybrid_jobs import LOSS, as_on_nccl, global_batches, train
+from hybrid_jobs import LOSS, global_batches, train
+from nccl_rules import as_on_nccl
 
 SYNCS = {"item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__"}
 TRANSPORT = "p2p.py"  # an activation's header is read where it arrives (its shapes size the receives)
