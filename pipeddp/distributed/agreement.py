@@ -42,7 +42,8 @@ __all__ = ["Agreement", "CallCheck", "CollectiveError", "COLLECTIVES", "shapes_o
 T = TypeVar("T")
 
 #: The engine's calls that are collectives: every rank must make them together.
-COLLECTIVES = ("train_step", "forward", "save", "save_checkpoint", "state_dict", "load", "resume", "evaluate")
+COLLECTIVES = ("train_step", "forward", "save", "save_checkpoint", "state_dict", "load", "resume", "evaluate",
+               "save_pretrained")
 
 
 class CollectiveError(RuntimeError):
