@@ -28,22 +28,32 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, TypeVar
 
 from torch import nn
 
-__all__ = ["Names", "record", "recorded", "names_of", "key_mismatch"]
+__all__ = ["Names", "record", "recorded", "recorded_source", "names_of", "key_mismatch"]
 
 V = TypeVar("V")
 
 _ATTR = "_pipeddp_original_names"  # on a flattened nn.Sequential: {flattened prefix: original prefix}
+_SOURCE = "_pipeddp_source"  # on a flattened nn.Sequential: the model it was opened from
 
 
-def record(flat: nn.Module, prefixes: Mapping[str, str]) -> None:
-    """Remember on ``flat`` that the state under each flattened prefix came from the original prefix."""
+def record(flat: nn.Module, prefixes: Mapping[str, str], source: Optional[nn.Module] = None) -> None:
+    """Remember on ``flat`` that the state under each flattened prefix came from the original prefix, and which
+    model ``source`` the names are of (an export writes that model's configuration beside the weights)."""
     object.__setattr__(flat, _ATTR, dict(prefixes))
+    if source is not None:
+        object.__setattr__(flat, _SOURCE, source)  # not registered: its modules are the layers of ``flat``
 
 
 def recorded(model: nn.Module) -> Optional[Dict[str, str]]:
     """What ``record`` remembered on ``model`` (None for a model that was not flattened)."""
     found = getattr(model, _ATTR, None)
     return dict(found) if isinstance(found, dict) else None
+
+
+def recorded_source(model: nn.Module) -> Optional[nn.Module]:
+    """The model ``model`` was flattened from (``record``'s ``source``), else None."""
+    found = getattr(model, _SOURCE, None)
+    return found if isinstance(found, nn.Module) else None
 
 
 class Names:

@@ -193,7 +193,7 @@ def flatten_sequential(model: nn.Module, sample: Any, *, rtol: float = 1e-5, ato
     for name, (_, _, origins) in zip(names, layers):
         for suffix, original in origins.items():
             prefixes[f"{name}.{suffix}" if suffix else name] = original
-    key_names.record(flat, prefixes)
+    key_names.record(flat, prefixes, source=model)
     record_init(flat, init if callable(init) else None)
     record_first_names(flat, model)
     return flat
