@@ -39,7 +39,7 @@ from torch import nn
 
 from ._engine import Combine, StepModule
 from ._settings import check_settings, choose_partition
-from .checkpoints import saving, state
+from .checkpoints import export, saving, state
 from .checkpoints.checkpointable import Checkpointable
 from .distributed.build import build_replica
 from .distributed.ddp import CommHook
@@ -128,6 +128,7 @@ class HybridParallel(Checkpointable, StepModule):
                                                   balance=balance, sample=sample, max_activations=max_activations,
                                                   seed=seed, init=init, placement=placement)
         self.key_names = Names.of(model)
+        self._export_source = export.source_of(model)  # what save_pretrained writes the configuration of
         self._model_keys = [self.key_names.original(k) for k in model.state_dict()]
         self.skip_nonfinite = skip_nonfinite
         self.shard = check_shard(shard, replicas=topo.replicas, model=model,

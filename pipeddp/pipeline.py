@@ -30,6 +30,7 @@ from torch import nn
 
 from ._engine import StepModule
 from ._settings import check_settings, choose_partition
+from .checkpoints import export
 from .checkpoints.checkpointable import Checkpointable
 from .checkpoints.saving import Saver
 from .distributed.build import build_replica
@@ -176,6 +177,7 @@ class Pipeline(Checkpointable, StepModule):
                                   balance=balance, sample=sample, max_activations=max_activations, seed=seed,
                                   init=init, placement=placement)
         self.key_names = Names.of(model)
+        self._export_source = export.source_of(model)  # what save_pretrained writes the configuration of
         self.devices = devs
         n_stages = len(devs) * settings.virtual_stages
         # one builder for both engines: a Pipeline is a one-process, one-replica job in replica mode

@@ -26,7 +26,7 @@ from ..distributed.topology import Topology
 from ..runtime.names import Names, key_mismatch
 from ..runtime.warn import warn
 from . import checkpoint as files
-from . import saving, state
+from . import export, saving, state
 
 __all__ = ["Checkpointable"]
 
@@ -48,6 +48,8 @@ class Checkpointable(nn.Module):
     global_batch_plan: Optional[GlobalBatch] = None
     position: DataPosition
     key_names: Names
+    #: the transformers model the layers came from (``export.source_of``): save_pretrained writes its configuration
+    _export_source: Optional[export.Source] = None
 
     def local_state_dict(self) -> Dict[str, Any]:
         """This process's part of the model, with the model's keys."""
@@ -106,6 +108,15 @@ class Checkpointable(nn.Module):
         return saving.save_checkpoint(self, directory, step, optimizer, keep=keep,  # type: ignore[arg-type]
                                       extra=self._with_position(extra), sharded=sharded, async_save=async_save,
                                       saver=self._saver)
+
+    def save_pretrained(self, directory: str) -> None:
+        """The model as a Hugging Face directory (call on every rank): each process writes its own tensors as
+        safetensors under the original model's names, rank 0 the index, last, and for a model flattened from a
+        transformers model its config, so that the original class's ``from_pretrained(directory)`` opens it (and
+        ``load``). A tied weight is written once. A directory holding other files is refused; an earlier export
+        there is replaced. See ``pipeddp.checkpoints.export``."""
+        # mypy: as above: the concrete class completes the Exporter protocol
+        export.save_pretrained(self, directory, self._export_source, saver=self._saver)  # type: ignore[arg-type]
 
     def wait_for_save(self) -> Optional[str]:
         """Wait until the asynchronous save in flight is complete; returns its path (None if there was none)."""
