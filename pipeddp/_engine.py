@@ -12,11 +12,14 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple, TypeVar
 import torch
 from torch import nn
 
+from ._settings import check_log_every
 from .runtime.clip import Combine, clip_grad_norm
 from .runtime.names import Names, key_mismatch
 from .runtime.stage import Stage
+from .runtime.stats import StepStats
 from .runtime.step import Step
 from .runtime.trace import Trace
+from .watch import Watch
 
 __all__ = ["StepModule"]
 
@@ -31,6 +34,7 @@ class StepModule(nn.Module):
     """
 
     _step: Step
+    _watch: Watch
     #: the layers' keys to and from the original model's (the identity for a plain nn.Sequential)
     key_names: Names = Names()
 
@@ -78,6 +82,28 @@ class StepModule(nn.Module):
     @trace.setter
     def trace(self, value: Optional[Trace]) -> None:
         self._step.trace = value
+
+    @property
+    def last_step(self) -> Optional[StepStats]:
+        """The last training step's figures on this process (None before the first): its time, samples/s,
+        tokens/s for a ``(total, count)`` loss, each device's idle share and peak memory (``runtime.stats``)."""
+        return self._step.stats.last
+
+    @property
+    def log_every(self) -> Optional[int]:
+        """Training steps between two INFO records of the ``"pipeddp"`` logger, on rank 0 (None: none; see
+        ``pipeddp.watch``)."""
+        return self._watch.log_every
+
+    @log_every.setter
+    def log_every(self, value: Optional[int]) -> None:
+        self._watch.log_every = check_log_every(value)
+
+    def _start_watch(self, log_every: Optional[int], rank: int) -> None:
+        """Log the steps' figures every ``log_every`` steps (checked by ``check_log_every`` before the engine was
+        built) where ``rank`` is 0; called once, when built."""
+        self._watch = Watch(self._step.stats, log_every, rank)
+        self._step.after_step.append(self._watch)
 
     @property
     def placement(self) -> str:

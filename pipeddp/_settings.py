@@ -23,7 +23,7 @@ from .runtime.schedule.costed import check_max_activations, is_auto
 from .runtime.schedule.registry import accepts_virtual_stages, get_schedule, schedule_name
 from .runtime.settings import Settings
 
-__all__ = ["Settings", "check_settings", "CHECKPOINT_MODES", "choose_partition"]
+__all__ = ["Settings", "check_settings", "check_log_every", "CHECKPOINT_MODES", "choose_partition"]
 
 CHECKPOINT_MODES = ("never", "except_last", "always")
 
@@ -127,6 +127,15 @@ def check_settings(
     options = dict(compile) if isinstance(compile, dict) else ({} if compile else None)
     return Settings(chunks, split_size, schedule, checkpoint, float(seconds), options, virtual, choose_virtual,
                     max_activations, placement, seed, init)
+
+
+def check_log_every(log_every: Optional[int]) -> Optional[int]:
+    """Steps between two log records of the ``"pipeddp"`` logger (``watch``); None or 0: none."""
+    if log_every is None or (isinstance(log_every, int) and not isinstance(log_every, bool) and log_every == 0):
+        return None
+    _positive_int(log_every, "log_every", "training steps between two INFO records of the 'pipeddp' logger, "
+                  "or None for none")
+    return log_every
 
 
 def check_virtual_auto(schedule: Union[str, ScheduleFn], placement: str, balance: Union[None, str, Sequence[int]],

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from ._engine import Combine, StepModule
-from ._settings import check_settings, choose_partition
+from ._settings import check_log_every, check_settings, choose_partition
 from .checkpoints import export, saving, state
 from .checkpoints.checkpointable import Checkpointable
 from .distributed.build import build_replica
@@ -99,6 +99,8 @@ class HybridParallel(Checkpointable, StepModule):
             one) to place the engine on, in stage mode, instead of taking the whole world from the environment:
             the engine's groups and collectives then involve the mesh's ranks alone, beside another parallelism
             over the rest of the world. See ``distributed/mesh.py``.
+        log_every: as in ``Pipeline``: the step's figures (``engine.last_step``: samples and tokens of every
+            replica together) logged every that many steps, by rank 0 alone.
     """
 
     def __init__(self, model: nn.Sequential, *, stages: int, chunks: Optional[int] = None,
@@ -112,8 +114,10 @@ class HybridParallel(Checkpointable, StepModule):
                  compile: Union[bool, Dict[str, Any]] = False, virtual_stages: Union[None, int, str] = None,
                  placement: str = "loop", global_batch: Optional[int] = None, batch_size: Optional[int] = None,
                  shard: str = "none", max_activations: Optional[int] = None, seed: int = 0,
-                 init: Optional[Callable[[nn.Module], None]] = None, mesh: Optional[Any] = None) -> None:
+                 init: Optional[Callable[[nn.Module], None]] = None, mesh: Optional[Any] = None,
+                 log_every: Optional[int] = 100) -> None:
         super().__init__()
+        log_every = check_log_every(log_every)
         self.topology = topo = current_topology(stages, mode, layout) if mesh is None \
             else mesh_topology(mesh, stages, mode)
         self.global_batch_plan: Optional[GlobalBatch] = plan_global_batch(global_batch, batch_size, topo.replicas)
@@ -149,6 +153,7 @@ class HybridParallel(Checkpointable, StepModule):
         self._finalizer = weakref.finalize(self, wired.runner.close)  # threads, never the group, at collection
         self.topology = wired.topology  # on a mesh: with the job's own group now
         self._saver = saving.Saver(self.topology, settings.timeout_delta)
+        self._start_watch(log_every, self.topology.rank)
 
     # -- structure ---------------------------------------------------------------------------------
 

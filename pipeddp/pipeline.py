@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ._engine import StepModule
-from ._settings import check_settings, choose_partition
+from ._settings import check_log_every, check_settings, choose_partition
 from .checkpoints import export
 from .checkpoints.checkpointable import Checkpointable
 from .checkpoints.saving import Saver
@@ -129,6 +129,9 @@ class Pipeline(Checkpointable, StepModule):
         compile: ``True`` or a dict of ``torch.compile`` options: each stage's module is
             compiled once (lazily, on its first call in each mode). The partitioner
             profiles the eager layers.
+        log_every: every that many training steps, an INFO record of the ``"pipeddp"`` logger with the
+            step's figures (``pipe.last_step``; shown once logging is configured, e.g.
+            ``logging.basicConfig(level=logging.INFO)``; None or 0: none). See ``pipeddp.watch``.
 
     Mixed precision: ``torch.autocast`` around ``pipe(x)`` or ``train_step`` reaches
     every stage (forward, loss and recompute); ``train_step(..., scaler=GradScaler)``
@@ -167,8 +170,10 @@ class Pipeline(Checkpointable, StepModule):
         max_activations: Optional[int] = None,
         seed: int = 0,
         init: Optional[Callable[[nn.Module], None]] = None,
+        log_every: Optional[int] = 100,
     ) -> None:
         super().__init__()
+        log_every = check_log_every(log_every)
         devs = pipeline_devices(devices, stages)
         settings = check_settings(model, len(devs), chunks=chunks, split_size=split_size, schedule=schedule,
                                   checkpoint=checkpoint, timeout=timeout, compile=compile,
@@ -193,6 +198,7 @@ class Pipeline(Checkpointable, StepModule):
         #: one process, one replica: what checkpoints record of the layout, and what their functions take
         self.topology, self.agreement = wired.topology, wired.agreement
         self._saver = Saver(self.topology, settings.timeout_delta)
+        self._start_watch(log_every, rank=0)
 
     # -- structure ---------------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from typing import Dict, Iterable, List
 
 import torch
 
+from ..runtime.progress import shown
 from .checkpoint import Spec
 
 __all__ = ["is_pretrained", "tensor_files", "read_specs", "read_tensors", "SINGLE", "INDEX"]
@@ -84,13 +85,16 @@ def read_specs(where: Dict[str, str]) -> Dict[str, Spec]:
 
 
 def read_tensors(where: Dict[str, str], keys: Iterable[str]) -> Dict[str, torch.Tensor]:
-    """The tensors ``keys`` (and nothing else), each file opened once."""
+    """The tensors ``keys`` (and nothing else), each file opened once; a bar on rank 0's terminal meanwhile."""
     by_file: Dict[str, List[str]] = {}
     for key in keys:
         by_file.setdefault(where[key], []).append(key)
     out: Dict[str, torch.Tensor] = {}
-    for file, names in sorted(by_file.items()):
-        with _safe_open(file) as f:
-            for key in names:
-                out[key] = f.get_tensor(key)
+    total = sum(len(names) for names in by_file.values())
+    with shown(f"reading {total} tensors") as report:
+        for file, names in sorted(by_file.items()):
+            with _safe_open(file) as f:
+                for key in names:
+                    out[key] = f.get_tensor(key)
+                    report(len(out), total)
     return out

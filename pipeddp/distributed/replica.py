@@ -36,6 +36,7 @@ from .agreement import Agreement
 from .elastic import GlobalBatch
 from .groups import Groups
 from .shard import StageShard
+from .skipped import OpenSkip
 from .ties import TieExchange
 from .topology import Topology
 
@@ -70,6 +71,8 @@ class Replica:
         self.shards = list(shards)
         #: steps skipped because their loss or gradients were not finite somewhere (``skip_nonfinite``)
         self.skipped_steps = 0
+        #: a skipped step held open until the optimizer steps, so that its other accumulation calls go with it
+        self.open_skip = OpenSkip()
         #: whether the stages' sharded parameters are held gathered (an evaluation with shard=)
         self._gathered = False
 
@@ -77,6 +80,7 @@ class Replica:
               plan: Optional[GlobalBatch], scaler: Optional[torch.amp.GradScaler],
               skip_nonfinite: bool) -> torch.Tensor:
         """One optimizer step's gradients on this rank's batch; the global mean loss, the same on every rank."""
+        params = list(params)
         with self._agreeing():
             n = self.agreement.local_batch(x, y, need_y=True, flag=self.ties.changed())  # a collective
         self._agreed("train_step")
@@ -91,9 +95,12 @@ class Replica:
                                                               skip_nonfinite=skip_nonfinite,
                                                               skipped=self.skipped_steps,
                                                               overflow_to_scaler=scaler is not None,
-                                                              count=self.step.count)
+                                                              count=self.step.count,
+                                                              carried=self.open_skip.open)
         self.step.finish_counted(count is not None, count or 0.0, self.topology.replicas)
-        self.skipped_steps += skipped
+        if skipped:
+            self.skipped_steps += 0 if self.open_skip.open else 1
+            self.open_skip.begin(params)
         return mean
 
     def _agreed(self, call: str) -> None:
@@ -177,6 +184,7 @@ class Replica:
         since another engine of this process may be using the group by then.
         """
         self.runner.close()
+        self.open_skip.end()
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self.owns_group = False

@@ -16,6 +16,7 @@ random weights, timed ``repeat`` times, and freed before the next.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import statistics
@@ -28,6 +29,7 @@ from torch import nn
 
 from ..runtime.materialize import Init, is_meta, materialize_layer, recorded_init
 from ..runtime.microbatch import batch_size, split, split_sizes, tree_map, tree_tensors
+from ..runtime.progress import shown
 from ..runtime.tied import layers_of
 
 __all__ = ["LayerCost", "ProfileError", "profile_layers", "sample_microbatch", "describe_shapes"]
@@ -123,7 +125,8 @@ def profile_layers(
     to ``device`` (default: where the first parameter lives, else CPU) so that
     profiling neither moves the user's model nor touches its gradients.
     ``progress(done, total)`` is called after every layer run, so that a
-    command line can show how far a profile of many seconds has come.
+    command line can show how far a profile of many seconds has come; without it, a bar on rank 0's terminal
+    (nothing where stderr is not one: ``runtime.progress``).
     ``whole``: the batch ``sample`` was cut from, named in the error if a layer fails. ``init``: how a layer on
     the meta device is initialised for its turn (default: the flattened model's recorded one, else each module's
     ``reset_parameters``).
@@ -141,19 +144,20 @@ def profile_layers(
     device = torch.device(device)
     rounds = repeat + 1 if timed else 0
     total, done = len(named) * (rounds + 1), 0
+    with contextlib.ExitStack() as bar:
+        report = progress if progress is not None else bar.enter_context(shown(f"profiling {len(named)} layers"))
 
-    def advance() -> None:
-        nonlocal done
-        done += 1
-        if progress is not None:
-            progress(done, total)
+        def advance() -> None:
+            nonlocal done
+            done += 1
+            report(done, total)
 
-    x = tree_map(lambda t: t.detach().to(device), sample)
-    if any(is_meta(layer) for _, layer in named):
-        fb, outs = _one_at_a_time(named, x, device, rounds, sample, whole, advance,
-                                   init if init is not None else recorded_init(layers))
-    else:
-        fb, outs = _round_robin(named, x, device, rounds, sample, whole, advance)
+        x = tree_map(lambda t: t.detach().to(device), sample)
+        if any(is_meta(layer) for _, layer in named):
+            fb, outs = _one_at_a_time(named, x, device, rounds, sample, whole, advance,
+                                       init if init is not None else recorded_init(layers))
+        else:
+            fb, outs = _round_robin(named, x, device, rounds, sample, whole, advance)
     for i, (name, _) in enumerate(named):
         costs.append(LayerCost(name, fb[i][0], fb[i][1], params[i], pbytes[i], outs[i]))
     return costs

@@ -40,6 +40,7 @@ from .schedule.builders import backward_only, forward_only
 from .schedule.registry import get_schedule
 from .spec import Grads, StepSpec
 from .stage import Stage
+from .stats import Recorder
 from .tied import LocalTies, Tie
 from .trace import Trace
 
@@ -119,6 +120,8 @@ class Step:
         self.counting: Optional[bool] = None
         self.count: Optional[Count] = None
         self.baseline: Optional[Baseline] = None
+        #: the training steps' figures (``stats.last``: the last one's)
+        self.stats = Recorder(self.stages, self.rows, placement)
 
     @property
     def first(self) -> Optional[Stage]:
@@ -208,7 +211,8 @@ class Step:
             self.ties.begin()
         self._call(self.before_forward)
         rows, plan = self._plan("train", m)
-        results = self.runner.run(rows, spec, plan=plan, inputs=self._split_to(self.first, x, sizes), trace=self.trace)
+        results = self.runner.run(rows, spec, plan=plan, inputs=self._split_to(self.first, x, sizes),
+                                  trace=self.stats.timeline(self.trace))
         self._call(self.after_forward)
         if final:
             self._call(self.after_backward)
@@ -231,6 +235,7 @@ class Step:
         """
         self.baseline = Baseline((p for st in self.stages for p in st.module.parameters()), self.counting)
         self.count = None
+        self.stats.begin(n)
         if passes == 1:
             return self.train(x, y, loss_fn, n, loss_scale=loss_scale)
         if passes < 1 or n % passes:
@@ -254,6 +259,7 @@ class Step:
         if counted and self.baseline is not None:
             self.baseline.scale(per_count(replicas, count))
         self.baseline = None
+        self.stats.end(count if counted else None)
         self._call(self.after_step)
 
     def forward(self, x: Any, n: int, *, need_grad: bool) -> Any:
@@ -272,11 +278,13 @@ class Step:
                         autocast=Autocast.capture())
         if need_grad:
             self.started = time.perf_counter()
+            self.stats.begin(n)
         x = self._to(self.first, x)  # the graph hangs on the moved input, whose grad lives on stage 0's device
         xs = None if x is None else split(x, sizes)
         self._call(self.before_forward)
         rows, plan = self._plan("forward", m)
-        results = self.runner.run(rows, spec, plan=plan, inputs=xs, trace=self.trace)
+        results = self.runner.run(rows, spec, plan=plan, inputs=xs,  # an evaluation is no step: not timed
+                                  trace=self.stats.timeline(self.trace) if need_grad else self.trace)
         self._call(self.after_forward)
         if self.last is None:
             return None
@@ -288,8 +296,10 @@ class Step:
         def run_backward(grads: List[Optional[Grads]], event: Any) -> List[Grads]:
             self.ties.begin()  # here, not at the forward: the user may zero_grad in between
             rows, plan = self._plan("backward", m)
-            res = self.runner.run(rows, spec, plan=plan, output_grads=grads, grad_event=event, trace=self.trace)
+            res = self.runner.run(rows, spec, plan=plan, output_grads=grads, grad_event=event,
+                                  trace=self.stats.timeline(self.trace))
             self._call(self.after_backward)
+            self.stats.end(None)
             self._call(self.after_step)
             return [res[0].input_grads[i] for i in range(m)]
 

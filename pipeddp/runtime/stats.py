@@ -1,0 +1,216 @@
+"""The last training step's figures: time, throughput, each device's idle share and memory, waits for peers.
+
+Both engines keep a ``Recorder`` on their ``Step``; at the end of every
+training step it leaves a ``StepStats`` (``engine.last_step``)::
+
+    begin (the step's first pass; HybridParallel: before its batch agreement)
+      -> the passes run with the recorder's Clock as their trace (CPU devices):
+         per device row, seconds computing (F, B, I, W) and waiting on a message
+      -> end (after the agreement that closes the step): StepStats
+
+Nothing here makes a device wait: the clock times CPU devices only (two
+readings of a monotonic clock per action), and on CUDA the memory figures are
+the caching allocator's counters, kept on the host. A count that a
+``Pipeline`` made on a GPU stays there until ``StepStats.tokens`` is read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, ContextManager, Dict, Iterator, Optional, Sequence, Set, Union
+
+import torch
+
+from .schedule.actions import row_of
+from .stage import Stage
+from .trace import Trace
+
+__all__ = ["Clock", "Recorder", "StepStats"]
+
+#: what the comm lane's spans wait on: a message from another device, or sends still in flight at a step's end
+_WAITS = ("recv", "flush")
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One training step, as this process saw it.
+
+    ``seconds``: from the step's start to its end on the host (a ``HybridParallel`` step ends after the one
+    copy of its loss to the host, so it includes the devices' work; a ``Pipeline`` on CUDA does not wait for
+    its devices, so there it is the time to issue the step, which in a loop follows the devices' pace).
+    ``samples``: the step's samples, every replica together. ``count``: the step's count where the loss_fn
+    returned ``(total, count)`` (every replica together), else None; read ``tokens``. ``idle``: per device
+    row of this process, the share of ``seconds`` it did not compute (None for a CUDA device, whose busy
+    time only its stream knows: ``trace=True`` records it). ``peak_memory``: per device row, the most bytes
+    CUDA's allocator held during the step (None on the CPU, where no per-device figure exists).
+    ``waiting``: seconds this process waited for other processes (the step's agreements, and in stage mode
+    on the CPU its receives and the end-of-step flush); None for a one-process engine.
+    """
+
+    step: int
+    seconds: float
+    samples: int
+    count: Union[None, float, torch.Tensor] = None
+    idle: Dict[int, Optional[float]] = field(default_factory=dict)
+    peak_memory: Dict[int, Optional[int]] = field(default_factory=dict)
+    waiting: Optional[float] = None
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.seconds if self.seconds > 0 else float("nan")
+
+    @property
+    def tokens(self) -> Optional[float]:
+        """The step's count (None for a mean loss). A count a ``Pipeline`` made on a GPU is read here: a sync."""
+        return float(self.count) if self.count is not None else None
+
+    @property
+    def tokens_per_s(self) -> Optional[float]:
+        tokens = self.tokens
+        if tokens is None:
+            return None
+        return tokens / self.seconds if self.seconds > 0 else float("nan")
+
+
+class _Tick:
+    """One timed span on the clock (and on the user's trace inside it, when there is one)."""
+
+    __slots__ = ("sums", "row", "inner", "start")
+
+    def __init__(self, sums: Optional[Dict[int, float]], row: int, inner: Optional[ContextManager[Any]]) -> None:
+        self.sums, self.row, self.inner = sums, row, inner
+        self.start = 0.0
+
+    def __enter__(self) -> None:
+        if self.inner is not None:
+            self.inner.__enter__()
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc: Any) -> None:
+        took = time.perf_counter() - self.start
+        if self.sums is not None:
+            self.sums[self.row] += took  # only this row's thread writes its entry
+        if self.inner is not None:
+            self.inner.__exit__(*exc)
+
+
+class Clock(Trace):
+    """A trace that keeps no spans: per device row, the seconds its actions computed and waited on messages.
+
+    It stands in the runner's ``trace`` place; a user's trace (``inner``) still gets every span. A span on a
+    CUDA stream is left to the inner trace alone (the host's time of an asynchronous kernel is not its time).
+    """
+
+    def __init__(self, rows: Sequence[int]) -> None:
+        super().__init__()
+        self.inner: Optional[Trace] = None
+        self.busy: Dict[int, float] = {r: 0.0 for r in rows}
+        self.waited: Dict[int, float] = {r: 0.0 for r in rows}
+        #: rows whose compute ran on a CUDA stream: their busy time is unknown here
+        self.untimed: Set[int] = set()
+
+    def reset(self) -> None:
+        for sums in (self.busy, self.waited):
+            for r in sums:
+                sums[r] = 0.0
+
+    # mypy: Trace.span is a generator context manager; this returns a plain one (cheaper on every action)
+    def span(self, stage: int, kind: str, mb: int, stream: Optional[Any] = None,  # type: ignore[override]
+             lane: str = "compute", row: Optional[int] = None) -> ContextManager[Any]:
+        inner = self.inner.span(stage, kind, mb, stream, lane=lane, row=row) if self.inner is not None else None
+        r = stage if row is None else row
+        if stream is not None:
+            self.untimed.add(r)
+            return inner if inner is not None else contextlib.nullcontext()
+        sums = self.busy if lane == "compute" else self.waited if kind in _WAITS else None
+        return _Tick(sums if sums is not None and r in sums else None, r, inner)
+
+    def note_memory(self, row: int, in_flight: int, device: torch.device) -> None:
+        if self.inner is not None:
+            self.inner.note_memory(row, in_flight, device)
+
+
+class Recorder:
+    """Times the training steps of ``stages`` (this process's share of a pipeline of ``rows`` devices) and keeps
+    the last one's ``StepStats`` in ``last``.
+
+    ``replicas`` multiplies the local batch into the step's samples; ``processes`` says whether there are peers to
+    wait for, and ``peers`` whether the devices' receives come from other processes (stage mode): both set by the
+    distributed engine.
+    """
+
+    def __init__(self, stages: Sequence[Stage], rows: int, placement: str = "loop") -> None:
+        self.devices: Dict[int, torch.device] = {}
+        for st in stages:
+            self.devices.setdefault(row_of(st.index, rows, placement), st.device)
+        cpu = [r for r, d in self.devices.items() if d.type == "cpu"]
+        #: None where no device of this process is a CPU: nothing is timed per action
+        self.clock: Optional[Clock] = Clock(cpu) if cpu else None
+        self.replicas = 1
+        self.processes = 1
+        self.peers = False
+        self.steps = 0
+        self.last: Optional[StepStats] = None
+        self._start = 0.0
+        self._early = False
+        self._agreed = 0.0
+        self._samples = 0
+
+    def _reset(self) -> None:
+        self._start = time.perf_counter()
+        self._agreed = 0.0
+        if self.clock is not None:
+            self.clock.reset()
+        for dev in {d for d in self.devices.values() if d.type == "cuda"}:
+            torch.cuda.reset_peak_memory_stats(dev)  # the allocator's counters: no sync
+
+    def arrive(self) -> None:
+        """A step starts before its pass (its batch agreement): ``begin`` then keeps this start."""
+        self._reset()
+        self._early = True
+
+    def begin(self, samples: int) -> None:
+        """A step's passes start on ``samples`` local samples."""
+        if not self._early:
+            self._reset()
+        self._early = False
+        self._samples = samples
+
+    def timeline(self, trace: Optional[Trace]) -> Optional[Trace]:
+        """What the runner records spans on: the clock (with ``trace`` inside it), or ``trace`` itself where no
+        device of this process is timed on the host."""
+        if self.clock is None:
+            return trace
+        self.clock.inner = trace
+        return self.clock
+
+    @contextlib.contextmanager
+    def agreeing(self, inner: ContextManager[Any]) -> Iterator[None]:
+        """Around one of a step's agreement collectives: its seconds count as waiting for peers."""
+        start = time.perf_counter()
+        try:
+            with inner:
+                yield
+        finally:
+            self._agreed += time.perf_counter() - start
+
+    def end(self, count: Union[None, float, torch.Tensor]) -> StepStats:
+        """The step is over (``count``: its count, every replica's, where the loss_fn counted)."""
+        seconds = time.perf_counter() - self._start
+        self.steps += 1
+        clock = self.clock
+        idle: Dict[int, Optional[float]] = {}
+        memory: Dict[int, Optional[int]] = {}
+        waited = self._agreed
+        for r, dev in sorted(self.devices.items()):
+            idle[r] = None
+            if clock is not None and r in clock.busy and r not in clock.untimed and seconds > 0:
+                idle[r] = min(max(1.0 - clock.busy[r] / seconds, 0.0), 1.0)
+            memory[r] = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
+            if self.peers and clock is not None and r in clock.waited:
+                waited += clock.waited[r]
+        self.last = StepStats(self.steps, seconds, self._samples * self.replicas, count, idle, memory,
+                              waited if self.processes > 1 else None)
+        return self.last
