@@ -275,8 +275,8 @@ class Agreement(CallCheck):
     # -- the loss and non-finite steps -----------------------------------------------------------------
 
     def finish_step(self, local_loss: Optional[torch.Tensor], params: Iterable[nn.Parameter], *, skip_nonfinite: bool,
-                    skipped: int, overflow_to_scaler: bool = False,
-                    count: Optional[Count] = None) -> Tuple[torch.Tensor, bool, Optional[float]]:
+                    skipped: int, overflow_to_scaler: bool = False, count: Optional[Count] = None,
+                    carried: bool = False) -> Tuple[torch.Tensor, bool, Optional[float]]:
         """Average the loss over replicas (one collective); vote on non-finite gradients.
 
         ``local_loss``: this rank's loss, a tensor (None where it runs no last stage); it, the vote and the count
@@ -294,16 +294,18 @@ class Agreement(CallCheck):
         ``skip_nonfinite``: a step with a non-finite loss or gradients anywhere is
         skipped, every rank drops its gradients (set to None, so
         ``optimizer.step()`` changes nothing) and a warning names the ranks.
+        ``carried``: an earlier call of this optimizer step was skipped on this
+        rank (``skipped.OpenSkip``); then this call is skipped on every rank too.
         Returns the global mean loss, whether the step was skipped and the global count.
         """
         params = list(params)
         grads = [p.grad for p in params if p.grad is not None]
-        f64, vote = torch.float64, (skip_nonfinite or overflow_to_scaler) and bool(grads)
+        f64, vote = torch.float64, (skip_nonfinite or overflow_to_scaler) and bool(grads) and not carried
         on = [t.device for t in (local_loss, count) if isinstance(t, torch.Tensor)]
         dev = on[0] if on else local_tensor(grads[0]).device if vote else torch.device("cpu")
         # (loss, grads not finite, count): on the device until one copy brings them to the host (none: all numbers)
-        head = torch.stack([scalar_on(local_loss, dev), _not_finite(grads, dev) if vote else scalar_on(0.0, dev),
-                            scalar_on(count, dev)])
+        bad = _not_finite(grads, dev) if vote else scalar_on(2.0 if carried else 0.0, dev)
+        head = torch.stack([scalar_on(local_loss, dev), bad, scalar_on(count, dev)])
         mine = torch.cat([head.cpu() if on or vote else head, torch.tensor([count is not None], dtype=f64)])
         if self.distributed:
             everyone = [torch.zeros_like(mine) for _ in range(self.topology.world_size)]
@@ -321,20 +323,22 @@ class Agreement(CallCheck):
                             dtype=torch.float64)
         ranks = self.topology.job_ranks if self.distributed else [self.topology.rank]
         losses = [r for r, t in zip(ranks, table) if skip_nonfinite and not math.isfinite(t[0])]
-        grads_bad = [r for r, t in zip(ranks, table) if t[1] > 0]
+        grads_bad = [r for r, t in zip(ranks, table) if t[1] == 1]
+        held = any(t[1] == 2 for t in table)  # the step was skipped at an earlier call: this one goes with it
         if overflow_to_scaler and grads_bad:
             if grads:
                 grads[0].fill_(float("inf"))  # any layout; the scaler only needs to find one inf
             return loss, False, n
-        if not (losses or grads_bad):
+        if not (losses or grads_bad or held):
             return loss, False, n
         for p in params:
             p.grad = None
         where = "; ".join(part for part in (
             f"non-finite loss on rank(s) {losses}" if losses else "",
-            f"non-finite gradients on rank(s) {grads_bad}" if grads_bad else "") if part)
+            f"non-finite gradients on rank(s) {grads_bad}" if grads_bad else "",
+            "an earlier call since the last optimizer.step() was skipped" if held else "") if part)
         warn(f"pipeddp: skipped a training step: {where}; gradients were dropped on every rank "
-             f"({skipped + 1} skipped so far)", RuntimeWarning)
+             f"({skipped + (0 if held else 1)} skipped so far)", RuntimeWarning)
         return loss, True, n
 
     # -- a gradient norm over stages --------------------------------------------------------------------
