@@ -75,11 +75,15 @@ class Replica:
         self.open_skip = OpenSkip()
         #: whether the stages' sharded parameters are held gathered (an evaluation with shard=)
         self._gathered = False
+        # a step's figures count every replica's samples, and the waits for the other processes
+        step.stats.replicas, step.stats.processes = topology.replicas, topology.world_size
+        step.stats.peers = topology.mode == "stage"
 
     def train(self, x: Any, y: Any, loss_fn: LossFn, params: Iterable[nn.Parameter], *,
               plan: Optional[GlobalBatch], scaler: Optional[torch.amp.GradScaler],
               skip_nonfinite: bool) -> torch.Tensor:
         """One optimizer step's gradients on this rank's batch; the global mean loss, the same on every rank."""
+        self.step.stats.arrive()  # the step's time includes its agreements
         params = list(params)
         with self._agreeing():
             n = self.agreement.local_batch(x, y, need_y=True, flag=self.ties.changed())  # a collective
@@ -115,7 +119,8 @@ class Replica:
         """An ``"agree"`` span on the trace's communication lane around one of a step's two agreement collectives
         (they include waiting for the slowest rank, where that process would otherwise idle between steps)."""
         first = self.step.stages[0].index
-        return timed(self.step.trace, first, "agree", 0, row=first % self.step.rows, lane="comm")
+        return self.step.stats.agreeing(timed(self.step.trace, first, "agree", 0, row=first % self.step.rows,
+                                              lane="comm"))
 
     def forward(self, x: Any, *, need_grad: bool) -> Any:
         """``Step.forward``; in stage mode after the pipeline's processes agree on the batch size."""
