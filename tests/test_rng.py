@@ -111,19 +111,6 @@ def test_the_recompute_sees_the_mask_of_the_first_forward(checkpoint):
     assert pipeddp.is_recomputing() is False
 
 
-def test_a_deterministic_stage_never_takes_the_generator_lock():
-    """After its first forward a stage that draws nothing runs unseeded; one that draws stays seeded."""
-    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Dropout(0.5), nn.Linear(4, 4)).double()
-    with pipeddp.Pipeline(model, ["cpu", "cpu"], chunks=2, balance=[2, 2]) as pipe:
-        assert all(st.may_draw() for st in pipe.stages)  # unknown before the first forward
-        pipe.train_step(torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64), LOSS)
-        assert [st.may_draw() for st in pipe.stages] == [False, True]
-        pipe.eval()
-        with torch.no_grad():
-            pipe(torch.randn(4, 4, dtype=torch.float64))
-        assert [st.may_draw() for st in pipe.stages] == [False, False]  # dropout draws nothing in eval
-
-
 def test_an_in_place_op_on_an_input_without_grad_runs_once_under_recompute():
     class AddsInPlace(nn.Module):
         def forward(self, pair):
@@ -252,34 +239,23 @@ def test_the_recompute_replays_its_masks_while_the_prefetch_thread_draws():
 
 
 class DrawProbe(nn.Module):
-    """Dropout, and where this thread's random ops drew from while it ran: the stage's own generator (a dispatch
-    mode hands it to them) or the process's."""
+    """Dropout, and where this thread's random ops drew from while it ran: the stage's own generator (handed to
+    them) or the process's."""
 
     def __init__(self) -> None:
         super().__init__()
         self.own = []
 
     def forward(self, x):
-        from torch.utils._python_dispatch import _get_current_dispatch_mode
+        from pipeddp.runtime import draws
 
-        from pipeddp.runtime import rng
-
-        mode = _get_current_dispatch_mode()
-        self.own.append(isinstance(mode, rng._OwnDraws))
+        self.own.append(getattr(draws._state, "generator", None) is not None)
         return F.dropout(x, 0.5, training=self.training)
 
 
-@pytest.fixture
-def any_op_size(monkeypatch):
-    """A stage's own generator whatever its ops cost (the tests' layers are tiny)."""
-    from pipeddp.runtime import rng
-
-    monkeypatch.setattr(rng, "OWN_MIN_OP_SECONDS", 0.0)
-
-
-def test_cpu_stages_with_dropout_draw_from_their_own_generators_without_the_lock(any_op_size):
-    """After the first forward (which finds what a stage draws), a CPU stage's draws go to a generator of its own,
-    so two stages with dropout never take turns on the process generator's lock."""
+def test_cpu_stages_draw_from_their_own_generators_from_the_first_forward():
+    """Every forward of a CPU stage, the first ones and the replays included, draws from a generator of its own, so
+    two stages with dropout never take turns on the process generator's lock."""
     probes = [DrawProbe(), DrawProbe()]
     model = nn.Sequential(nn.Linear(8, 8), probes[0], nn.Linear(8, 8), probes[1]).double()
     x, y = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)
@@ -287,29 +263,11 @@ def test_cpu_stages_with_dropout_draw_from_their_own_generators_without_the_lock
         for _ in range(3):
             pipe.train_step(x, y, LOSS)
     for probe in probes:
-        # the first forward, which finds what the stage draws, and the second, which times its ops, under the
-        # process's generator; every later one, replays included, under the stage's own
-        assert len(probe.own) == 24 and probe.own[:2] == [False, False] and all(probe.own[2:])
-
-
-def test_stages_of_small_ops_keep_the_process_generator(monkeypatch):
-    """A dispatch per op would cost small ops more than the lock they spare: a stage whose ops average less than
-    ``OWN_MIN_OP_SECONDS`` stays on the lock (the bar set out of reach here, so that no timing decides the test;
-    the numbers are the same either way)."""
-    from pipeddp.runtime import rng
-
-    monkeypatch.setattr(rng, "OWN_MIN_OP_SECONDS", 3600.0)
-    probes = [DrawProbe(), DrawProbe()]
-    model = nn.Sequential(nn.Linear(8, 8), probes[0], nn.Linear(8, 8), probes[1]).double()
-    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)
-    with pipeddp.Pipeline(model, ["cpu", "cpu"], chunks=4, balance=[2, 2]) as pipe:
-        for _ in range(2):
-            pipe.train_step(x, y, LOSS)
-    assert not any(any(probe.own) for probe in probes)
+        assert len(probe.own) == 24 and all(probe.own)
 
 
 @pytest.mark.timeout(120)
-def test_a_thread_drawing_from_the_process_generator_does_not_shift_a_stage_s_masks(any_op_size):
+def test_a_thread_drawing_from_the_process_generator_does_not_shift_a_stage_s_masks():
     """A thread pipeddp does not own draws from the CPU generator all through the steps: every replay still sees
     its first forward's mask (the step's base seed is drawn from that generator, so the thread moves the masks
     themselves, as ``torch.manual_seed`` does, but no longer splits a micro-batch from its replay)."""
@@ -337,9 +295,7 @@ def test_a_thread_drawing_from_the_process_generator_does_not_shift_a_stage_s_ma
     first = [mask for again, mask in recorder.calls if not again]
     replays = [mask for again, mask in recorder.calls if again]
     assert draws[0] > 10 and len(first) == len(replays) == 120  # the thread did draw meanwhile
-    # all but the stage's first two forwards, which find what it draws and time its ops under the process's
-    # generator (the thread may shift those, as it would torch.utils.checkpoint's)
-    assert sum(not torch.equal(a, b) for a, b in zip(first[2:], replays[2:])) == 0
+    assert sum(not torch.equal(a, b) for a, b in zip(first, replays)) == 0  # the first forwards too
 
 
 class SelfCheckpointed(nn.Module):
@@ -360,7 +316,7 @@ class SelfCheckpointed(nn.Module):
         return checkpoint(run, x, use_reentrant=False) if self.itself else run(x)
 
 
-def test_a_layer_that_checkpoints_itself_keeps_the_process_generator_and_replays_exactly(any_op_size):
+def test_a_layer_that_checkpoints_itself_keeps_the_process_generator_and_replays_exactly():
     """Its replay in backward draws from the process's generator as stashed: the stage keeps that generator (an
     own one would make the replay draw other numbers), and the gradients are those of the plain layer."""
     def grads(itself: bool, checkpoint: str):
@@ -374,12 +330,155 @@ def test_a_layer_that_checkpoints_itself_keeps_the_process_generator_and_replays
                 pipe.zero_grad()
                 pipe.train_step(x, y, LOSS)
                 out.append([p.grad.clone() for p in pipe.parameters()])
-            own = [st.replay._own for st in pipe.stages]
-        return out, own
+            keeps = [st.replay._keeps for st in pipe.stages]
+        return out, keeps
 
-    plain, own = grads(False, "never")
-    assert own == [{(True, True): True}, {(True, True): True}]  # plain dropout: generators of their own
+    plain, keeps = grads(False, "never")
+    assert keeps == [{(True, True): False}, {(True, True): False}]  # plain dropout: generators of their own
     for checkpoint in ("never", "always"):
-        got, own = grads(True, checkpoint)
-        assert own == [{(True, True): False}, {(True, True): False}]  # they read the generator: the process's
+        got, keeps = grads(True, checkpoint)
+        assert keeps == [{(True, True): True}, {(True, True): True}]  # they read the generator: the process's
         assert all(torch.equal(a, b) for step, other in zip(plain, got) for a, b in zip(step, other)), checkpoint
+
+
+class Drawn(nn.Module):
+    """Noise from the random ops that take no generator (``randn_like``, ``rand``, ``randint``, ``randperm``)."""
+
+    def forward(self, x):
+        if not self.training:
+            return x
+        noise = torch.randn_like(x) + torch.rand(x.shape[-1], dtype=x.dtype)
+        return x[:, torch.randperm(x.shape[1])] * (1 + 0.1 * noise) + torch.randint(0, 3, x.shape).to(x.dtype)
+
+
+def grads_of(model_fn, checkpoint: str, steps: int = 3, between=None, chunks: int = 3, dtype=torch.float64):
+    """The gradients of each step of ``model_fn()`` on two CPU stages; ``between(step, model)`` runs before each."""
+    model = model_fn()
+    x, y = (t.to(dtype) for t in batches(1)[0])
+    out = []
+    with pipeddp.Pipeline(model, ["cpu", "cpu"], chunks=chunks, checkpoint=checkpoint, balance="uniform") as pipe:
+        for step in range(steps):
+            if between is not None:
+                between(step, model)
+            pipe.zero_grad()
+            pipe.train_step(x, y, LOSS)
+            out.append([p.grad.clone() for p in pipe.parameters()])
+    return out
+
+
+def bitwise(a, b) -> bool:
+    return all(torch.equal(p, q) for step_a, step_b in zip(a, b) for p, q in zip(step_a, step_b))
+
+
+@pytest.mark.timeout(120)
+def test_ops_without_a_generator_replay_exactly_while_a_thread_draws_from_the_process_generator(monkeypatch):
+    """A thread draws from the process's generator in a tight loop all through: the gradients under recompute are
+    those without it, bit for bit, from the first step (before: 22 of 24 replays differed). The steps' base seeds,
+    which come from that generator, are fixed here: only the replays are under test."""
+    import threading
+
+    from pipeddp.runtime import step as step_module
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 8), Drawn(), nn.Tanh(), nn.Linear(8, 8), Drawn(), nn.Linear(8, 8)).double()
+
+    stop = threading.Event()
+
+    def draw():
+        while not stop.is_set():
+            torch.rand(64)
+            torch.randn(3, 3).normal_()
+
+    results = {}
+    for checkpoint in ("never", "always"):
+        seeds = iter(range(1000, 1100))
+        monkeypatch.setattr(step_module, "draw_base_seed", lambda seeds=seeds: next(seeds))
+        noise = threading.Thread(target=draw, daemon=True)
+        noise.start()
+        try:
+            results[checkpoint] = grads_of(model, checkpoint)
+        finally:
+            stop.set()
+            noise.join()
+            stop.clear()
+    assert bitwise(results["never"], results["always"])
+
+
+class HostNoise(nn.Module):
+    """Noise drawn with NumPy's and Python's global generators (as Wav2Vec2's SpecAugment masks are)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = []
+
+    def forward(self, x):
+        import random
+
+        import numpy as np
+
+        noise = torch.from_numpy(np.random.rand(*x.shape)) * random.random()
+        self.calls.append((pipeddp.is_recomputing(), noise))
+        return x + noise
+
+
+def test_numpy_and_python_random_replay_under_recompute():
+    """A stage that draws from NumPy's and Python's generators: each replay draws its first forward's numbers (before:
+    every one differed), and the gradients are those without recompute, bit for bit."""
+    import random
+
+    import numpy as np
+
+    def model(noise: HostNoise) -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), noise, nn.Linear(8, 8)).double()
+
+    results, layers = {}, {}
+    for checkpoint in ("never", "always", "except_last"):
+        np.random.seed(3)
+        random.seed(3)
+        layers[checkpoint] = noise = HostNoise()
+        results[checkpoint] = grads_of(lambda noise=noise: model(noise), checkpoint, steps=2)
+    first = [noise for again, noise in layers["always"].calls if not again]
+    replays = [noise for again, noise in layers["always"].calls if again]
+    assert len(first) == len(replays) == 6 and all(torch.equal(a, b) for a, b in zip(first, replays))
+    assert bitwise(results["never"], results["always"]) and bitwise(results["never"], results["except_last"])
+
+
+def test_a_dropout_raised_from_zero_later_is_seeded_and_replayed():
+    """A dropout probability raised from 0 after two steps (a schedule on dropout): the gradients under recompute are
+    those without it, bit for bit, every step (before: 3.6e-2 off once the masks began)."""
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.0), nn.Tanh(), nn.Linear(8, 8), nn.Dropout(0.0)).double()
+
+    def schedule(step, model):
+        for layer in model:
+            if isinstance(layer, nn.Dropout):
+                layer.p = 0.0 if step < 2 else 0.4
+
+    results = {}
+    for checkpoint in ("never", "always"):
+        torch.manual_seed(11)
+        results[checkpoint] = grads_of(model, checkpoint, steps=4, between=schedule)
+    assert not bitwise(results["never"][2:], results["never"][1:2] * 2)  # the masks did begin
+    assert bitwise(results["never"], results["always"])
+
+
+def test_an_lstm_replays_bit_for_bit():
+    """A float32 LSTM: the first forward of a dropped micro-batch runs with grad, as its replay does (without grad
+    oneDNN's inference kernel runs, 3e-8 off the training one), so recompute changes no bit."""
+    class LastOutput(nn.Module):
+        def forward(self, pair):
+            return pair[0]
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 8), nn.LSTM(8, 8, num_layers=2, dropout=0.3, batch_first=True),
+                             LastOutput(), nn.Linear(8, 8))
+
+    results = {}
+    for checkpoint in ("never", "always"):
+        torch.manual_seed(11)
+        results[checkpoint] = grads_of(model, checkpoint, steps=2, chunks=2, dtype=torch.float32)
+    assert bitwise(results["never"], results["always"])

@@ -160,8 +160,9 @@ class Stage:
             inputs = self._leaf(value) if type(value) is torch.Tensor else tree_map(self._leaf, value)
             saved = Saved(inputs, None, target, weight)
             if spec.recompute(mb):
-                # on copies: an in-place op must not change what the replay will see
-                with torch.no_grad(), checkpointing():
+                # on copies: an in-place op must not change what the replay will see; with grad, as the replay
+                # runs (a kernel may take another path without: an LSTM's oneDNN inference kernel differs by 3e-8)
+                with torch.enable_grad(), checkpointing(), self.replay.host.first(mb):
                     out = self._run(tree_map(_clone, inputs))
                     loss = self._loss(out, saved, spec, mb) if wants_loss else None
             else:
@@ -208,8 +209,8 @@ class Stage:
         on ``saved`` so a split backward's I and W share one replay.
         """
         if saved.roots is None:
-            with self._seeded(spec, mb), recomputing(), frozen_statistics(self.batch_norms), spec.autocast(), \
-                    torch.enable_grad():
+            with self._seeded(spec, mb), self.replay.host.again(mb), recomputing(), \
+                    frozen_statistics(self.batch_norms), spec.autocast(), torch.enable_grad():
                 out = self._run(saved.inputs)
                 saved.roots = self._root(self._loss(out, saved, spec, mb), spec) \
                     if (self.last and spec.loss_fn is not None) else out
