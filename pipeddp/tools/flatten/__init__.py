@@ -37,8 +37,9 @@ from ...runtime import names as key_names
 from ...runtime.materialize import is_meta, record_first_names, record_init
 from ..transformer import EncoderCall, EncoderLayerCall
 from .chain import NotAChain, by_hand, chain_layers, configure_encoders, unique_names
-from .check import clone, differences
+from .check import clone, differences, train_mode_differences
 from .encdec import open_stacks
+from .layerdrop import refuse_layer_drop
 from .lent import LentWeights
 from .stack import NotAStack, call_model, find_stack, model_output
 from .stack_layers import StackInput
@@ -121,8 +122,9 @@ def flatten_sequential(model: nn.Module, sample: Any, *, rtol: float = 1e-5, ato
     built from it saves and loads state under them, so its weights load into
     the original model with ``strict=True`` and the original's into it (the
     flat ``nn.Sequential``'s own ``state_dict`` keeps the flat names). The
-    result is run on ``sample`` next to ``model`` (both in eval mode under
-    ``torch.no_grad()``; the training flags are restored)::
+    result is run on ``sample`` next to ``model`` under ``torch.no_grad()``,
+    in eval mode and in train mode from the same random seeds (``check``;
+    the training flags, buffers and generators are restored)::
 
         flat = flatten_sequential(torchvision.models.resnet50(weights=None), torch.randn(2, 3, 64, 64))
         flat = flatten_sequential(LlamaForCausalLM(config), {"input_ids": ids, "attention_mask": mask})
@@ -131,11 +133,14 @@ def flatten_sequential(model: nn.Module, sample: Any, *, rtol: float = 1e-5, ato
         ValueError: the model can be opened by neither way, naming the
             construct (the step of the forward, or the call and its line in the
             model's code) and the way out; or the result differs from the model
-            on ``sample`` by more than ``rtol``/``atol`` (the message gives the
-            largest difference).
+            on ``sample`` by more than ``rtol``/``atol`` in either mode (the
+            message gives the largest difference); or the model drops whole
+            layers at random in training (``layerdrop``), naming the settings
+            to set to 0.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"flatten_sequential needs an nn.Module, got {type(model).__name__}")
+    refuse_layer_drop(model)
     modes = [(m, m.training) for m in model.modules()]
     own = {id(m) for m, _ in modes}
     # a Hugging Face model's own initialisation (per module, as the engines call it); timm's _init_weights is not
@@ -164,6 +169,13 @@ def flatten_sequential(model: nn.Module, sample: Any, *, rtol: float = 1e-5, ato
                     hook.remove()
             configure_encoders(calls, seen)
             got = flat(clone(sample))
+            bad = differences(got, want, rtol, atol)
+            checked = "eval"
+            if not bad:  # and in train mode, from the same seeds (check.py)
+                bad = train_mode_differences(
+                    lambda: model_output(call_model(model, clone(sample))) if stacked else model(clone(sample)),
+                    lambda: flat(clone(sample)), [model, flat], rtol, atol)
+                checked = "train"
     except RuntimeError as exc:
         if isinstance(lent, LentWeights) and "meta" in str(exc):
             raise ValueError(f"cannot flatten {type(model).__name__} built on the meta device: its forward used a "
@@ -180,15 +192,16 @@ def flatten_sequential(model: nn.Module, sample: Any, *, rtol: float = 1e-5, ato
                 layer.take_kept()
     for layer in [flat] + [m for m in flat.modules() if id(m) not in own]:
         layer.training = model.training
-    bad = differences(got, want, rtol, atol)
     if bad:
         where = "; ".join(f"{w}: {what}" for w, what in bad[:3]) + ("; ..." if len(bad) > 3 else "")
         # mypy: stacked means find_stack found one, which mypy cannot follow
         hint = _stack_hint(find_stack(model)[0]) if stacked else by_hand(model)  # type: ignore[index]
         what = "the model's output on the sample" if stacked else "model(sample)"
-        raise ValueError(f"the flattened {type(model).__name__} does not compute {what} "
+        differs = "behave differently in eval mode" if checked == "eval" else \
+            "branch on self.training or draw random numbers between its layers"
+        raise ValueError(f"the flattened {type(model).__name__} does not compute {what} in {checked} mode "
                          f"(rtol={rtol:g}, atol={atol:g}): {where}. Its forward may do more than call its layers "
-                         f"in order (for example behave differently in eval mode). {hint}")
+                         f"in order (for example {differs}). {hint}")
     prefixes: Dict[str, str] = {}
     for name, (_, _, origins) in zip(names, layers):
         for suffix, original in origins.items():

@@ -1,12 +1,28 @@
-"""Checking a flattened model against the model: copies of the sample, and where two results differ."""
+"""Checking a flattened model against the model: copies of the sample, runs in train mode under the same random
+numbers, and where two results differ.
+
+The check runs in eval mode and in train mode: a model's forward may do in training what its layers do not (drop
+whole blocks at random, branch on ``self.training``). Train mode draws random numbers (dropout, SpecAugment's
+masks, stochastic depth), so each train-mode run starts from the same seeds of every generator the model may draw
+from (torch's CPU generator and its devices', NumPy's, Python's ``random``): the flat model runs the model's own
+modules in the model's order, so it draws the same numbers in the same order and the two results are equal, bit for
+bit, exactly when it computes what the model computes. The generators and the modules' buffers (BatchNorm's
+running statistics) are put back afterwards, so flattening changes neither.
+"""
 
 from __future__ import annotations
 
-from typing import Any, List, Tuple
+import contextlib
+import random
+from typing import Any, Callable, Iterator, List, Sequence, Tuple
 
 import torch
+from torch import nn
 
-__all__ = ["clone", "differences"]
+__all__ = ["clone", "differences", "in_train_mode"]
+
+#: the seed every train-mode run of the check starts from
+SEED = 0
 
 
 def clone(value: Any) -> Any:
@@ -54,3 +70,69 @@ def differences(got: Any, want: Any, rtol: float, atol: float, where: str = "out
     return [] if same else [(where, f"{got!r} instead of {want!r}")]
 
 
+
+
+@contextlib.contextmanager
+def _same_draws(modules: Sequence[nn.Module]) -> Iterator[None]:
+    """Every generator the modules may draw from seeded with ``SEED``; each one's state put back on leaving."""
+    devices = sorted({t.device.index or 0 for m in modules for t in (*m.parameters(), *m.buffers())
+                      if t.device.type == "cuda"})
+    try:
+        import numpy
+    except ImportError:  # pragma: no cover - numpy comes with every torch wheel
+        numpy = None  # type: ignore[assignment]
+    saved = (random.getstate(), numpy.random.get_state() if numpy is not None else None)
+    with torch.random.fork_rng(devices=devices):
+        torch.default_generator.manual_seed(SEED)
+        for index in devices:
+            torch.cuda.default_generators[index].manual_seed(SEED)
+        random.seed(SEED)
+        if numpy is not None:
+            numpy.random.seed(SEED)
+        try:
+            yield
+        finally:
+            random.setstate(saved[0])
+            if numpy is not None:
+                numpy.random.set_state(saved[1])
+
+
+@contextlib.contextmanager
+def _buffers_kept(modules: Sequence[nn.Module]) -> Iterator[None]:
+    """The modules' buffers (running statistics, counters) back at their values, on leaving (copied into the
+    tensors the modules hold then: a layer may hand a buffer to the module it was taken from)."""
+    kept = [(m, name, b.clone()) for root in modules for m in root.modules() for name, b in m._buffers.items()
+            if b is not None]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, name, value in kept:
+                now = m._buffers.get(name)
+                if now is not None:
+                    now.copy_(value)
+
+
+def in_train_mode(run: Callable[[], Any], modules: Sequence[nn.Module]) -> Any:
+    """``run()`` with ``modules`` in train mode, from the check's seeds, buffers kept (the modes are the caller's to
+    put back)."""
+    for m in modules:
+        m.train()
+    with _buffers_kept(modules), _same_draws(modules):
+        return run()
+
+
+def train_mode_differences(original: Callable[[], Any], flat: Callable[[], Any], modules: Sequence[nn.Module],
+                           rtol: float, atol: float) -> List[Tuple[str, str]]:
+    """Where the flat model's train-mode result differs from the model's, both run from the same seeds (see the
+    module's docstring). Nothing where the model itself cannot run in train mode on the sample (BatchNorm given one
+    sample): then there is nothing to compare with."""
+    try:
+        want = in_train_mode(original, modules)
+    except Exception:  # noqa: BLE001 - the model's own failure is no finding about the flat model
+        return []
+    try:
+        got = in_train_mode(flat, modules)
+    except Exception as exc:  # noqa: BLE001 - reported with the other differences, naming the failure
+        return [("output", f"{type(exc).__name__}: {exc}")]
+    return differences(got, want, rtol, atol)

@@ -42,8 +42,11 @@ def tail_layers(run: Run, start: Any, final: Any, name: str) -> List[Tuple[str, 
 
     steps: List[Tuple[Event, Optional[int], Any]] = []
     value, pos = final, len(run.tail)
-    while value is not start:
-        pos, k = producer(value, pos)
+    while True:
+        found, k = producer(value, pos)
+        if value is start and found < 0:  # not before: a module that gave the block's output back as it was
+            break                         # (dropout, identity in eval mode) runs on it in training
+        pos = found
         if pos < 0:
             raise NotAStack(f"the output of {name} is not computed from its last block's output by its modules and "
                             "torch functions alone")
