@@ -43,7 +43,7 @@ T = TypeVar("T")
 
 #: The engine's calls that are collectives: every rank must make them together.
 COLLECTIVES = ("train_step", "forward", "save", "save_checkpoint", "state_dict", "load", "resume", "evaluate",
-               "save_pretrained")
+               "save_pretrained", "clip_grad_norm_", "check_replicas")
 
 
 class CollectiveError(RuntimeError):
@@ -344,7 +344,9 @@ class Agreement(CallCheck):
     # -- a gradient norm over stages --------------------------------------------------------------------
 
     def join_norm(self, part: torch.Tensor, is_max: bool, *, group: Any) -> torch.Tensor:
-        """The shares of a gradient norm held by ``group``'s processes: summed, or the max for the inf-norm."""
+        """The shares of a gradient norm held by ``group``'s processes: summed, or the max for the inf-norm (after the
+        call check on every rank of the job: a rank that clips while another saves hears of it, and so does that)."""
+        self.enter("clip_grad_norm_")
         buf = part.to(self.comm_device, copy=True)
         dist.all_reduce(buf, op=dist.ReduceOp.MAX if is_max else dist.ReduceOp.SUM, group=group)
         return buf
@@ -359,6 +361,7 @@ class Agreement(CallCheck):
         """
         if not self.distributed or self.topology.replicas == 1:
             return
+        self.enter("check_replicas")
         mine = {st.index: [(n, zlib.crc32(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()))
                            for n, p in st.module.named_parameters()] for st in stages}
         holders: Dict[int, List[Tuple[int, List[Tuple[str, int]]]]] = {}

@@ -35,6 +35,7 @@ from ..runtime.trace import timed
 from .agreement import Agreement
 from .elastic import GlobalBatch
 from .groups import Groups
+from .notice import Notices
 from .shard import StageShard
 from .skipped import OpenSkip
 from .ties import TieExchange
@@ -63,6 +64,9 @@ class Replica:
         self.agreement = agreement
         self.partition = partition
         self.groups = groups
+        #: a failure inside a step reaches every rank at once (``notice``): its gloo groups are cut with it
+        self.notices = Notices(topology, [agreement.host_group, topology.group, *groups.stage.values(),
+                                          groups.pipeline, groups.pipeline_host])
         self.step = step
         self.runner = runner
         self.ties = ties
@@ -92,9 +96,10 @@ class Replica:
             scaler.scale(torch.ones((), device=self.devices[0]))  # every rank's scaler is set up, not only the last's
         if plan is not None:
             plan.check(n, self.topology.rank)
-        loss = self.step.train_passes(x, y, loss_fn, n, plan.accumulation if plan is not None else 1,
-                                      loss_scale=scaler.scale if scaler is not None else None)
-        with self._agreeing():
+        with self.notices.guard("train_step"):
+            loss = self.step.train_passes(x, y, loss_fn, n, plan.accumulation if plan is not None else 1,
+                                          loss_scale=scaler.scale if scaler is not None else None)
+        with self._agreeing(), self.notices.guard("train_step"):
             mean, skipped, count = self.agreement.finish_step(loss, params,
                                                               skip_nonfinite=skip_nonfinite,
                                                               skipped=self.skipped_steps,
@@ -130,7 +135,8 @@ class Replica:
             n = self.agreement.local_batch(x, None, need_y=False, group=self.groups.pipeline_host, call="forward",
                                            flag=self.ties.changed())
             self._agreed("forward")
-        out = self.step.forward(x, n, need_grad=need_grad)
+        with self.notices.guard("forward"):
+            out = self.step.forward(x, n, need_grad=need_grad)
         for sh in self.shards if not (need_grad or self._gathered) else ():  # an evaluation forward frees what
             if sh is not None:                                               # it gathered
                 sh.reshard()
