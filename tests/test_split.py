@@ -103,18 +103,31 @@ def test_the_weight_half_re_enters_the_graph_where_the_paths_part():
     # one split point per Linear (addmm: its weight side holds the weight and the bias), no whole-backward fallback
     assert w.whole is None and not w.roots
     assert len(w.points) == 3
-    assert all(len(params) == 2 for _, params, _ in w.points)
+    assert all(len(p.params) == 2 and p.below is None for p in w.points)  # each entered at the node
     assert got[0] is not None and all(p.grad is None for p in plain.parameters())
     w.run()
     assert all(p.grad is not None for p in plain.parameters())
 
 
-def test_a_weight_used_twice_in_a_row_falls_back_to_a_whole_backward_to_the_parameters():
-    plain = slices()["tied"]
-    x = sample("tied", 3, 1).requires_grad_(True)
-    out = plain(x)
-    _, w = split.backward_input([(out, torch.ones_like(out))], [x], list(plain.parameters()), loss=False)
-    assert w.whole is not None  # the inner use would otherwise be counted twice
+def test_a_weight_used_twice_is_entered_below_its_outer_use():
+    # lin(tanh(lin(x))): the outer addmm reaches the weight through both sides; W enters it below (at its weight
+    # side's children) and the inner one at the node, so the inner use is counted once, without a whole backward
+    torch.manual_seed(0)
+    lin = nn.Linear(12, 12).double()
+    x = torch.randn(3, 12, dtype=torch.float64, requires_grad=True)
+    out = lin(torch.tanh(lin(x)))
+    g = torch.randn_like(out)
+    got, w = split.backward_input([(out, g)], [x], list(lin.parameters()), loss=False)
+    assert w.whole is None and len(w.points) == 2
+    assert [p.below is not None for p in w.points] == [False, True]  # the inner use first (children first)
+    w.run()
+    plain = copy.deepcopy(lin)
+    for p in plain.parameters():
+        p.grad = None
+    leaf = x.detach().clone().requires_grad_(True)
+    plain(torch.tanh(plain(leaf))).backward(g)
+    assert (got[0] - leaf.grad).abs().max().item() < 1e-12
+    assert max_diff([p.grad for p in lin.parameters()], [p.grad for p in plain.parameters()]) < 1e-12
 
 
 def test_a_first_stage_defers_its_whole_backward_to_the_weight_half():

@@ -22,22 +22,57 @@ gradient, such as the first) are all weight side: W runs their whole backward.
 
 W accumulates into ``.grad`` through the parameters' own accumulators, so
 DDP's gradient hooks fire there: a data-parallel engine arms its reduction
-before the stage's last W. A parameter reachable from a split point through
-both sides (the same weight used twice within one stage, one use feeding the
-other) cannot be split this way without counting the inner use twice; then W
-runs a whole backward restricted to the parameters instead, correct at the
-cost of recomputing the activation gradients.
+before the stage's last W.
+
+Hooks on a split point. I runs a split point through the engine, with its
+hooks: those of the tensor it made (``register_hook``, ``retain_grad``) and
+its node's own (module backward hooks sit on such nodes). Entering the node
+again in W would run them again: a hook that halves the gradient would
+quarter the weight's, a counter would count twice. Of the two exact answers,
+a whole backward wherever a split point carries hooks is not taken: it moves
+that micro-batch's weight gradient into I (its split lost) and accumulates it
+before the stage's last W arms DDP's reducer, which would then miss it. W
+enters such a node *below* it instead: at its weight-side children, with what
+the node passed on to them in I after its post-hooks, or, where I computed
+nothing for them (an ``addmm`` computes only its input side), with the node's
+backward called directly, outside the engine and so without hooks, on the
+gradient I recorded after the tensor hooks. Every hook runs once, in I, as in
+the plain backward, and the weight gradient is still computed in W; the cost
+is that node's input-side gradient computed a second time and dropped.
+autograd does not say which nodes carry hooks, so ``watch_hooks`` marks them
+as they are made: the node of every tensor given a hook through
+``Tensor.register_hook`` or ``retain_grad`` (``register_multi_grad_hook`` and
+FSDP2's hooks go through these), and module backward hooks' nodes by name. A
+hook put on a node directly (``grad_fn.register_hook``) is not seen.
+
+A parameter reachable from a split point through both sides (the same weight
+used twice within one stage, one use feeding the other) is entered below the
+node too: W then starts only at the node's weight-side children, so the inner
+use, which has a split point of its own, is not counted twice. Where torch
+cannot start a backward at a node (before 2.5) W runs a whole backward
+restricted to the parameters instead, correct at the cost of recomputing the
+activation gradients (and of running the hooks above the split points twice).
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+import functools
+import threading
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple, cast
 
 import torch
 
-__all__ = ["WeightGrads", "backward_input"]
+__all__ = ["WeightGrads", "backward_input", "watch_hooks"]
+
+Node = torch.autograd.graph.Node
 
 _EDGE_BACKWARD: Optional[bool] = None
+
+#: the key ``watch_hooks`` sets in the ``metadata`` of a node that carries a tensor hook
+HOOKED = "pipeddp.hooked"
+#: the nodes through which module backward hooks (``register_full_backward_hook``, ``..._pre_hook``) run
+_MODULE_HOOK_NODES = ("BackwardHookFunctionBackward",)
+_WATCH_LOCK = threading.Lock()
 
 
 def _edges_supported() -> bool:
@@ -50,16 +85,120 @@ def _edges_supported() -> bool:
     return _EDGE_BACKWARD
 
 
-def _accumulator(t: torch.Tensor) -> torch.autograd.graph.Node:
+def _metadata(node: Node) -> Dict[str, Any]:
+    """The node's own dict (a property at run time; torch's stubs call it a method)."""
+    return cast(Dict[str, Any], node.metadata)
+
+
+def _marking(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def marked(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        node = self.grad_fn
+        if node is not None:
+            _metadata(node)[HOOKED] = True
+        return result
+
+    marked.__pipeddp_marks__ = True  # type: ignore[attr-defined]  # installed once, whoever asks
+    return marked
+
+
+def watch_hooks() -> None:
+    """Mark, from now on, the node of every tensor given a hook (see the module docstring); idempotent.
+
+    ``Tensor.register_hook`` and ``Tensor.retain_grad`` are wrapped, process-wide:
+    each still does what it did, and then sets a key in the tensor's node's
+    ``metadata``. Called when this module is imported (with ``pipeddp``), so it
+    is in place before any stage's first forward.
+    """
+    with _WATCH_LOCK:
+        for name in ("register_hook", "retain_grad"):
+            original = getattr(torch.Tensor, name)
+            if not getattr(original, "__pipeddp_marks__", False):
+                setattr(torch.Tensor, name, _marking(original))
+
+
+def _carries_hooks(node: Node) -> bool:
+    """Whether running ``node`` again would run hooks that I already ran (as far as ``watch_hooks`` can see)."""
+    return node.name() in _MODULE_HOOK_NODES or HOOKED in _metadata(node)
+
+
+def _accumulator(t: torch.Tensor) -> Node:
     return torch.autograd.graph.get_gradient_edge(t).node
+
+
+class Point(NamedTuple):
+    """A split point as I left it for W."""
+
+    node: Node
+    #: the parameters its weight-side children lead to (what W asks for)
+    params: List[torch.Tensor]
+    #: the gradients that reached it in I (after its tensor hooks)
+    got: List[Optional[torch.Tensor]]
+    #: where W enters it: None at the node, else below it, at these indices of its ``next_functions``
+    below: Optional[List[int]]
+    #: entered below: what it passed on in I (after its post-hooks), per ``next_functions`` entry (None: not computed)
+    made: Sequence[Optional[torch.Tensor]] = ()
+
+
+def _call(node: Node, got: Sequence[Optional[torch.Tensor]]) -> Sequence[Optional[torch.Tensor]]:
+    """``node``'s backward on ``got``, one gradient per ``next_functions`` entry, as the engine would call it."""
+    if not isinstance(node, torch.autograd.function.BackwardCFunction):
+        outs = cast(Any, node)(*got)
+        return (outs,) if isinstance(outs, torch.Tensor) else outs
+    # a Python autograd.Function: the engine hands it zeros for missing gradients and drops the gradients of its
+    # forward's non-tensor arguments; which arguments those were is not visible here, so only a match is taken
+    metas = node._input_metadata
+    outs = node.apply(*[g if g is not None else torch.zeros(m.shape, dtype=m.dtype, device=m.device)
+                        for g, m in zip(got, metas)])
+    outs = (outs,) if isinstance(outs, torch.Tensor) else tuple(outs)
+    if len(outs) != len(node.next_functions):
+        raise RuntimeError(
+            f"a split backward cannot run {node.name()} below its hooks: it returned {len(outs)} gradients for "
+            f"{len(node.next_functions)} tensor inputs (a non-tensor argument of an autograd.Function that sits "
+            "where a stage's input and weight paths part and carries a hook); move the hook, or use a schedule "
+            "without split backwards (schedule='1f1b')")
+    return outs
+
+
+def _below(point: Point) -> None:
+    """W of a split point entered below it: its children, from what it passed on in I or from its backward called
+    directly (no hooks) where I computed nothing for them.
+
+    The engine would reduce a broadcast gradient to its input's shape and cast
+    it to its dtype after the node (``validate_outputs``); a direct call does
+    neither, so it is done here before the children take the gradients.
+    """
+    from torch.autograd.graph import GradientEdge
+
+    node, below = point.node, point.below or []
+    outs = point.made
+    if any(k >= len(outs) or outs[k] is None for k in below):
+        with torch.no_grad():
+            outs = _call(node, point.got)
+    edges, grads = [], []
+    for k in below:
+        g = outs[k]
+        child, nr = node.next_functions[k]
+        if g is None or child is None:
+            continue
+        meta = child._input_metadata[nr]
+        if g.shape != meta.shape:
+            g = g.sum_to_size(meta.shape)
+        if g.dtype != meta.dtype:
+            g = g.to(meta.dtype)
+        edges.append(GradientEdge(child, nr))
+        grads.append(g)
+    if edges:
+        torch.autograd.backward(edges, grads, inputs=point.params, retain_graph=True)
 
 
 class WeightGrads:
     """What the W half of one micro-batch's backward needs, recorded during its I half."""
 
     def __init__(self) -> None:
-        #: (split point, its weight-side parameters, the gradients that reached it in I)
-        self.points: List[Tuple[torch.autograd.graph.Node, List[torch.Tensor], List[Optional[torch.Tensor]]]] = []
+        #: the split points, as I left them (``Point``)
+        self.points: List[Point] = []
         #: roots with no path to an input, with their gradients (W runs their whole backward)
         self.roots: List[Tuple[torch.Tensor, Optional[torch.Tensor]]] = []
         #: W runs one backward from every root, to the parameters only (the fallback; see the module docstring)
@@ -67,7 +206,7 @@ class WeightGrads:
         #: every trainable parameter of the stage (what the fallback asks for)
         self.params: List[torch.Tensor] = []
         #: per root in ``roots``, the parameters its backward reaches
-        self.reachable: Dict[torch.autograd.graph.Node, List[torch.Tensor]] = {}
+        self.reachable: Dict[Node, List[torch.Tensor]] = {}
 
     def run(self) -> None:
         """Accumulate the weight gradients into ``.grad`` (once)."""
@@ -80,10 +219,14 @@ class WeightGrads:
         else:
             from torch.autograd.graph import GradientEdge
 
-            for node, params, got in self.points:
-                edges = [GradientEdge(node, k) for k, g in enumerate(got) if g is not None]
+            for point in self.points:
+                if point.below is not None:
+                    _below(point)
+                    continue
+                got = point.got
+                edges = [GradientEdge(point.node, k) for k, g in enumerate(got) if g is not None]
                 if edges:
-                    torch.autograd.backward(edges, [g for g in got if g is not None], inputs=params,
+                    torch.autograd.backward(edges, [g for g in got if g is not None], inputs=point.params,
                                             retain_graph=True)
             for root, grad in self.roots:
                 params = self.reachable.get(root.grad_fn, []) if root.grad_fn is not None else []
@@ -93,11 +236,11 @@ class WeightGrads:
         self.points, self.roots, self.whole, self.params, self.reachable = [], [], None, [], {}
 
 
-def _graph(roots: Sequence[torch.Tensor]) -> List[torch.autograd.graph.Node]:
+def _graph(roots: Sequence[torch.Tensor]) -> List[Node]:
     """Every node of the backward graph from ``roots``, children before parents."""
-    order: List[torch.autograd.graph.Node] = []
-    seen: Set[torch.autograd.graph.Node] = set()
-    stack: List[Tuple[torch.autograd.graph.Node, bool]] = [(r.grad_fn, False) for r in roots if r.grad_fn is not None]
+    order: List[Node] = []
+    seen: Set[Node] = set()
+    stack: List[Tuple[Node, bool]] = [(r.grad_fn, False) for r in roots if r.grad_fn is not None]
     while stack:
         node, expanded = stack.pop()
         if expanded:
@@ -129,9 +272,9 @@ def backward_input(pairs: Sequence[Tuple[torch.Tensor, Optional[torch.Tensor]]],
     if not roots:
         return [None] * len(inputs), w
     order = _graph(roots)
-    input_side: Set[torch.autograd.graph.Node] = {_accumulator(t) for t in wants}
+    input_side: Set[Node] = {_accumulator(t) for t in wants}
     param_of = {_accumulator(p): p for p in trainable}
-    weight_side: Dict[torch.autograd.graph.Node, Set[torch.autograd.graph.Node]] = {a: {a} for a in param_of}
+    weight_side: Dict[Node, Set[Node]] = {a: {a} for a in param_of}
     for node in order:  # children first, so each node sees its children's sides
         for child, _ in node.next_functions:
             if child is None:
@@ -144,24 +287,30 @@ def backward_input(pairs: Sequence[Tuple[torch.Tensor, Optional[torch.Tensor]]],
     split_ok = _edges_supported()
     hooks = []
     captured: List[Optional[Tuple[Optional[torch.Tensor], ...]]] = []
-    for node in order:
+    made: Dict[int, Tuple[Optional[torch.Tensor], ...]] = {}
+    for node in order if split_ok else ():
         if node not in input_side or node not in weight_side:
             continue
-        own: Set[torch.autograd.graph.Node] = set()
-        through_input: Set[torch.autograd.graph.Node] = set()
-        for child, _ in node.next_functions:
+        own: Set[Node] = set()
+        through_input: Set[Node] = set()
+        below: List[int] = []
+        for k, (child, _) in enumerate(node.next_functions):
             if child is None or child not in weight_side:
                 continue
-            (through_input if child in input_side else own).update(weight_side[child])
+            if child in input_side:
+                through_input.update(weight_side[child])
+            else:
+                own.update(weight_side[child])
+                below.append(k)
         if not own:
             continue
-        if own & through_input:
-            split_ok = False
-            break
         k = len(captured)
         captured.append(None)
         hooks.append(node.register_prehook(lambda got, k=k: captured.__setitem__(k, got)))
-        w.points.append((node, [param_of[a] for a in own], []))
+        enter_below = bool(own & through_input) or _carries_hooks(node)
+        if enter_below:  # registered after the node's own post-hooks: sees what it passes on
+            hooks.append(node.register_hook(lambda outs, _, k=k: made.__setitem__(k, outs)))
+        w.points.append(Point(node, [param_of[a] for a in own], [], below if enter_below else None))
     for root, grad in pairs:
         if root.grad_fn is not None and root.grad_fn not in input_side and root.grad_fn in weight_side:
             w.roots.append((root, None if loss else grad))
@@ -178,6 +327,10 @@ def backward_input(pairs: Sequence[Tuple[torch.Tensor, Optional[torch.Tensor]]],
         w.points, w.roots, w.reachable = [], [], {}
         w.whole = [(t, None if loss else g) for t, g in pairs]
     else:
-        w.points = [(node, ps, list(c)) for (node, ps, _), c in zip(w.points, captured) if c is not None]
+        w.points = [p._replace(got=list(c), made=made.get(k, ())) for k, (p, c) in enumerate(zip(w.points, captured))
+                    if c is not None]
     it = iter(got)
     return [next(it) if t.requires_grad else None for t in inputs], w
+
+
+watch_hooks()
