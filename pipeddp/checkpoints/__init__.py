@@ -10,6 +10,7 @@
     catalog        a directory of checkpoints: step names, the newest complete one, pruning
     optim_state    an optimizer's state by parameter name, and its class
     pretrained     a Hugging Face directory (safetensors, sharded with an index), read per stage
+    export         save_pretrained: a Hugging Face directory written by every process, each its own tensors
 
 It sits above the parallel engine (``distributed``): a checkpoint is made of the engine's shares, gathered or
 written by its ranks through the engine's agreement.
