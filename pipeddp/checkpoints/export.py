@@ -117,9 +117,11 @@ def source_of(model: nn.Module) -> Optional[Source]:
 Spec = Tuple[Tuple[int, ...], str, int]
 
 
-def _identity(t: torch.Tensor) -> Tuple[Any, ...]:
+def _identity(key: str, t: torch.Tensor) -> Tuple[Any, ...]:
     """Equal for two keys of one tensor (a tied weight both of whose places this process holds)."""
     local = t.to_local() if is_sharded(t) else t  # type: ignore[attr-defined]  # a DTensor (is_sharded)
+    if local.numel() == 0:  # no memory to share: its address says nothing
+        return (key,)
     return (local.device, local.data_ptr(), local.dtype, tuple(local.shape), tuple(local.stride()))
 
 
@@ -138,13 +140,13 @@ def _held(engine: Exporter, source: Optional[Source]) -> Tuple[Dict[str, torch.T
         if not isinstance(value, torch.Tensor):
             bad.append(key)
             continue
-        seen = first.setdefault(_identity(value), key)
+        seen = first.setdefault(_identity(key, value), key)
         if seen == key:
             out[key] = value
         elif tied.get(seen) == key:  # both places of a tied weight here: the one transformers keeps is written
             del out[seen]
             later.add(seen)
-            first[_identity(value)] = key
+            first[_identity(key, value)] = key
             out[key] = value
         else:
             later.add(key)
