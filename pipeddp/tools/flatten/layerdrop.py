@@ -36,7 +36,8 @@ def _config_fields(config: Any) -> List[str]:
     """``config.<path>=value`` for every ``*layerdrop*`` field above 0, sub-configs (an encoder's, a decoder's)
     included."""
     to_dict = getattr(config, "to_dict", None)
-    values = to_dict() if callable(to_dict) else dict(getattr(config, "__dict__", {}))
+    values = config if isinstance(config, dict) else to_dict() if callable(to_dict) else vars(config) \
+        if hasattr(config, "__dict__") else {}
     found: List[str] = []
 
     def walk(d: Any, path: str) -> None:
