@@ -84,7 +84,9 @@ class HybridParallel(Checkpointable, StepModule):
             (CUDA only, as torch's SyncBatchNorm; no effect with one replica).
         trace: record a timeline (``engine.trace``), gradient all-reduces included.
         threads: intra-op threads per CPU stage thread (replica mode).
-        skip_nonfinite: skip (on every rank together) a step whose loss or gradients are not finite anywhere.
+        skip_nonfinite: skip (on every rank together) a step whose loss or gradients are not finite anywhere;
+            with accumulation over calls, every call up to the next ``optimizer.step()`` is skipped with it
+            (``distributed/skipped.py``).
         global_batch: samples per optimizer step, all replicas together, fixed whatever the replica count
             (an elastic job restarted with fewer replicas trains the same math): ``train_step`` then takes
             ``engine.replica_batch`` = global_batch / replicas samples and runs them as ``engine.accumulation``
