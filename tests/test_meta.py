@@ -219,3 +219,56 @@ def test_plan_measures_a_meta_model_too():
     layers = fit_layers(model, lambda b: torch.randn(b, 12, dtype=torch.float64), sizes=(2, 4), repeat=1)
     assert len(layers) == len(model) and layers[0].param_bytes == (12 * 16 + 16) * 8
     assert all(p.is_meta for p in model.parameters())  # measured one layer at a time, the model still holds nothing
+
+
+class Masked(nn.Module):
+    """Attention-like: a causal mask (bool) and an 8-bit table computed in ``__init__``; ``reset`` says whether
+    ``reset_parameters`` computes them again (all-False and all-255 ones among them, values no fill can tell)."""
+
+    def __init__(self, n: int = 16, reset: bool = False) -> None:
+        super().__init__()
+        self.n, self.reset = n, reset
+        self.lin = nn.Linear(n, n, dtype=torch.float64)
+        self.register_buffer("causal", torch.ones(n, n, dtype=torch.bool).tril(), persistent=False)
+        self.register_buffer("none_masked", torch.zeros(n, dtype=torch.bool))
+        self.register_buffer("codes", torch.arange(n, dtype=torch.int8))
+        self.register_buffer("levels", torch.full((n,), 255, dtype=torch.uint8))
+
+    def reset_parameters(self) -> None:
+        if self.reset:
+            self.causal.copy_(torch.ones(self.n, self.n, dtype=torch.bool).tril())
+            self.none_masked.zero_()
+            self.codes.copy_(torch.arange(self.n, dtype=torch.int8))
+            self.levels.fill_(255)
+
+    def forward(self, x):
+        scores = (x @ x.transpose(-1, -2)).masked_fill(~self.causal[:x.size(1), :x.size(1)], float("-inf"))
+        return self.lin(scores.softmax(-1) @ x) + self.codes.double() + self.levels.double()
+
+
+def test_a_bool_or_8_bit_buffer_the_initialisation_never_sets_is_refused_by_name():
+    """Fresh memory of a bool or 8-bit type has no value to mark it with (every value may be meant): a buffer no
+    write reached is found by watching the initialisation's writes, named with how to fix it; set in
+    reset_parameters (all False and all 255 included) it is the model's own, as built on the CPU."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(16, 16, dtype=torch.float64), Masked())
+    with pytest.raises(ValueError, match=r"cannot materialize 1 \(Masked\) .*left causal, none_masked, codes, "
+                                         r"levels without values \(torch.bool, torch.bool, torch.int8, torch.uint8"
+                                         r".*compute it in the module's reset_parameters\(\)"):
+        pipeddp.materialize(model, seed=0)
+    assert all(b.is_meta for b in model[1].buffers())  # the layer went back to meta
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(16, 16, dtype=torch.float64), Masked())
+    with pytest.raises(ValueError, match=r"left causal, none_masked, codes, levels without values"):
+        pipeddp.Pipeline(model, ["cpu", "cpu"], balance=[1, 1], seed=0)
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(16, 16, dtype=torch.float64), Masked())
+    with pytest.raises(ValueError, match=r"init\(module\).*left causal, none_masked, codes, levels without"):
+        pipeddp.materialize(model, seed=0, init=lambda m: m.reset_parameters() if isinstance(m, nn.Linear) else None)
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(16, 16, dtype=torch.float64), Masked(reset=True))
+    got = pipeddp.materialize(model, seed=0)[1]
+    want = Masked()  # built on the CPU: what __init__ computed
+    for name, buffer in want.named_buffers():
+        assert torch.equal(getattr(got, name), buffer), name

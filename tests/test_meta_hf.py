@@ -196,3 +196,81 @@ def test_a_meta_built_timm_vision_transformer_needs_an_init_of_its_own_and_then_
         pipe.eval()
         with torch.no_grad():
             assert (pipe(x) - reference(x)).abs().max().item() < 1e-12
+
+
+# -- the initialisation is transformers' own ---------------------------------------------------------------------
+
+def _configs():
+    """Models of hidden size 256 (large enough that a tensor's mean and std tell one initialisation from another),
+    two layers each: the class and the config."""
+    import transformers as tf
+
+    small = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                 max_position_embeddings=64)
+    decoder = dict(small, num_key_value_heads=2, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return {
+        "gpt2": (tf.GPT2LMHeadModel, tf.GPT2Config(vocab_size=512, n_positions=64, n_embd=256, n_layer=2, n_head=4)),
+        "t5": (tf.T5ForConditionalGeneration, tf.T5Config(vocab_size=512, d_model=256, d_kv=32, d_ff=512, num_layers=2,
+                                                          num_heads=8, decoder_start_token_id=0, pad_token_id=0)),
+        "bart": (tf.BartForConditionalGeneration, tf.BartConfig(
+            vocab_size=512, d_model=256, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=512, decoder_ffn_dim=512, max_position_embeddings=64)),
+        "bert": (tf.BertForMaskedLM, tf.BertConfig(**small)),
+        "llama": (tf.LlamaForCausalLM, tf.LlamaConfig(**decoder)),
+        "qwen2": (tf.Qwen2ForCausalLM, tf.Qwen2Config(**decoder)),
+        "gemma2": (tf.Gemma2ForCausalLM, tf.Gemma2Config(**decoder, head_dim=64)),
+    }
+
+
+def _ties(model: nn.Module):
+    """The groups of names that hold one parameter."""
+    groups = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return sorted(sorted(names) for names in groups.values() if len(names) > 1)
+
+
+def _like_transformers(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    """``got`` drawn as transformers draws ``want``: the same values where it computes them (a constant, a buffer),
+    else mean and std within a few percent (a few standard errors at their size)."""
+    assert got.shape == want.shape and got.dtype == want.dtype, name
+    if not want.is_floating_point() or want.numel() < 2 or want.std() == 0 or name.endswith(("_freq", "_scale")):
+        assert torch.equal(got, want), f"{name}: {got.flatten()[:4]} where transformers has {want.flatten()[:4]}"
+        return
+    g, w = got.double(), want.double()
+    n, std = want.numel(), w.std().item()
+    assert abs(g.std().item() / std - 1) < 0.03 + 5 / n ** 0.5, f"{name}: std {g.std().item():.4g}, not {std:.4g}"
+    assert abs(g.mean().item() - w.mean().item()) < 5 * std * (2 / n) ** 0.5, f"{name}: mean {g.mean().item():.4g}"
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "t5", "bart", "bert", "llama", "qwen2", "gemma2"])
+def test_a_meta_built_model_starts_from_transformers_own_initialisation_in_every_layout(kind):
+    """Built on meta and materialized (whole, and by a 2-stage engine from the flattened model), every parameter
+    and buffer is drawn as ``from_config`` draws it: GPT-2's scaled ``c_proj``, T5's factors per projection, zeroed
+    biases, LayerNorm ones, Gemma's zero-centred norms, rotary frequencies; tied weights stay tied. The engine's
+    weights equal ``materialize``'s, bit for bit."""
+    cls, config = _configs()[kind]
+    torch.manual_seed(0)
+    want = cls(config)  # transformers' own initialisation (post_init)
+    with torch.device("meta"):
+        plain = cls(config)
+    pipeddp.materialize(plain, seed=3)  # a transformers model's default init: its own _init_weights
+    got = dict(plain.named_parameters())
+    got.update(plain.named_buffers())
+    expected = dict(want.named_parameters())
+    expected.update(want.named_buffers())
+    assert sorted(got) == sorted(expected)
+    for name, tensor in expected.items():
+        _like_transformers(name, got[name], tensor)
+    assert _ties(plain) == _ties(want)
+    if kind == "bart":  # flattened on meta, its head keeps the final_logits_bias lent while flattening: one engine
+        return          # would hold two tensors under that name (a limit of flatten_sequential, not of the init)
+    with torch.device("meta"):
+        model = cls(config)
+    ids = torch.randint(1, 512, (2, 6), generator=torch.Generator().manual_seed(0))
+    sample = {"input_ids": ids, "decoder_input_ids": ids[:, :4]} if kind in ("t5", "bart") else ids
+    with pipeddp.Pipeline(flatten_sequential(model, sample), ["cpu", "cpu"], seed=3, balance="params") as pipe:
+        engine = pipe.state_dict()
+    state = plain.state_dict()
+    assert sorted(engine) == sorted(state)
+    assert all(torch.equal(engine[k], state[k]) for k in state)

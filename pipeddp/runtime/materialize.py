@@ -2,45 +2,56 @@
 
 A model too big for one process is built under ``torch.device("meta")``: its
 parameters have shapes and dtypes but no memory. An engine cuts it like any
-model and each process materializes only its own stages: ``to_empty`` on the
-CPU, each module's own initialisation, then its device::
+model and each process materializes only its own stages: memory on the CPU,
+the model's own initialisation, then its device::
 
     model = build()  under torch.device("meta")       no memory
-    rank 0: stage 0 -> to_empty, init, .to(cuda:0)     only its layers
-    rank 1: stage 1 -> to_empty, init, .to(cuda:1)
+    rank 0: stage 0 -> memory, init, .to(cuda:0)       only its layers
+    rank 1: stage 1 -> memory, init, .to(cuda:1)
 
 Random initialisation under a pipeline would otherwise depend on the layout
 (which layers a process builds, in which order, drawing from which
-generator). So every module that owns parameters or buffers is initialised
-from a generator seeded by ``(seed, its name in the model)``: 2 stages, 4
-stages, any replica count, and ``materialize(model, seed=s)`` (the plain model
-on one device, for reference or single-device runs) start from the same
-weights, and a restarted job with another layout starts the same too. The
-initialisation is the module's ``reset_parameters()`` (``_reset_parameters()``
-where torch names it so, as ``nn.MultiheadAttention`` does), on the CPU, so
-the values do not depend on the device either.
+generator). So every draw is seeded by a name: 2 stages, 4 stages, any
+replica count, and ``materialize(model, seed=s)`` (the plain model on one
+device, for reference or single-device runs) start from the same weights, and
+a restarted job with another layout starts the same too. The initialisation
+runs on the CPU, so the values do not depend on the device either. It is
 
-Limits: a buffer that a module computes in ``__init__`` and never in
-``reset_parameters`` (a rotary embedding's frequencies, say) has no values on
-the meta device to restore; such a module (found by filling fresh memory with
-NaN before the initialisation and looking for any left), and one that owns
-parameters but has no ``reset_parameters``, is refused by name. Pass an
-``init=`` that sets them (a Hugging Face model's ``_init_weights`` does, and
-``flatten_sequential`` records it), or build those on a real device.
+* an ``init=`` (a Hugging Face model's ``_init_weights``, which
+  ``flatten_sequential`` records and ``materialize`` takes by default):
+  applied to every module, children first, over the whole original model, as
+  transformers applies it (a parent's case sets its children: GPT-2's scaled
+  ``c_proj``, T5's projections), each tensor drawn from a generator seeded by
+  ``(seed, its name)`` (``init_order``);
+* else each module's ``reset_parameters()`` (``_reset_parameters()`` where
+  torch names it so, as ``nn.MultiheadAttention`` does), for every module that
+  owns tensors, from a generator seeded by ``(seed, its name in the model)``.
+
+Limits: a buffer that a module computes in ``__init__`` and never in its
+initialisation (a rotary embedding's frequencies, a causal mask) has no
+values on the meta device to restore; such a module, and one that owns
+parameters but has nothing to initialise them, is refused by name. Fresh
+memory is filled with NaN (a wide integer type's least value) and the
+initialisation's writes are watched (``writes``: a bool or 8-bit tensor has
+no value free to mark it with), so an unset tensor of any type is found.
+Set them in ``reset_parameters()`` or an ``init=``, or build those on a real
+device.
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple, Union
 
 import torch
 from torch import nn
 
-from .names import Names, recorded
+from .init_order import Place, initialise, places
+from .names import Names, recorded, recorded_source
+from .writes import Key, Writes, storage_key
 
 __all__ = ["materialize", "materialize_layer", "check_init", "is_meta", "layer_seed", "SharedPlaces", "Init",
-           "initialiser", "record_init", "recorded_init", "original_names", "record_first_names"]
+           "initialiser", "record_init", "recorded_init", "transformers_init", "original_names", "record_first_names"]
 
 _CPU = torch.device("cpu")
 _INIT_ATTR = "_pipeddp_init"
@@ -73,6 +84,14 @@ def record_init(model: nn.Module, init: Optional[Init]) -> None:
         object.__setattr__(model, _INIT_ATTR, init)
 
 
+def transformers_init(model: nn.Module) -> Optional[Init]:
+    """A Hugging Face transformers model's own initialisation (``_init_weights``, applied to every module as
+    ``init_order`` does), else None. timm's models have an ``_init_weights`` too, which is no such function: a
+    transformers model is told by its ``post_init``."""
+    found = getattr(model, "_init_weights", None) if hasattr(model, "post_init") else None
+    return found if callable(found) else None
+
+
 def recorded_init(model: nn.Module) -> Optional[Init]:
     """What ``record_init`` remembered on ``model``, else None."""
     found = getattr(model, _INIT_ATTR, None)
@@ -94,10 +113,11 @@ def record_first_names(model: nn.Module, original: nn.Module) -> None:
 
 class _Original:
     """A key of a flattened model to its name in the model it was flattened from; ``first``: the later names of a
-    parameter that model holds at several places, each to its first (``record_first_names``)."""
+    parameter that model holds at several places, each to its first (``record_first_names``); ``tree``: the model
+    whose modules an ``init=`` is applied to (``init_order``): the one it was flattened from, else itself."""
 
-    def __init__(self, names: Callable[[str], str], first: Dict[str, str]) -> None:
-        self.names, self.first = names, first
+    def __init__(self, names: Callable[[str], str], first: Dict[str, str], tree: Optional[nn.Module] = None) -> None:
+        self.names, self.first, self.tree = names, first, tree
 
     def __call__(self, key: str) -> str:
         return self.names(key)
@@ -105,62 +125,151 @@ class _Original:
 
 def original_names(model: nn.Module) -> Callable[[str], str]:
     """A key of ``model`` to its name in the model it was flattened from (the name its seed comes from)."""
-    return _Original(Names(recorded(model)).original, dict(getattr(model, _FIRST_ATTR, {})))
+    return _Original(Names(recorded(model)).original, dict(getattr(model, _FIRST_ATTR, {})),
+                     recorded_source(model) or model)
 
 
 def materialize_layer(layer: nn.Module, name: str, *, seed: int, device: Union[str, torch.device] = _CPU,
                       init: Optional[Init] = None, rename: Optional[Callable[[str], str]] = None) -> nn.Module:
     """Give every meta tensor of ``layer`` (the model's module called ``name``) memory and its initial values.
 
-    Each module that owns meta tensors is initialised from ``layer_seed(seed, its qualified name)`` (the name
-    ``rename`` gives it: a flattened model's layers are seeded by their names in the original model), by
-    ``init(module)`` where given (a Hugging Face model's ``_init_weights``, say), else by its own
-    ``reset_parameters()``; the layer is then moved to ``device``. Returns ``layer`` (changed in place).
+    With ``init`` (a Hugging Face model's ``_init_weights``, say), it is applied as the model applies it, to
+    every module, children first (``init_order``: over the model ``rename`` belongs to, a flattened model's
+    original one), each tensor's draws seeded by its first name in that model. Without, each module that owns
+    meta tensors runs its own ``reset_parameters()``, the global generator seeded by ``layer_seed(seed, its
+    qualified name)`` (the name ``rename`` gives it: a flattened model's layers are seeded by their names in the
+    original model). A tensor that nothing sets is refused by name (``_refuse_unset``). The layer is then moved
+    to ``device``. Returns ``layer`` (changed in place).
     """
     owners = _owners(layer, name, init)  # every module checked before any is changed
-    for _, m, _ in owners:  # memory first: an initialisation may touch a child's tensors too
-        m.to_empty(device=_CPU, recurse=False)
-        with torch.no_grad():
-            for t in _tensors(m, recurse=False):
-                _mark_unwritten(t)
-    for qualified, m, run in owners:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(layer_seed(seed, _seed_name(qualified, m, rename)))
-            with torch.no_grad():
-                run()
-    for qualified, m, _ in owners:
-        left = [key for key, t in list(m.named_parameters(recurse=False)) + list(m.named_buffers(recurse=False))
-                if _unwritten(t)]
-        if left:
-            layer.to("meta")  # no half-initialised layer stays behind
-            what = "init(module)" if init is not None else "its reset_parameters()"
-            raise ValueError(
-                f"cannot materialize {qualified} ({type(m).__name__}) from the meta device: {what} left "
-                f"{', '.join(left)} without values (a tensor computed in __init__ and never set again); "
-                "pass an init= that sets it, or build the model on a real device"
-            )
+    tree: Optional[nn.Module] = getattr(rename, "tree", None) if init is not None else None
+    where = (places(tree, "") if tree is not None else {}, places(layer, name) if init is not None else {})
+    fresh = _allocate(owners)
+    if init is None:
+        writes = Writes({storage_key(f.new) for f in fresh})
+        with writes, torch.no_grad():
+            for qualified, m, run in owners:
+                with torch.random.fork_rng(devices=[]):
+                    torch.default_generator.manual_seed(layer_seed(seed, _seed_name(qualified, m, rename)))
+                    writes.run(run)
+        written = writes.written
+    else:
+        written = _initialise(layer, name, fresh, tree, where, seed=seed, init=init)
+    _refuse_unset(layer, fresh, written, init)
     return layer.to(device)
 
 
-#: integer types whose least value no initialisation writes (index buffers: positions, token types); 8-bit and
-#: unsigned types, like bool, may hold any value and are not checked
+class _Fresh:
+    """A meta tensor of the layer given memory: its owner (qualified name, module), its table and key there, the
+    meta tensor it was and the fresh one."""
+
+    def __init__(self, qualified: str, module: nn.Module, attr: str, key: str, old: torch.Tensor,
+                 new: torch.Tensor) -> None:
+        self.qualified, self.module, self.attr, self.key, self.old, self.new = qualified, module, attr, key, old, new
+
+    def table(self) -> Dict[str, Optional[torch.Tensor]]:
+        table: Dict[str, Optional[torch.Tensor]] = getattr(self.module, self.attr)
+        return table
+
+
+def _allocate(owners: List[Tuple[str, nn.Module, Callable[[], None]]]) -> List[_Fresh]:
+    """Memory on the CPU for every meta tensor of ``owners`` (only those: a tensor with values keeps them), marked
+    unwritten; a tensor held at several places of the layer stays one."""
+    fresh: List[_Fresh] = []
+    made: Dict[int, torch.Tensor] = {}
+    for qualified, m, _ in owners:
+        for attr in ("_parameters", "_buffers"):
+            table = getattr(m, attr)
+            for key, t in list(table.items()):
+                if t is None or not t.is_meta:
+                    continue
+                if id(t) not in made:
+                    new = torch.empty_like(t, device=_CPU)
+                    made[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if attr == "_parameters" else new
+                    with torch.no_grad():
+                        _mark_unwritten(made[id(t)])
+                table[key] = made[id(t)]
+                fresh.append(_Fresh(qualified, m, attr, key, t, made[id(t)]))
+    return fresh
+
+
+def _initialise(layer: nn.Module, name: str, fresh: List[_Fresh], tree: Optional[nn.Module],
+                where: Tuple[Dict[int, List[Place]], Dict[int, List[Place]]], *, seed: int, init: Init) -> Set[Key]:
+    """``init`` over ``tree`` (``init_order``) for the fresh tensors it holds, over the layer itself for the others
+    (a copy of a layer that several stages use, a layer profiled alone); ``where``: the places of the tensors of
+    both, taken before the layer was given memory."""
+    in_tree = list({id(f.new): (f.old, f.new) for f in fresh if id(f.old) in where[0]}.values())
+    rest = list({id(f.new): (f.old, f.new) for f in fresh if id(f.old) not in where[0]}.values())
+    ids = {id(f.new) for f in fresh}
+    protected = {storage_key(t) for t in _tensors(layer, recurse=True) if not t.is_meta and id(t) not in ids}
+    written: Set[Key] = set()
+    replaced: Dict[int, torch.Tensor] = {}
+    for root, prefix, found, pairs in ((tree, "", where[0], in_tree), (layer, name, where[1], rest)):
+        if root is not None and pairs:
+            done, swapped = initialise(root, prefix, found, pairs, init=init, seed_of=lambda n: layer_seed(seed, n),
+                                       protected=protected)
+            written |= done
+            replaced.update(swapped)
+    for f in fresh:  # an initialiser that put another tensor in its place: the layer takes that one
+        if id(f.new) in replaced:
+            f.table()[f.key] = replaced[id(f.new)]
+    return written
+
+
+def _refuse_unset(layer: nn.Module, fresh: List[_Fresh], written: Set[Key], init: Optional[Init]) -> None:
+    """Refuse, naming the module and the tensors, a layer whose initialisation left a fresh tensor unset; the
+    layer goes back to the meta device."""
+    left: Dict[str, Tuple[nn.Module, List[str]]] = {}
+    for f in fresh:
+        now = f.table().get(f.key)
+        if now is f.new and _unwritten(now, storage_key(now) in written):
+            keys = left.setdefault(f.qualified, (f.module, []))[1]
+            keys.extend([] if f.key in keys else [f.key])
+    if not left:
+        return
+    layer.to("meta")  # no half-initialised layer stays behind
+    qualified, (m, keys) = next(iter(left.items()))
+    what = "init(module), for it and every module around it," if init is not None else "its reset_parameters()"
+    raise ValueError(
+        f"cannot materialize {qualified} ({type(m).__name__}) from the meta device: {what} left "
+        f"{', '.join(keys)} without values ({', '.join(str(getattr(m, k).dtype) for k in keys)}: a tensor computed "
+        "in __init__ and never set again, a mask or a table, has no values on the meta device); compute it in the "
+        "module's reset_parameters() or in an init= that sets it, or build the model on a real device"
+    )
+
+
+#: integer types whose least value no initialisation writes (index buffers: positions, token types)
 _WIDE_INTS = (torch.int16, torch.int32, torch.int64)
 
 
-def _mark_unwritten(t: torch.Tensor) -> None:
-    """Fill freshly allocated memory with a value no initialisation writes (NaN; a wide integer type's least
-    value), so that a tensor the initialisation never sets is found instead of training from whatever the memory
-    held."""
+def _fill(t: torch.Tensor) -> Union[bool, int, float]:
+    """What fresh memory of ``t``'s type is filled with before the initialisation: NaN, a wide integer type's least
+    value (which no initialisation writes); else (bool, 8-bit and unsigned types, where every value may be meant)
+    True or the type's greatest value, read only where no write into the tensor was seen."""
     if t.is_floating_point() or t.is_complex():
-        t.fill_(float("nan"))
-    elif t.dtype in _WIDE_INTS:
-        t.fill_(torch.iinfo(t.dtype).min)
+        return float("nan")
+    if t.dtype == torch.bool:
+        return True
+    return int(torch.iinfo(t.dtype).min if t.dtype in _WIDE_INTS else torch.iinfo(t.dtype).max)
 
 
-def _unwritten(t: torch.Tensor) -> bool:
+def _mark_unwritten(t: torch.Tensor) -> None:
+    """Fill freshly allocated memory (``_fill``), so that a tensor the initialisation never sets is found instead
+    of training from whatever the memory held."""
+    if t.numel():
+        t.fill_(_fill(t))
+
+
+def _unwritten(t: torch.Tensor, written: bool) -> bool:
+    """Whether ``t`` still holds fresh memory (some of it): NaN or a wide integer type's least value anywhere;
+    for the other types, no write seen (``writes``) and every value still the fill."""
+    if not t.numel():
+        return False
     if t.is_floating_point() or t.is_complex():
         return bool(torch.isnan(t).any())
-    return t.dtype in _WIDE_INTS and bool((t == torch.iinfo(t.dtype).min).any())
+    if t.dtype in _WIDE_INTS:
+        return bool((t == _fill(t)).any())
+    return not written and bool((t == _fill(t)).all())
 
 
 def _seed_name(qualified: str, module: nn.Module, rename: Optional[Callable[[str], str]]) -> str:
@@ -227,11 +336,11 @@ def materialize(model: nn.Module, device: Union[str, torch.device] = _CPU, *, se
     The same weights an engine gives each of its stages from the same
     ``seed`` (see the module docstring): the plain model for reference, or to
     train on one device (``init`` as in ``materialize_layer``; a flattened model's default is the one its original
-    model has, and its modules are seeded by their original names). A module used at several places is initialised
-    once, and a parameter held at several places (an embedding tied to the output head) stays one parameter, with
-    the values of its first place.
+    model has, and its modules are seeded by their original names; a transformers model's, its ``_init_weights``).
+    A module used at several places is initialised once, and a parameter held at several places (an embedding tied
+    to the output head) stays one parameter, with the values of its first place.
     """
-    init = init if init is not None else recorded_init(model)
+    init = init if init is not None else recorded_init(model) or transformers_init(model)
     rename = original_names(model)
     for name, child in model.named_children():  # refused before anything changes
         check_init(child, name, init)
@@ -246,26 +355,32 @@ def materialize(model: nn.Module, device: Union[str, torch.device] = _CPU, *, se
 
 
 class SharedPlaces:
-    """The places of every meta parameter held at several places of ``model`` (a tied embedding and head).
+    """The places of every meta parameter or buffer held at several places of ``model`` (a tied embedding and head;
+    BART's ``final_logits_bias``, which a flattened model keeps in several layers).
 
-    ``to_empty`` gives the place it materializes a *new* parameter; ``join``
-    then gives every other place of that parameter the same one, so a tie stays
-    one parameter (what finds ties by identity still finds it), with the values
-    of the place materialized first.
+    Materializing a place gives it a *new* tensor; ``join`` then gives every
+    other place of that tensor the same one, so a tie stays one parameter (what
+    finds ties by identity still finds it) and a buffer one buffer, with the
+    values of the place materialized first.
     """
 
     def __init__(self, model: nn.Module) -> None:
-        places: Dict[int, List[Tuple[nn.Module, str]]] = {}
+        places: Dict[int, List[Tuple[Dict[str, Optional[torch.Tensor]], str]]] = {}
         for module in model.modules():
-            for pname, p in module.named_parameters(recurse=False):
-                if p.is_meta:
-                    places.setdefault(id(p), []).append((module, pname))
+            for attr in ("_parameters", "_buffers"):
+                table: Dict[str, Optional[torch.Tensor]] = getattr(module, attr)
+                for key, t in table.items():
+                    if t is not None and t.is_meta:
+                        places.setdefault(id(t), []).append((table, key))
         self.places = [where for where in places.values() if len(where) > 1]
 
     def join(self) -> None:
         for where in self.places:
-            done = next((getattr(m, n) for m, n in where if not getattr(m, n).is_meta), None)
+            done = next((table[key] for table, key in where if not _is_meta(table[key])), None)
             if done is not None:
-                for m, n in where:
-                    if getattr(m, n) is not done:
-                        setattr(m, n, done)
+                for table, key in where:
+                    table[key] = done
+
+
+def _is_meta(t: Optional[torch.Tensor]) -> bool:
+    return t is None or t.is_meta
