@@ -28,6 +28,14 @@ def one_rank_save_job(path: str):
         out["mismatch"] = str(exc)
     # the engine goes on: the same call on every rank works
     engine.train_step(x if rank == 0 else None, y if rank == 1 else None, LOSS)
+    # clipping is a collective too: rank 0 clips while rank 1 saves
+    try:
+        if rank == 0:
+            engine.clip_grad_norm_(1.0)
+        else:
+            engine.save(path)
+    except pipeddp.CollectiveError as exc:
+        out["clip"] = str(exc)
     # a one-file save that fails on rank 0 (its directory is a file) fails on every rank, at once
     began = time.monotonic()
     try:
@@ -46,6 +54,7 @@ def test_a_collective_called_on_one_rank_is_named_on_every_rank(tmp_path):
     for rank, res in enumerate(results):
         assert "the ranks entered different collective calls (rank 0 save, rank 1 train_step)" in res["mismatch"]
         assert "call each on every rank, not under `if rank == 0:`" in res["mismatch"]
+        assert "the ranks entered different collective calls (rank 0 clip_grad_norm_, rank 1 save)" in res["clip"]
         said, took = res["failed_save"]
         assert took < 10, took  # not the timeout (20 s)
         assert ("rank 0 failed" in said) == (rank == 1) and "ckpt.pt" in said, said
@@ -94,8 +103,15 @@ def test_in_replica_mode_one_rank_may_take_the_state_dict_alone():
 
 
 def drifted_replica_job():
-    """2 replicas x 2 stages; rank 3 (stage 1 of replica 1) changes one weight alone."""
+    """2 replicas x 2 stages; rank 3 (stage 1 of replica 1) changes one weight alone. Before, rank 3 saves while the
+    others check the replicas: every rank hears of it."""
     engine = pipeddp.HybridParallel(make_mlp(), stages=2, mode="stage", chunks=2, balance="uniform")
+    try:
+        engine.save(os.path.join("no", "such", "directory")) if engine.topology.rank == 3 else engine.check_replicas()
+        mixed = "no error"
+    except pipeddp.CollectiveError as exc:
+        mixed = str(exc)
+    assert "(rank 0 check_replicas, rank 1 check_replicas, rank 2 check_replicas, rank 3 save)" in mixed, mixed
     engine.check_replicas()  # identical copies pass
     if engine.topology.rank == 3:
         with torch.no_grad():

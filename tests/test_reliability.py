@@ -16,6 +16,7 @@ import pipeddp
 from pipeddp.checkpoints import catalog
 from pipeddp.checkpoints import checkpoint as ckpt
 from pipeddp.distributed.launch import free_port
+from conftest import data, make_mlp
 
 HERE = Path(__file__).resolve().parent
 
@@ -165,3 +166,60 @@ def test_killed_writers_never_lose_or_corrupt_a_checkpoint(tmp_path):
     assert len(catalog.list_checkpoints(directory)) == 2
     assert not [n for n in os.listdir(directory) if n.startswith(".tmp-")]
     engine2.close()
+
+
+class NanGuard(nn.Module):
+    """The identity, which refuses an input holding a NaN (a layer that checks what it is given)."""
+
+    def forward(self, x):
+        if torch.isnan(x).any():
+            raise ValueError("NanGuard: the input holds a NaN")
+        return x
+
+
+def failing_step_job(how: str):
+    """2 x 2 stage mode (ranks 0, 1: replica 0; 2, 3: replica 1); step 1 fails on one rank: rank 1's loss_fn
+    (``loss``), or rank 3's stage 1 in its forward, given a NaN that rank 2 feeds it (``forward``). Every rank
+    reports what it raised and when (the clock is the machine's, shared by the four processes)."""
+    model = make_mlp(depth=4)
+    model.insert(4, NanGuard())  # in stage 1 with balance [4, 4]
+    engine = pipeddp.HybridParallel(model, stages=2, mode="stage", chunks=2, balance=[4, 4], timeout=60)
+    rank = engine.topology.rank
+
+    def loss_fn(out, y):
+        if how == "loss" and rank == 1 and step == 1:
+            return (out - y).pow(2).mean(dim=1)  # a vector: refused by the engine
+        return nn.functional.mse_loss(out, y)
+
+    out = {"error": "", "type": "", "at": 0.0, "steps": 0}
+    try:
+        for step in range(3):
+            x, y = data(8, seed=step)
+            if how == "forward" and rank == 2 and step == 1:
+                x[3, 0] = float("nan")
+            engine.train_step(x if engine.is_first else None, y if engine.is_last else None, loss_fn)
+            out["steps"] += 1
+    except Exception as exc:  # noqa: BLE001 - what each rank raised
+        out.update(at=time.time(), type=type(exc).__name__, error=str(exc), notes=getattr(exc, "__notes__", []))
+    engine.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["loss", "forward"])
+def test_a_rank_failing_inside_a_step_stops_every_rank_at_once_naming_it(how):
+    """No rank waits out the timeout (60 s) for a peer that failed at once, nor reports the transport's words."""
+    results = pipeddp.spawn(failing_step_job, 4, args=(how,), timeout=110)
+    failed, stage = (1, 1) if how == "loss" else (3, 1)
+    said = ("ValueError: loss_fn must return" if how == "loss" else "ValueError: NanGuard: the input holds a NaN")
+    own = results[failed]
+    assert own["steps"] == 1 and own["type"] == "ValueError" and said.split(": ", 1)[1] in own["error"], own
+    assert any(n.startswith(f"pipeddp: rank {failed}, stage {stage}, while running F0") for n in own["notes"]), own
+    for rank, res in enumerate(results):
+        if rank == failed:
+            continue
+        assert res["steps"] == 1 and res["type"] == "PeerFailed", (rank, res)
+        assert res["error"].startswith(f"rank {rank} (stage {rank % 2}) stopped its train_step: rank {failed} "
+                                       f"(stage {stage}) failed in its train_step with {said}"), (rank, res)
+        assert "within" not in res["error"] and "gloo" not in res["error"], res["error"]
+        assert res["at"] - own["at"] < 10, (rank, res["at"] - own["at"])
