@@ -394,10 +394,11 @@ def test_ops_without_a_generator_replay_exactly_while_a_thread_draws_from_the_pr
     for checkpoint in ("never", "always"):
         seeds = iter(range(1000, 1100))
         monkeypatch.setattr(step_module, "draw_base_seed", lambda seeds=seeds: next(seeds))
+        built = model()  # before the thread starts: the weights come from the process's generator too
         noise = threading.Thread(target=draw, daemon=True)
         noise.start()
         try:
-            results[checkpoint] = grads_of(model, checkpoint)
+            results[checkpoint] = grads_of(lambda built=built: built, checkpoint)
         finally:
             stop.set()
             noise.join()

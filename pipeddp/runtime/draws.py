@@ -11,15 +11,18 @@ the CPU that has none (``native_dropout``), through the same draws written
 with it. No other thread can reach ``g``.
 
 How the ops are reached: a Python kernel for each random aten op is
-registered once under the ``PreDispatch`` dispatch key, which torch consults
-only in a thread that includes it in its dispatch keys (torch.export's
-pre-dispatch tracing does; nothing else). ``stage_generator`` includes it for
-its body. Every other op passes that key inside the dispatcher (no Python),
-so a forward that draws nothing pays next to nothing, and one that draws
-pays a Python call per random op, not per op as a ``TorchDispatchMode``
-would. The numbers are those of the process's generator seeded alike: a
-generator seeded alike draws alike, and the generator overloads are the
-ones the generator-less ops call inside torch.
+registered once under the ``VmapMode`` dispatch key, which torch consults
+only in a thread that includes it in its dispatch keys. That key exists to
+catch random ops: its kernels are torch's legacy vmap's, for random ops
+alone (they refuse them inside ``torch._vmap_internals.vmap``; ours do the
+same there), and every other op passes it as a fallthrough, in C++, at no
+cost. ``stage_generator`` includes it for its body: a forward that draws
+nothing pays nothing per op, and one that draws pays a Python call per random
+op, not per op as a ``TorchDispatchMode`` would (about 10 us an op). The key
+sits above autograd, so autograd records each op as it ran. The numbers are
+those of the process's generator seeded alike: a generator seeded alike
+draws alike, and the generator overloads are the ones the generator-less
+ops call inside torch.
 
 ``HostDraws`` keeps Python's ``random`` and NumPy's global generator
 replayable: a forward whose activations recompute will drop records their
@@ -29,7 +32,9 @@ states where it changed them, and its replay runs from those states again.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import random
+import struct
 import sys
 import threading
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
@@ -38,8 +43,16 @@ import torch
 
 __all__ = ["stage_generator", "stop_handing", "HostDraws", "register_kernels"]
 
-_KEY = torch._C.DispatchKey.PreDispatch
+_PARSED = torch._C._parse_dispatch_key("VmapMode")  # not among the Python enum's names
+if _PARSED is None:
+    raise ImportError(f"pipeddp needs torch's VmapMode dispatch key, which torch {torch.__version__} lacks")
+_KEY: torch._C.DispatchKey = _PARSED
 _KEYSET = torch._C.DispatchKeySet(_KEY)
+#: what the legacy vmap's kernels say (the only other code that includes the key)
+_LEGACY = ("vmap: We do not yet support calling random operations inside of vmap. Please perform random operations "
+           "outside of vmap as a workaround")
+#: ``_state.generator`` once ``stop_handing`` ran: the process's generator for the rest of the body
+_PROCESS = object()
 _SEEDED = torch.Tag.nondeterministic_seeded
 _state = threading.local()
 _registered: List[Any] = []  # the Library that holds the kernels (kept alive), once registered
@@ -47,10 +60,18 @@ _register_guard = threading.Lock()
 
 
 def _on_cpu(args: Any, kwargs: Dict[str, Any]) -> bool:
-    """Whether a random op draws for the CPU: its tensors are there, or (a factory) its device is."""
-    tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    """Whether a random op draws for the CPU: its tensors are there, or (a factory) its device is. (A random op's
+    tensors are its arguments themselves, or in one list of them: ``normal``'s, ``_sample_dirichlet``'s.)"""
+    tensors = False
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
+            value = value[0]
+        if isinstance(value, torch.Tensor):
+            if value.device.type != "cpu":
+                return False
+            tensors = True
     if tensors:
-        return all(t.device.type == "cpu" for t in tensors)
+        return True
     device = kwargs.get("device")
     return device is None or torch.device(device).type == "cpu"
 
@@ -83,7 +104,7 @@ def _native_dropout(generator: torch.Generator, input: torch.Tensor, p: float,
 
 
 def _kernel(op: Any) -> Optional[Callable[..., Any]]:
-    """The PreDispatch kernel that hands this thread's stage generator to ``op`` (None: ``op`` needs none)."""
+    """The VmapMode kernel that hands this thread's stage generator to ``op`` (None: ``op`` needs none)."""
     names = [a.name for a in op._schema.arguments]
     if "generator" in names:
         at = names.index("generator")
@@ -107,9 +128,11 @@ def _kernel(op: Any) -> Optional[Callable[..., Any]]:
             return overload(*args, generator=generator, **kwargs)
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
+        generator = getattr(_state, "generator", None)
+        if generator is None:  # not in a stage: torch's legacy vmap included the key
+            raise RuntimeError(_LEGACY)
         with torch._C._ExcludeDispatchKeyGuard(_KEYSET):
-            generator = getattr(_state, "generator", None)
-            if generator is None or not _on_cpu(args, kwargs):
+            if generator is _PROCESS or not _on_cpu(args, kwargs):
                 return op(*args, **kwargs)
             return hand(generator, args, dict(kwargs))
 
@@ -128,42 +151,120 @@ def register_kernels() -> None:
                 continue
             for overload in packet.overloads():
                 op = getattr(packet, overload)
-                if _SEEDED not in op.tags or torch._C._dispatch_has_kernel_for_dispatch_key(
-                        op.name(), "CompositeImplicitAutograd"):
+                if _SEEDED not in op.tags or (
+                        torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
+                        and not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "VmapMode")):
                     continue  # not random, or made of other ops (dropout, lstm) that reach their own kernels
                 kernel = _kernel(op)
                 if kernel is not None:
-                    library.impl(op, kernel, "PreDispatch")
+                    library.impl(op, kernel, "VmapMode")
         _registered.append(library)
 
 
-@contextlib.contextmanager
-def stage_generator(generator: torch.Generator) -> Iterator[None]:
-    """Every random op of the CPU run in this thread by the body draws from ``generator``."""
-    before = getattr(_state, "generator", None), torch._C._dispatch_tls_is_dispatch_key_included(_KEY)
-    _state.generator = generator
-    torch._C._dispatch_tls_set_dispatch_key_included(_KEY, True)
-    try:
-        yield
-    finally:
-        torch._C._dispatch_tls_set_dispatch_key_included(_KEY, before[1])
-        _state.generator = before[0]
+class stage_generator:  # noqa: N801 (used as a context, like torch.no_grad)
+    """Every random op of the CPU run in this thread by the body draws from ``generator`` (seeded with ``seed``
+    first, where one is given)."""
+
+    def __init__(self, generator: torch.Generator, seed: Optional[int] = None) -> None:
+        self.generator, self.seed = generator, seed
+
+    def __enter__(self) -> None:
+        if self.seed is not None:
+            self.generator.manual_seed(self.seed)
+        self.before = getattr(_state, "generator", None), torch._C._dispatch_tls_is_dispatch_key_included(_KEY)
+        _state.generator = self.generator
+        torch._C._dispatch_tls_set_dispatch_key_included(_KEY, True)
+
+    def __exit__(self, *exc: Any) -> None:
+        torch._C._dispatch_tls_set_dispatch_key_included(_KEY, self.before[1])
+        _state.generator = self.before[0]
 
 
 def stop_handing() -> None:
     """The rest of the body of ``stage_generator`` in this thread draws from the process's generator."""
-    _state.generator = None
+    _state.generator = _PROCESS
 
 
 # -- Python's random and NumPy's global generator -------------------------------------------------------------
 
 _host_lock = threading.RLock()
-HostState = Tuple[Any, Any]
+#: Python's random state, NumPy's global state (None: NumPy not imported), NumPy's and Python's Mersenne Twister
+#: words as read in place (None: not that bit generator, not this interpreter's layout)
+HostState = Tuple[Any, Any, Optional[bytes], Optional[bytes]]
+
+
+_numpy_address: Tuple[Any, int] = (None, 0)  # the global bit generator, and where its state lies
+
+
+def _numpy_words(numpy: Any) -> Optional[bytes]:
+    """The key and position of NumPy's global Mersenne Twister, read in place: a microsecond, where ``get_state``
+    builds a dict and an array (the change check of every forward that recompute drops reads these)."""
+    global _numpy_address
+    bits = numpy.random.mtrand._rand._bit_generator
+    if bits is not _numpy_address[0]:
+        if type(bits).__name__ != "MT19937":
+            return None
+        _numpy_address = (bits, bits.ctypes.state_address)
+    return ctypes.string_at(_numpy_address[1], 624 * 4 + ctypes.sizeof(ctypes.c_int))
+
+
+#: the last NumPy state read whole, with its words: while the words stay put (and no Gaussian was kept, which a
+#: draw could take without moving them) it is still the state, and ``get_state`` need not run again
+_numpy_last: Tuple[Optional[bytes], Any] = (None, None)
+
+
+def _numpy_state(numpy: Any) -> Tuple[Any, Optional[bytes]]:
+    global _numpy_last
+    words = _numpy_words(numpy)
+    last_words, last = _numpy_last
+    if words is not None and words == last_words and not last[3]:
+        return last, words
+    state = numpy.random.get_state()
+    if words is not None and _numpy_words(numpy) == words:  # nobody drew meanwhile: the pair belongs together
+        _numpy_last = (words, state)
+    return state, words
+
+
+def _python_words_reader() -> Optional[Callable[[], bytes]]:
+    """A reader of the Mersenne Twister words of Python's ``random`` in place (its C object: the header, the
+    position, 624 words), where this interpreter lays them out so (checked against ``getstate``); None elsewhere."""
+    instance = random._inst  # type: ignore[attr-defined]
+    header = object.__basicsize__
+    size = ctypes.sizeof(ctypes.c_int) + 624 * 4
+
+    def read() -> bytes:
+        return ctypes.string_at(id(instance) + header, size)
+
+    words = random.getstate()[1]
+    expected = struct.pack("=i624I", words[-1], *words[:-1])
+    return read if read() == expected else None
+
+
+_python_words = _python_words_reader()
+#: as ``_numpy_last``, for Python's random (its kept Gaussian is ``gauss_next``, in the state)
+_python_last: Tuple[Optional[bytes], Any] = (None, None)
+
+
+def _python_state() -> Tuple[Any, Optional[bytes]]:
+    global _python_last
+    if _python_words is None:
+        return random.getstate(), None
+    words = _python_words()
+    last_words, last = _python_last
+    if words == last_words and last[2] is None:
+        return last, words
+    state = random.getstate()
+    if _python_words() == words:
+        _python_last = (words, state)
+    return state, words
 
 
 def _host_get() -> HostState:
+    python, python_words = _python_state()
     numpy = sys.modules.get("numpy")  # not imported: nothing can have drawn from it
-    return random.getstate(), (numpy.random.get_state() if numpy is not None else None)
+    if numpy is None:
+        return python, None, None, python_words
+    return (python, *_numpy_state(numpy), python_words)
 
 
 def _host_set(state: HostState) -> None:
@@ -172,13 +273,25 @@ def _host_set(state: HostState) -> None:
         sys.modules["numpy"].random.set_state(state[1])
 
 
-def _host_equal(a: HostState, b: HostState) -> bool:
-    if a[0] != b[0] or (a[1] is None) != (b[1] is None):
-        return False
-    if a[1] is None:
+def _host_changed(before: HostState) -> bool:
+    """Whether Python's or NumPy's generator moved since ``before``. Their words stay put only where no number was
+    drawn or where a Gaussian kept from an earlier pair was (``gauss_next``, ``has_gauss``): then the whole state
+    tells."""
+    if before[3] is not None and before[0][2] is None:
+        if _python_words() != before[3]:  # type: ignore[misc]
+            return True
+    elif random.getstate() != before[0]:
         return True
-    numpy = sys.modules["numpy"]
-    return a[1][0] == b[1][0] and tuple(a[1][2:]) == tuple(b[1][2:]) and bool(numpy.array_equal(a[1][1], b[1][1]))
+    numpy = sys.modules.get("numpy")
+    if numpy is None:
+        return False
+    if before[1] is None:  # imported meanwhile
+        return True
+    if before[2] is not None and not before[1][3]:
+        return _numpy_words(numpy) != before[2]
+    now = numpy.random.get_state()
+    return not (now[0] == before[1][0] and tuple(now[2:]) == tuple(before[1][2:])
+                and bool(numpy.array_equal(now[1], before[1][1])))
 
 
 class HostDraws:
@@ -207,11 +320,11 @@ class HostDraws:
             try:
                 yield
             finally:
-                if _host_equal(before, _host_get()):
-                    self._first.pop(mb, None)
-                else:
+                if _host_changed(before):
                     self._first[mb] = before
                     self.draws = True
+                else:
+                    self._first.pop(mb, None)
 
     @contextlib.contextmanager
     def again(self, mb: int) -> Iterator[None]:

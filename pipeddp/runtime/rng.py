@@ -203,6 +203,8 @@ class Replay:
         """
         if seed is None:
             return contextlib.nullcontext()
+        if self.own_cpu and self._keeps.get(mode) is False and len(self.candidates) == 1:
+            return stage_generator(self._generator, seed)  # the common case, lean: a CPU stage, nothing to hold
         return self._own(seed, mode) if self.own_cpu else self._found(seed, mode)
 
     @contextlib.contextmanager
@@ -214,9 +216,8 @@ class Replay:
             if keeps:
                 yield
                 return
-            self._generator.manual_seed(seed)
             watch = _StateWatch(self._generator) if keeps is None else None
-            with stage_generator(self._generator), watch.watching() if watch else contextlib.nullcontext():
+            with stage_generator(self._generator, seed), watch.watching() if watch else contextlib.nullcontext():
                 yield
             if watch is not None:
                 self._keeps[mode] = watch.touched
