@@ -52,16 +52,33 @@ class Watch:
     """Logs ``recorder``'s step figures every ``log_every`` steps (None: never) where ``rank`` is 0.
 
     Called after every training step (a ``Step.after_step`` hook); a step that is not logged costs a modulo.
+    Every ``log_every``-th step (on every rank) times its actions, for the devices' idle shares.
     """
 
     def __init__(self, recorder: Recorder, log_every: Optional[int], rank: int) -> None:
         self.recorder = recorder
-        self.log_every = log_every
         self.rank = rank
+        self._every: Optional[int] = None
+        self.log_every = log_every
+
+    @property
+    def log_every(self) -> Optional[int]:
+        return self._every
+
+    @log_every.setter
+    def log_every(self, value: Optional[int]) -> None:
+        self._every = value
+        self._next()
+
+    def _next(self) -> None:
+        """Whether the coming step is one to log, and so to time."""
+        every = self._every
+        self.recorder.timing = every is not None and (self.recorder.steps + 1) % every == 0
 
     def __call__(self) -> None:
+        self._next()
         stats = self.recorder.last
-        if stats is None or not self.log_every or self.rank != 0 or stats.step % self.log_every:
+        if stats is None or not self._every or self.rank != 0 or stats.step % self._every:
             return
         if logger.isEnabledFor(logging.INFO):
             logger.info("%s", describe(stats), extra={"step_stats": stats})
