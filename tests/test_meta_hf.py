@@ -1,5 +1,6 @@
 """Transformers models built on the meta device: ``flatten_sequential`` opens them without giving them their memory,
-and an engine materializes each stage with the model's own initialisation, seeded by the original names, so
+and an engine materializes each stage with the model's own initialisation, seeded by the original names. The
+initialisation is transformers' own (``from_config``'s, tensor by tensor: the reference for the weights), and
 training equals the whole model materialized on one device (float64)."""
 
 import pytest

@@ -48,7 +48,7 @@ from torch import nn
 
 from .init_order import Place, initialise, places
 from .names import Names, recorded, recorded_source
-from .writes import Key, Writes, storage_key
+from .writes import Key, Writes, mark_unwritten, storage_key, unwritten
 
 __all__ = ["materialize", "materialize_layer", "check_init", "is_meta", "layer_seed", "SharedPlaces", "Init",
            "initialiser", "record_init", "recorded_init", "transformers_init", "original_names", "record_first_names"]
@@ -155,7 +155,7 @@ def materialize_layer(layer: nn.Module, name: str, *, seed: int, device: Union[s
         written = writes.written
     else:
         written = _initialise(layer, name, fresh, tree, where, seed=seed, init=init)
-    _refuse_unset(layer, fresh, written, init)
+    _refuse_unset(layer, fresh, written, init, where[0])
     return layer.to(device)
 
 
@@ -187,7 +187,7 @@ def _allocate(owners: List[Tuple[str, nn.Module, Callable[[], None]]]) -> List[_
                     new = torch.empty_like(t, device=_CPU)
                     made[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if attr == "_parameters" else new
                     with torch.no_grad():
-                        _mark_unwritten(made[id(t)])
+                        mark_unwritten(made[id(t)])
                 table[key] = made[id(t)]
                 fresh.append(_Fresh(qualified, m, attr, key, t, made[id(t)]))
     return fresh
@@ -216,60 +216,31 @@ def _initialise(layer: nn.Module, name: str, fresh: List[_Fresh], tree: Optional
     return written
 
 
-def _refuse_unset(layer: nn.Module, fresh: List[_Fresh], written: Set[Key], init: Optional[Init]) -> None:
-    """Refuse, naming the module and the tensors, a layer whose initialisation left a fresh tensor unset; the
-    layer goes back to the meta device."""
-    left: Dict[str, Tuple[nn.Module, List[str]]] = {}
+def _refuse_unset(layer: nn.Module, fresh: List[_Fresh], written: Set[Key], init: Optional[Init],
+                  where: Dict[int, List[Place]]) -> None:
+    """Refuse, naming the module and the tensors (with their names in the original model, from ``where``, where
+    they differ), a layer whose initialisation left a fresh tensor unset; the layer goes back to the meta device."""
+    left: Dict[str, Tuple[nn.Module, List[str], List[str]]] = {}
     for f in fresh:
         now = f.table().get(f.key)
-        if now is f.new and _unwritten(now, storage_key(now) in written):
-            keys = left.setdefault(f.qualified, (f.module, []))[1]
-            keys.extend([] if f.key in keys else [f.key])
+        if now is f.new and unwritten(now, storage_key(now) in written):
+            _, keys, originals = left.setdefault(f.qualified, (f.module, [], []))
+            if f.key not in keys:
+                keys.append(f.key)
+                original = where[id(f.old)][0][2] if id(f.old) in where else ""
+                originals.extend([original] if original and original != f"{f.qualified}.{f.key}" else [])
     if not left:
         return
     layer.to("meta")  # no half-initialised layer stays behind
-    qualified, (m, keys) = next(iter(left.items()))
+    qualified, (m, keys, originals) = next(iter(left.items()))
     what = "init(module), for it and every module around it," if init is not None else "its reset_parameters()"
+    known = f"; in the original model {', '.join(originals)}" if originals else ""
     raise ValueError(
         f"cannot materialize {qualified} ({type(m).__name__}) from the meta device: {what} left "
-        f"{', '.join(keys)} without values ({', '.join(str(getattr(m, k).dtype) for k in keys)}: a tensor computed "
-        "in __init__ and never set again, a mask or a table, has no values on the meta device); compute it in the "
-        "module's reset_parameters() or in an init= that sets it, or build the model on a real device"
+        f"{', '.join(keys)} without values ({', '.join(str(getattr(m, k).dtype) for k in keys)}{known}: a tensor "
+        "computed in __init__ and never set again, a mask or a table, has no values on the meta device); compute "
+        "it in the module's reset_parameters() or in an init= that sets it, or build the model on a real device"
     )
-
-
-#: integer types whose least value no initialisation writes (index buffers: positions, token types)
-_WIDE_INTS = (torch.int16, torch.int32, torch.int64)
-
-
-def _fill(t: torch.Tensor) -> Union[bool, int, float]:
-    """What fresh memory of ``t``'s type is filled with before the initialisation: NaN, a wide integer type's least
-    value (which no initialisation writes); else (bool, 8-bit and unsigned types, where every value may be meant)
-    True or the type's greatest value, read only where no write into the tensor was seen."""
-    if t.is_floating_point() or t.is_complex():
-        return float("nan")
-    if t.dtype == torch.bool:
-        return True
-    return int(torch.iinfo(t.dtype).min if t.dtype in _WIDE_INTS else torch.iinfo(t.dtype).max)
-
-
-def _mark_unwritten(t: torch.Tensor) -> None:
-    """Fill freshly allocated memory (``_fill``), so that a tensor the initialisation never sets is found instead
-    of training from whatever the memory held."""
-    if t.numel():
-        t.fill_(_fill(t))
-
-
-def _unwritten(t: torch.Tensor, written: bool) -> bool:
-    """Whether ``t`` still holds fresh memory (some of it): NaN or a wide integer type's least value anywhere;
-    for the other types, no write seen (``writes``) and every value still the fill."""
-    if not t.numel():
-        return False
-    if t.is_floating_point() or t.is_complex():
-        return bool(torch.isnan(t).any())
-    if t.dtype in _WIDE_INTS:
-        return bool((t == _fill(t)).any())
-    return not written and bool((t == _fill(t)).all())
 
 
 def _seed_name(qualified: str, module: nn.Module, rename: Optional[Callable[[str], str]]) -> str:

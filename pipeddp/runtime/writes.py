@@ -15,16 +15,20 @@ initialisation runs. ``Writes`` is a ``TorchFunctionMode`` active meanwhile:
   other processes' stages, on the meta device, drawing nothing);
 * a write into a tensor in ``protected`` (another layer's, materialized
   already: it has its values, and may sit on another device) is skipped.
+
+Fresh memory is filled first (``mark_unwritten``: NaN, a wide integer type's
+least value), so a tensor set only in part is found too; ``unwritten`` tells
+what is left.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Optional, Set, Tuple, Union
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["Writes", "storage_key"]
+__all__ = ["Writes", "storage_key", "mark_unwritten", "unwritten"]
 
 Key = Tuple[str, int]
 
@@ -37,10 +41,53 @@ _IN_PLACE_OPERATORS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul_
                                  "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
                                  "__irshift__"})
 
+#: integer types whose least value no initialisation writes (index buffers: positions, token types)
+_WIDE_INTS = (torch.int16, torch.int32, torch.int64)
+
+
+def _fill(t: torch.Tensor) -> Optional[Union[bool, int, float]]:
+    """What fresh memory of ``t``'s type is filled with before the initialisation: NaN, a wide integer type's least
+    value (which no initialisation writes); else (bool, 8-bit and unsigned types, where every value may be meant)
+    True or the type's greatest value, read only where no write into the tensor was seen (None: a type without
+    one, told by the writes alone)."""
+    if t.is_floating_point() or t.is_complex():
+        return float("nan")
+    if t.dtype == torch.bool:
+        return True
+    try:
+        return int(torch.iinfo(t.dtype).min if t.dtype in _WIDE_INTS else torch.iinfo(t.dtype).max)
+    except TypeError:
+        return None
+
+
+def mark_unwritten(t: torch.Tensor) -> None:
+    """Fill freshly allocated memory (``_fill``), so that a tensor the initialisation never sets is found instead
+    of training from whatever the memory held."""
+    fill = _fill(t)
+    if t.numel() and fill is not None:
+        t.fill_(fill)
+
+
+def unwritten(t: torch.Tensor, written: bool) -> bool:
+    """Whether ``t`` still holds fresh memory (some of it): NaN or a wide integer type's least value anywhere;
+    for the other types, no write seen (``writes``) and every value still the fill."""
+    fill = _fill(t)
+    if not t.numel():
+        return False
+    if t.is_floating_point() or t.is_complex():
+        return bool(torch.isnan(t).any())
+    if t.dtype in _WIDE_INTS:
+        return bool((t == torch.iinfo(t.dtype).min).any())
+    return not written and (fill is None or bool((t == fill).all()))
+
 
 def storage_key(t: torch.Tensor) -> Key:
-    """Where ``t``'s values live: the same for a tensor and every view of it."""
-    return (str(t.device), t.untyped_storage().data_ptr())
+    """Where ``t``'s values live: the same for a tensor and every view of it (a tensor without one storage, a
+    sparse one: the tensor itself)."""
+    try:
+        return (str(t.device), t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return (str(t.device), -id(t))
 
 
 def _target(name: str, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[torch.Tensor]:
