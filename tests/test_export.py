@@ -108,24 +108,27 @@ def test_a_pipeline_exports_in_one_process_over_an_earlier_export(tmp_path):
 
 
 def test_a_weight_at_four_places_is_written_once_under_the_name_transformers_keeps(tmp_path):
-    """T5's embedding is ``shared``, the encoder's and the decoder's ``embed_tokens`` and the head; over two stages
-    the engine's first place is the encoder's, which transformers calls a later place of ``shared``."""
+    """T5's embedding is ``shared``, the encoder's and the decoder's ``embed_tokens`` and the head. The engine's first
+    place is the encoder's, which transformers calls a later place of ``shared``: on one device all four are one
+    tensor, over two stages the others are copies."""
     from hf_jobs import batch, logits, t5
 
     model = t5().eval()
     x, _ = batch("t5", 4, 0)
-    target = str(tmp_path / "t5")
-    with pipeddp.Pipeline(flatten_sequential(model, x), ["cpu", "cpu"], chunks=2) as pipe:
-        assert "shared.weight" in pipe.tied_keys()
-        pipe.save_pretrained(target)
-    index = json.loads((tmp_path / "t5" / pretrained.INDEX).read_text())["weight_map"]
-    assert [k for k in index if k.endswith("embed_tokens.weight") or k in ("shared.weight", "lm_head.weight")] == [
-        "shared.weight"]
-    back = type(model).from_pretrained(target, dtype=torch.float64).eval()
-    want, got = model.state_dict(), back.state_dict()
-    assert sorted(want) == sorted(got) and all(torch.equal(want[k], got[k]) for k in want)
-    with torch.no_grad():
-        assert (logits(model, x) - logits(back, x)).abs().max().item() < 1e-12
+    flat = flatten_sequential(model, x)
+    for devices in (["cpu"], ["cpu", "cpu"]):
+        target = str(tmp_path / f"t5-{len(devices)}")
+        with pipeddp.Pipeline(flat, devices, chunks=2) as pipe:
+            assert ("shared.weight" in pipe.tied_keys()) == (len(devices) == 2)
+            pipe.save_pretrained(target)
+        index = json.loads((tmp_path / f"t5-{len(devices)}" / pretrained.INDEX).read_text())["weight_map"]
+        assert [k for k in index if k.endswith("embed_tokens.weight") or k in ("shared.weight", "lm_head.weight")
+                ] == ["shared.weight"]
+        back = type(model).from_pretrained(target, dtype=torch.float64).eval()
+        want, got = model.state_dict(), back.state_dict()
+        assert sorted(want) == sorted(got) and all(torch.equal(want[k], got[k]) for k in want)
+        with torch.no_grad():
+            assert (logits(model, x) - logits(back, x)).abs().max().item() < 1e-12
 
 
 def test_a_model_not_from_transformers_gets_the_shards_and_the_index(tmp_path):

@@ -126,9 +126,8 @@ def _identity(key: str, t: torch.Tensor) -> Tuple[Any, ...]:
 
 
 def _held(engine: Exporter, source: Optional[Source]) -> Tuple[Dict[str, torch.Tensor], List[str], str]:
-    """This process's tensors to write (each tensor once, under the name transformers keeps), the later places of
-    tied weights it leaves out, and what it cannot write ("" when nothing)."""
-    tied = source.tied if source is not None else {}
+    """This process's tensors to write (each tensor once, at its first place), the later places of tied weights it
+    leaves out, and what it cannot write ("" when nothing)."""
     later = set(engine.tied_keys())
     ignore = set(source.ignore if source is not None else ())
     out: Dict[str, torch.Tensor] = {}
@@ -140,15 +139,9 @@ def _held(engine: Exporter, source: Optional[Source]) -> Tuple[Dict[str, torch.T
         if not isinstance(value, torch.Tensor):
             bad.append(key)
             continue
-        seen = first.setdefault(_identity(key, value), key)
-        if seen == key:
+        if first.setdefault(_identity(key, value), key) == key:
             out[key] = value
-        elif tied.get(seen) == key:  # both places of a tied weight here: the one transformers keeps is written
-            del out[seen]
-            later.add(seen)
-            first[_identity(key, value)] = key
-            out[key] = value
-        else:
+        else:  # a later place of a tied weight whose first this process holds too (one tensor: one stage holds both)
             later.add(key)
     error = (f"rank {engine.topology.rank}: {bad[:5]} are not tensors, which safetensors cannot hold; drop them from "
              "the model's state dict, or save with save()") if bad else ""
