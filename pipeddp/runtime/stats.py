@@ -140,6 +140,12 @@ class Clock(Trace):
             self.inner.note_memory(row, in_flight, device)
 
 
+def _peak(device: torch.device) -> int:
+    """``torch.cuda.max_memory_allocated(device)`` without flattening every counter of the allocator into one dict
+    (which costs about as much as a small step's bookkeeping): read from the nested statistics."""
+    return int(torch.cuda.memory_stats_as_nested_dict(device)["allocated_bytes"]["all"]["peak"])
+
+
 class Recorder:
     """Times the training steps of ``stages`` (this process's share of a pipeline of ``rows`` devices) and keeps
     the last one's ``StepStats`` in ``last``.
@@ -216,11 +222,12 @@ class Recorder:
         idle: Dict[int, Optional[float]] = {}
         memory: Dict[int, Optional[int]] = {}
         waited = self._agreed
+        peaks = {d: _peak(d) for d in set(self.devices.values()) if d.type == "cuda"}
         for r, dev in sorted(self.devices.items()):
             idle[r] = None
             if clock is not None and r in clock.busy and r not in clock.untimed and seconds > 0:
                 idle[r] = min(max(1.0 - clock.busy[r] / seconds, 0.0), 1.0)
-            memory[r] = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
+            memory[r] = peaks.get(dev)
             if self.peers and clock is not None and r in clock.waited:
                 waited += clock.waited[r]
         self.last = StepStats(self.steps, seconds, self._samples * self.replicas, count, idle, memory,
