@@ -23,18 +23,20 @@ them in one order for the whole pipeline (``Ordering``, from ``in_order``), so i
 and receive of a rank, to any peer, runs on one stream. Tags are still set (gloo honours them, and a message that
 went astray then waits instead of landing in the wrong buffer), but nothing depends on them.
 
-An activation crosses as a small int64 *header* (container, dtypes and shapes) followed by its tensors, so batch
-sizes may change from step to step; its tensors' receives are posted once the header is in. A header is a host value
-at both ends (the sender builds it from shapes, the receiver reads it to size its buffers), so on an nccl job it
-travels over the pipeline's gloo twin (``header_group``, ``groups.host_group``): over nccl the sender's copy to the
-GPU and the receiver's copy back each waited for the stream's queued work, two synchronisations of the host per
-activation wherever shapes change from step to step (variable sequence lengths), which the host then cannot queue
-ahead of. gloo pairs a header with its receive by tag, so it takes no place in the link's order on nccl. Gradients
-need no header: they have the shapes of the activation this process sent. Where every rank's batch has the shapes of
-the previous call of its kind (the batch check says so to every rank alike: ``Agreement.repeated``), both ends take
-each activation's shapes from that call (``begin(..., key, repeat)``): no header crosses, and receives are posted at
-once. The sender still checks its activation against them and refuses one that differs (a stage whose output's shape
-depends on its input's values) before anything of it is sent.
+An activation crosses as a small int64 *header* (container, dtypes and shapes; a member may be None) followed by its
+tensors, so shapes may change from step to step; its tensors' receives are posted once the header is in. A header is
+a host value at both ends, so on an nccl job it travels over the pipeline's gloo twin (``header_group``,
+``groups.host_group``), where gloo pairs it by tag and it takes no place in the link's order: over nccl the sender's
+copy to the GPU and the receiver's copy back would each wait for the stream's queued work. Gradients need no header:
+they have the shapes of the activation this process sent. Where every rank's batch has the shapes of the previous
+call of its kind (``Agreement.repeated``, told to every rank alike), both ends *predict* each activation from what
+crossed at the same (stage, micro-batch) in that call (``begin(..., key, repeat)``) and its receives are posted at
+once, without a header. What crosses may still depend on the input's values (transformers' attention builds a mask
+only for a micro-batch with padding), so the sender flags in-band whether the activation is the predicted one (over
+gloo an element appended to its smallest tensor; over nccl the header on the twin says it, as a flag in a GPU buffer
+would take a sync to read); one that differs fills the predicted receives and follows with its header and the
+tensors they did not carry, in the link's order, at no round trip (``predicted``). An incoming activation's flag is
+read before later receives are posted.
 
 Sends are asynchronous (``isend``). A gloo send completes only once the peer has posted its receive and the data has
 crossed. Over gloo (CPU) a small one (up to ``EAGER_BYTES``) is waited for at once, as torch's schedules do: its
@@ -58,7 +60,9 @@ import torch.distributed as dist
 
 from ..runtime.channels import describe
 from ..runtime.schedule.messages import Message
-from .headers import HEADER, Meta, decode, encode, flatten, wants_grad
+from . import predicted
+from .headers import HEADER, Meta, decode, encode, flatten, meta_of, specs, wants_grad
+from .ordering import Ordering
 
 __all__ = ["P2PChannel", "PeerError", "Ordering", "spare_tag"]
 
@@ -100,49 +104,18 @@ def _activation(kind: str, stage: int, mb: int) -> Tuple[int, int]:
 
 
 class _Posted:
-    """The receives of one incoming message: an activation's header, then its tensors; or a gradient's tensors."""
+    """The receives of one incoming message: a gradient's tensors; an activation's header, then its tensors; or its
+    predicted slots, then, where it differs, its header and the tensors they did not carry (``predicted``)."""
 
     def __init__(self) -> None:
+        self.started = False
+        self.done = False  # every receive of the message is posted
+        self.known: Optional[Meta] = None  # the prediction the slots were posted for
         self.header: Optional[Tuple[Any, torch.Tensor]] = None
         self.meta: Optional[Meta] = None
         self.works: List[Any] = []
-        self.bufs: List[torch.Tensor] = []
-
-
-class Ordering:
-    """The order in which this process issues the operations of all its links (``in_order``), one after another.
-
-    With it, no channel posts a receive ahead of an operation that comes before
-    it on another link: the process stays right even where all its sends and
-    receives, to every peer, run on one stream.
-    """
-
-    def __init__(self, entries: Sequence[Tuple["P2PChannel", int]]) -> None:
-        self.entries = list(entries)  # (channel, index in its link's order)
-        self.next = 0
-
-    def catch_up(self, channel: "P2PChannel", upto: int) -> None:
-        """Post every receive that comes before ``channel``'s message ``upto`` (waiting for headers)."""
-        while self.next < len(self.entries) and self.entries[self.next] != (channel, upto):
-            ch, j = self.entries[self.next]
-            ch.post_next(j)
-            self.next += 1
-        if self.next == len(self.entries):
-            raise RuntimeError(f"pipeddp: rank {channel.rank}'s message {upto} to or from rank {channel.peer} is "
-                               "not in this step's order")
-
-    def issued(self) -> None:
-        """The operation the order stands at was issued (a send, or a receive posted)."""
-        self.next += 1
-
-    def advance(self) -> None:
-        """Post the receives that come next, as far as their shapes are known (never waits)."""
-        while self.next < len(self.entries):
-            ch, j = self.entries[self.next]
-            if ch._order[j].src == ch.stage or not ch._post(j, block=False):
-                return
-            ch._next = j + 1
-            self.next += 1
+        self.bufs: List[torch.Tensor] = []  # a gradient's tensors, or the predicted slots
+        self.late: List[torch.Tensor] = []  # the tensors posted once the header was in
 
 
 class P2PChannel:
@@ -171,8 +144,13 @@ class P2PChannel:
         self._known: Dict[Tuple[int, int], Meta] = {}
         self._seen: Dict[Tuple[int, int], Meta] = {}
         self._key = ""
-        #: headers sent so far (one per activation whose shapes were not known to both ends)
+        #: headers sent so far (one per activation whose shapes were not predicted, or not as predicted; over nccl
+        #: one per activation, on the gloo twin)
         self.headers = 0
+        #: the flag of a predicted activation travels in-band (gloo's buffers are on the host); else the header on
+        #: the twin says it; a device buffer without a twin gets no prediction (its flag would take a sync)
+        self._flag = header_group is None
+        self._predicts = header_group is not None or comm_device.type == "cpu"
         self._inflight: List[Tuple[Any, List[torch.Tensor]]] = []
         self._broken: Optional[str] = None
         #: the order in which this process issues its operations: of all its links, or of this one alone
@@ -200,7 +178,7 @@ class P2PChannel:
         self._posted.clear()
         self._meta.clear()
         self._key, self._seen = key, {}
-        self._known = self._shapes.get(key, {}) if repeat and key else {}
+        self._known = self._shapes.get(key, {}) if repeat and key and self._predicts else {}
         self.ordering = ordering if ordering is not None else Ordering([(self, i) for i in range(len(order))])
         if ordering is None:
             self.ordering.advance()
@@ -214,6 +192,14 @@ class P2PChannel:
                                "not send on this link")
         return i
 
+    def post_ahead(self, j: int) -> bool:
+        """Post the receives of this link's message ``j`` if it is incoming and that needs no wait; False: the
+        process's order stops here for now (a send, or a header, flag or activation not in yet)."""
+        if self._order[j].src == self.stage or not self._post(j, block=False):
+            return False
+        self._next = j + 1
+        return True
+
     def post_next(self, j: int) -> None:
         """Post the receives of this link's next message, ``j`` (a send there means the step left its order)."""
         if j != self._next or self._order[j].src == self.stage:
@@ -225,46 +211,69 @@ class P2PChannel:
 
     # -- receiving ---------------------------------------------------------------------------------
 
-    def _irecv(self, bufs: List[torch.Tensor], m: Message, first_slot: int, group: Any = None) -> List[Any]:
-        return [dist.irecv(b, self.peer, group=group, tag=_tag(m.kind, m.stage, m.mb, first_slot + i))
-                for i, b in enumerate(bufs)]
+    def _irecv(self, bufs: Sequence[torch.Tensor], m: Message, slots: Sequence[int], group: Any = None) -> List[Any]:
+        return [dist.irecv(b, self.peer, group=group, tag=_tag(m.kind, m.stage, m.mb, k)) for b, k in zip(bufs, slots)]
 
     def _post(self, i: int, *, block: bool) -> bool:
-        """Post the receives of incoming message ``i``; False where that needs what is not known yet and not
-        ``block`` (an activation's header not in, or a gradient of an activation not sent yet)."""
+        """Post the receives of incoming message ``i``; False where that needs what is not in yet and not ``block``
+        (an activation's header or flag, or the gradient of an activation not sent yet)."""
         m = self._order[i]
         posted = self._posted.setdefault(i, _Posted())
-        known = self._known.get((m.stage, m.mb)) if m.kind == "F" else None
-        if known is not None:
-            if posted.meta is not None:
-                return True
-            posted.meta = self._meta[(m.stage, m.mb)] = self._seen[(m.stage, m.mb)] = known
-            metas = known[1]
-        elif m.kind == "F":
-            if posted.header is None:
-                on_host = self.header_group is not None
-                buf = torch.empty((HEADER,), dtype=torch.int64, device="cpu" if on_host else self.comm_device)
-                posted.header = (self._irecv([buf], m, 0, self.header_group)[0], buf)
-            if posted.meta is None:
-                work, buf = posted.header
-                if not block and not work.is_completed():
-                    return False
-                self._wait([work], m)
-                posted.meta = self._meta[(m.stage, m.mb)] = self._seen[(m.stage, m.mb)] = \
-                    decode(buf if buf.device.type == "cpu" else buf.cpu())
-                metas = posted.meta[1]
-            else:
-                return True
-        else:
+        if posted.done:
+            return True
+        if m.kind == "B":
             meta = self._meta.get(_activation(m.kind, m.stage, m.mb))
             if meta is None:
                 if not block:
                     return False
                 raise RuntimeError(f"pipeddp: rank {self.rank} expects the gradient of micro-batch {m.mb} from rank "
                                    f"{self.peer} before it sent that activation")
-            metas = [(d, s) for d, s in meta[1] if wants_grad(d)]
-        posted.bufs = [torch.empty(shape, dtype=dtype, device=self.comm_device) for dtype, shape in metas]
-        posted.works = self._irecv(posted.bufs, m, 1)
+            posted.bufs = [torch.empty(s, dtype=d, device=self.comm_device) for d, s in specs(meta) if wants_grad(d)]
+            posted.works, posted.done = self._irecv(posted.bufs, m, range(1, 1 + len(posted.bufs))), True
+            return True
+        known = posted.known
+        if not posted.started:  # the predicted slots at once (a flag of their own first, where it goes apart)
+            posted.started, known = True, self._known.get((m.stage, m.mb))
+            if known is not None:
+                posted.known, posted.bufs = known, predicted.buffers(known, self._flag, self.comm_device)
+                apart = self._flag and predicted.flag_slot(known) is None
+                posted.works = self._irecv(posted.bufs, m, range(not apart, len(posted.bufs) + (not apart)))
+            if known is None or not self._flag:
+                self._post_header(posted, m)
+        if posted.header is None and known is not None:  # the flag says whether the header follows
+            if not self._ready(posted.works[predicted.flag_index(known)], m, block):
+                return False
+            posted.works.pop(predicted.flag_index(known))  # waited for (a gloo receive is not waited for twice)
+            if predicted.raised(known, posted.bufs):
+                self._post_header(posted, m)
+            else:
+                posted.meta = known
+        if posted.meta is None and posted.header is not None:
+            work, buf = posted.header
+            if not self._ready(work, m, block):
+                return False
+            posted.meta = decode(buf if buf.device.type == "cpu" else buf.cpu())
+        if posted.meta is None:  # _post reads every activation's header or flag before its tensors
+            raise RuntimeError(f"pipeddp: the header of micro-batch {m.mb} for stage {m.stage} was never read")
+        self._meta[(m.stage, m.mb)] = self._seen[(m.stage, m.mb)] = posted.meta
+        have = specs(posted.meta)
+        late = range(len(have)) if known is None else predicted.missing(known, posted.meta)
+        posted.late = [torch.empty(have[k][1], dtype=have[k][0], device=self.comm_device) for k in late]
+        posted.works += self._irecv(posted.late, m, [1 + k for k in late])
+        posted.done = True
+        return True
+
+    def _post_header(self, posted: _Posted, m: Message) -> None:
+        """Post the receive of message ``m``'s header: on ``header_group``, else in the link's order."""
+        on_host = self.header_group is not None
+        buf = torch.empty((HEADER,), dtype=torch.int64, device="cpu" if on_host else self.comm_device)
+        posted.header = (self._irecv([buf], m, [0], self.header_group)[0], buf)
+
+    def _ready(self, work: Any, m: Message, block: bool) -> bool:
+        """Whether ``work`` (a receive of message ``m``) is in: waited for where ``block``, else looked at."""
+        if not block and not work.is_completed():
+            return False
+        self._wait([work], m)
         return True
 
     def _wait(self, works: List[Any], m: Message) -> None:
@@ -288,54 +297,56 @@ class P2PChannel:
         self._wait(posted.works, m)
         self.ordering.advance()
         if kind == "F":
-            if posted.meta is None:  # _post reads every activation's header before its tensors
-                raise RuntimeError(f"pipeddp: the header of micro-batch {mb} for stage {stage} was never read")
-            tensors = [b.to(self.device) for b in posted.bufs]
-            container = posted.meta[0]
+            container, members = posted.meta if posted.meta is not None else (0, [])
+            tensors = posted.late if posted.known is None else \
+                predicted.unpack(posted.known, (container, members), posted.bufs, posted.late, self._flag)
+            got = iter(t.to(self.device) for t in tensors)
+            value = [None if d is None else next(got) for d, _ in members]
             if container == 0:
-                return tensors[0]
-            return tuple(tensors) if container == 1 else list(tensors)
-        _, metas = self._meta.pop(_activation(kind, stage, mb))
+                return value[0]
+            return tuple(value) if container == 1 else list(value)
         got = iter(b.to(self.device) for b in posted.bufs)
-        return [next(got) if wants_grad(d) else None for d, _ in metas]
+        return [next(got) if wants_grad(d) else None for d, _ in specs(self._meta.pop(_activation(kind, stage, mb)))]
 
     # -- sending -----------------------------------------------------------------------------------
 
     def send(self, kind: str, stage: int, mb: int, value: Any) -> None:
         """Send ``stage`` its input (``"F"``) or the gradient of its output (``"B"``) for micro-batch ``mb``."""
+        i = self._find(True, kind, stage, mb)
+        header: Optional[torch.Tensor] = None
         if kind == "F":
-            container, tensors = flatten(value)  # refuses what cannot cross before anything is posted
-            meta: Meta = (container, [(t.dtype, tuple(t.shape)) for t in tensors])
+            container, members = flatten(value)  # refuses what cannot cross before anything is posted
+            meta = meta_of(container, members)
             known = self._known.get((stage, mb))
-            header = encode(container, tensors) if known is None else None
-            i = self._find(True, kind, stage, mb)
-            if known is not None and known != meta:
-                raise RuntimeError(
-                    f"pipeddp: rank {self.rank} (stage {self.stage}): the activation of micro-batch {mb} for stage "
-                    f"{stage} has shapes {meta[1]}, though the batch has the shapes of the step before, whose "
-                    f"activation here had {known[1]}: the shapes at this cut depend on the input's values, not only "
-                    "on its shapes, which messages between processes without a header cannot carry; cut where the "
-                    "shapes follow the input's")
+            if known is None or known != meta or not self._flag:
+                header = encode(container, members)
             self.ordering.catch_up(self, i)
             self._meta[(stage, mb)] = self._seen[(stage, mb)] = meta
-            out = tensors
+            tensors = [t.detach().to(self.comm_device) for t in members if t is not None]
+            # in the link's order: the predicted slots, the header where they did not hold the activation, the
+            # tensors they did not carry (a header on the twin goes ahead of all)
+            first = [] if known is None else predicted.outgoing(known, meta, tensors, self._flag, self.comm_device)
+            late = range(len(tensors)) if known is None else predicted.missing(known, meta)
+            apart = known is not None and self._flag and predicted.flag_slot(known) is None
+            out = list(zip(first, range(not apart, len(first) + (not apart)))) + [(tensors[k], 1 + k) for k in late]
+            at = 0 if known is None or not self._flag else len(first)
             self.headers += header is not None
         else:
             # Gradients of the activation this process received: one per floating tensor, zeros where unused.
-            i = self._find(True, kind, stage, mb)
-            _, metas = self._meta.pop(_activation(kind, stage, mb))
-            out, header = [], None
-            for (dtype, shape), g in zip(metas, value):
-                if wants_grad(dtype):
-                    out.append(g if g is not None else torch.zeros(shape, dtype=dtype, device=self.device))
+            metas = specs(self._meta.pop(_activation(kind, stage, mb)))
+            grads = [g if g is not None else torch.zeros(shape, dtype=dtype, device=self.device)
+                     for (dtype, shape), g in zip(metas, value) if wants_grad(dtype)]
+            out, at = [(g.detach().to(self.comm_device), 1 + k) for k, g in enumerate(grads)], 0
             self.ordering.catch_up(self, i)
         m = self._order[i]
-        sent = [t.detach().to(self.comm_device).contiguous() for t in out]
-        works = [] if header is None else [self._send_header(header, m)]  # ahead of its tensors
-        works += [(dist.isend(t, self.peer, tag=_tag(m.kind, m.stage, m.mb, 1 + k)), [t]) for k, t in enumerate(sent)]
+        sent = [(t.contiguous(), k) for t, k in out]
+        works = [(dist.isend(t, self.peer, tag=_tag(m.kind, m.stage, m.mb, k)), [t]) for t, k in sent[:at]]
+        if header is not None:
+            works.append(self._send_header(header, m))
+        works += [(dist.isend(t, self.peer, tag=_tag(m.kind, m.stage, m.mb, k)), [t]) for t, k in sent[at:]]
         self._next = i + 1
         self.ordering.issued()
-        if self.comm_device.type == "cpu" and sum(t.numel() * t.element_size() for t in sent) <= EAGER_BYTES:
+        if self.comm_device.type == "cpu" and sum(t.numel() * t.element_size() for t, _ in sent) <= EAGER_BYTES:
             self._delivered(works)  # gloo, a small message: delivered now (see the module's docstring)
         else:
             self._inflight = [(w, ts) for w, ts in self._inflight if not w.is_completed()] + works

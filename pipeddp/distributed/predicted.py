@@ -1,0 +1,114 @@
+"""The header-free path: an activation sent in the slots both ends predicted, and a flag that says whether it fits.
+
+Where every rank's batch has the shapes of the previous call (``Agreement.repeated``), both ends of a link predict
+each activation from what crossed at the same (stage, micro-batch) in that call, and the receiver posts receives of
+those shapes at once, without a header. What crosses a cut may still depend on the input's values (transformers
+builds an attention mask only for a micro-batch with padding), so the prediction can be wrong, and only the sender
+knows. It says so in-band, at no extra message: over gloo one element appended to the smallest predicted tensor
+(a separate one-byte message first where even that one is large: a copy of it would cost more than a message),
+read on the host where gloo's buffers are; over nccl the header, on the pipeline's gloo twin as every header there
+(a flag in a GPU buffer would take a synchronisation to read). When the activation differs, the sender still fills
+every predicted slot (with the tensor where its dtype and shape are the predicted ones, else with an unwritten
+tensor of the predicted shape: a receive cannot be withdrawn), then sends the header and the tensors the slots did
+not carry, in the link's order; the receiver, having read the flag, posts their receives next. No round trip: the
+sender never waits for the receiver to learn of the change.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from .headers import Meta, specs
+
+__all__ = ["INLINE_BYTES", "buffers", "flag_index", "flag_slot", "missing", "outgoing", "raised", "unpack"]
+
+#: the flag rides on the smallest predicted tensor up to this size; a separate byte goes ahead of larger ones
+INLINE_BYTES = 64 << 10
+Specs = List[Tuple[torch.dtype, Tuple[int, ...]]]
+
+
+def flag_slot(known: Meta) -> Optional[int]:
+    """Which predicted tensor carries the flag (one element more); None: a separate byte, sent ahead of them."""
+    sizes = [math.prod(s) * d.itemsize for d, s in specs(known)]
+    smallest = min(range(len(sizes)), key=sizes.__getitem__, default=None)
+    return smallest if smallest is not None and sizes[smallest] <= INLINE_BYTES else None
+
+
+def _carried(known: Specs, actual: Specs, k: int) -> bool:
+    """Whether the activation's tensor ``k`` fills predicted slot ``k`` (same dtype and shape)."""
+    return k < len(known) and k < len(actual) and known[k] == actual[k]
+
+
+def missing(known: Meta, meta: Meta) -> List[int]:
+    """The activation's tensors that no predicted slot carried: they cross after its header."""
+    ks, actual = specs(known), specs(meta)
+    return [k for k in range(len(actual)) if not _carried(ks, actual, k)]
+
+
+def outgoing(known: Meta, meta: Meta, tensors: Sequence[torch.Tensor], flag: bool,
+             device: torch.device) -> List[torch.Tensor]:
+    """What the sender puts in the predicted slots (after a flag of its own where ``flag_slot`` is None); ``flag``:
+    the flag travels here (gloo), raised where the activation is not the predicted one."""
+    ks, actual = specs(known), specs(meta)
+    out = [tensors[k] if _carried(ks, actual, k) else torch.empty(s, dtype=d, device=device)
+           for k, (d, s) in enumerate(ks)]
+    if not flag:
+        return out
+    up = int(known != meta)
+    f = flag_slot(known)
+    if f is None:
+        return [torch.full((1,), up, dtype=torch.uint8, device=device)] + out
+    out[f] = torch.cat([out[f].reshape(-1), torch.full((1,), up, dtype=out[f].dtype, device=device)])
+    return out
+
+
+def buffers(known: Meta, flag: bool, device: torch.device) -> List[torch.Tensor]:
+    """The receiver's buffers for ``outgoing``'s tensors, in the same order."""
+    ks = specs(known)
+    bufs = [torch.empty(s, dtype=d, device=device) for d, s in ks]
+    if not flag:
+        return bufs
+    f = flag_slot(known)
+    if f is None:
+        return [torch.empty((1,), dtype=torch.uint8, device=device)] + bufs
+    d, s = ks[f]
+    bufs[f] = torch.empty((math.prod(s) + 1,), dtype=d, device=device)
+    return bufs
+
+
+def flag_index(known: Meta) -> int:
+    """Which of ``buffers``' holds the flag: once its receive is in, the receiver knows."""
+    f = flag_slot(known)
+    return 0 if f is None else f
+
+
+def raised(known: Meta, bufs: Sequence[torch.Tensor]) -> bool:
+    """Whether the sender raised the flag: its element's bytes, read from host memory (gloo's buffers are there)
+    as they are, not through a tensor op."""
+    buf = bufs[flag_index(known)]
+    size = buf.element_size()
+    start = (buf.storage_offset() + buf.numel() - 1) * size
+    storage = buf.untyped_storage()
+    return any(storage[start + b] for b in range(size))
+
+
+def unpack(known: Meta, meta: Meta, bufs: Sequence[torch.Tensor], extra: Sequence[torch.Tensor],
+           flag: bool) -> List[torch.Tensor]:
+    """The activation's tensors, in order: from the predicted slots where they carried them, else from ``extra``
+    (the receives posted after the header, in ``missing``'s order)."""
+    ks, actual = specs(known), specs(meta)
+    f = flag_slot(known) if flag else -1
+    slots = list(bufs[1:]) if flag and f is None else list(bufs)
+    late = iter(extra)
+    out = []
+    for k, (_, s) in enumerate(actual):
+        if not _carried(ks, actual, k):
+            out.append(next(late))
+        elif k == f:
+            out.append(slots[k][:-1].view(s))
+        else:
+            out.append(slots[k])
+    return out
