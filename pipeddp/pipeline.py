@@ -145,7 +145,8 @@ class Pipeline(Checkpointable, StepModule):
     Checkpoints: ``save``, ``save_checkpoint``, ``wait_for_save``, ``load`` and
     ``resume`` write and read the formats of ``HybridParallel`` (one file, or
     sharded), by the same code (``pipeddp.checkpoints.checkpointable``), so
-    each class loads the other's checkpoints.
+    each class loads the other's checkpoints; ``save_pretrained`` writes a
+    Hugging Face directory, as ``HybridParallel``'s does.
     """
 
     def __init__(
