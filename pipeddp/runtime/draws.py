@@ -37,6 +37,7 @@ import random
 import struct
 import sys
 import threading
+import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -145,20 +146,27 @@ def register_kernels() -> None:
         if _registered:
             return
         library = torch.library.Library("aten", "IMPL")
-        for name in dir(torch.ops.aten):
-            packet = getattr(torch.ops.aten, name, None)
-            if not isinstance(packet, torch._ops.OpOverloadPacket):
-                continue
-            for overload in packet.overloads():
-                op = getattr(packet, overload)
-                if _SEEDED not in op.tags or (
-                        torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
-                        and not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "VmapMode")):
-                    continue  # not random, or made of other ops (dropout, lstm) that reach their own kernels
-                kernel = _kernel(op)
-                if kernel is not None:
-                    library.impl(op, kernel, "VmapMode")
+        with warnings.catch_warnings():  # torch warns, once, that the legacy vmap's kernels are overridden
+            warnings.filterwarnings("ignore", message=".*other operators may also be overridden")
+            _register(library)
         _registered.append(library)
+
+
+def _register(library: Any) -> None:
+    """A kernel for every random aten op that is not made of others, and for those the legacy vmap catches."""
+    for name in dir(torch.ops.aten):
+        packet = getattr(torch.ops.aten, name, None)
+        if not isinstance(packet, torch._ops.OpOverloadPacket):
+            continue
+        for overload in packet.overloads():
+            op = getattr(packet, overload)
+            if _SEEDED not in op.tags or (
+                    torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
+                    and not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "VmapMode")):
+                continue  # not random, or made of other ops (dropout, lstm) that reach their own kernels
+            kernel = _kernel(op)
+            if kernel is not None:
+                library.impl(op, kernel, "VmapMode")
 
 
 class stage_generator:  # noqa: N801 (used as a context, like torch.no_grad)
@@ -294,41 +302,46 @@ def _host_changed(before: HostState) -> bool:
                 and bool(numpy.array_equal(now[1], before[1][1])))
 
 
+#: set once any stage's forward is seen to move Python's or NumPy's generator: from then on every forward that
+#: recompute drops, and every replay, runs under ``_host_lock`` (a change seen while two stages ran could be either's)
+_host_drawn = threading.Event()
+
+
 class HostDraws:
     """Python's ``random`` and NumPy's global generator, replayed for one stage.
 
     They have one state per process and no generator argument to hand over.
     The first forward of a micro-batch that recompute will replay records
-    their states where it changes them (it drew: transformers' Wav2Vec2 draws
-    its SpecAugment masks with NumPy); its replay sets them back to those
-    states for the forward and then restores them, so it draws the numbers
-    the first forward drew and the process's streams run on as without
-    recompute. Once the stage is seen to draw, those forwards hold a lock
-    that other stages drawing the same way take too; a thread that pipeddp
-    does not own and that draws from them meanwhile shifts the numbers.
+    their states where they change meanwhile (the stage drew: transformers'
+    Wav2Vec2 draws its SpecAugment masks with NumPy); its replay sets them
+    back to those states for the forward and then restores them, so it draws
+    the numbers the first forward drew and the process's streams run on as
+    without recompute. Once any stage is seen to draw, those forwards and the
+    replays of every stage take turns on one lock; a thread that pipeddp does
+    not own and that draws from them meanwhile, or a second stage in the very
+    forward where the first draw is seen, can shift the numbers.
     """
 
     def __init__(self) -> None:
-        self.draws = False
         self._first: Dict[int, HostState] = {}
 
     @contextlib.contextmanager
     def first(self, mb: int) -> Iterator[None]:
         """The first forward of micro-batch ``mb`` (its activations dropped, replayed later)."""
-        with _host_lock if self.draws else contextlib.nullcontext():
+        with _host_lock if _host_drawn.is_set() else contextlib.nullcontext():
             before = _host_get()
             try:
                 yield
             finally:
                 if _host_changed(before):
                     self._first[mb] = before
-                    self.draws = True
+                    _host_drawn.set()
                 else:
                     self._first.pop(mb, None)
 
     @contextlib.contextmanager
     def again(self, mb: int) -> Iterator[None]:
-        """The replay of micro-batch ``mb``: from the states its first forward began with, where it drew."""
+        """The replay of micro-batch ``mb``: from the states its first forward began with, where they moved."""
         recorded = self._first.pop(mb, None)
         if recorded is None:
             yield
