@@ -344,9 +344,14 @@ class Agreement(CallCheck):
     # -- a gradient norm over stages --------------------------------------------------------------------
 
     def join_norm(self, part: torch.Tensor, is_max: bool, *, group: Any) -> torch.Tensor:
-        """The shares of a gradient norm held by ``group``'s processes: summed, or the max for the inf-norm (after the
-        call check on every rank of the job: a rank that clips while another saves hears of it, and so does that)."""
-        self.enter("clip_grad_norm_")
+        """The norm's shares of ``group``'s processes (None: the job's), summed (the max for the inf-norm), after the
+        call check of every rank of the job; on the host the shares ride on that check, joined alike on each rank."""
+        bits = int(part.to("cpu", torch.float64).reshape(1).view(torch.int64)) if self.comm_device.type == "cpu" else 0
+        rows = self._calls("clip_grad_norm_", [bits, 0, 0, 0, 0], self.host_group, self.topology.job_ranks)
+        if self.comm_device.type == "cpu":  # the shares came with the check: the same sum, in one order, on each
+            members = set(self.topology.job_ranks if group is None else dist.get_process_group_ranks(group))
+            shares = torch.tensor([row[0] for r, row in zip(self.topology.job_ranks, rows) if r in members])
+            return shares.view(torch.float64).max() if is_max else shares.view(torch.float64).sum()
         buf = part.to(self.comm_device, copy=True)
         dist.all_reduce(buf, op=dist.ReduceOp.MAX if is_max else dist.ReduceOp.SUM, group=group)
         return buf
