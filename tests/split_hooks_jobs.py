@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import pipeddp
-from hybrid_jobs import LOSS, global_batches, init
+from hybrid_jobs import LOSS, global_batches, init, local_slice
 
 #: hook calls by tag, in this process
 CALLS: Counter = Counter()
@@ -58,6 +58,27 @@ def _full_hook(module: nn.Module, grad_input: Tuple[Any, ...], grad_output: Tupl
     return tuple(None if g is None else g * 0.5 for g in grad_input)
 
 
+class Twice(nn.Module):
+    """One Linear used twice, side by side (``lin(x) + lin(tanh(x))``) or one use feeding the other
+    (``lin(tanh(lin(x)))``), with a hook on its weight: W reaches the weight from two places, and the plain backward
+    accumulates it (and runs the weight's hooks, and DDP's) once."""
+
+    def __init__(self, tag: str, nested: bool) -> None:
+        super().__init__()
+        self.tag, self.nested = tag, nested
+        self.lin = nn.Linear(WIDTH, WIDTH)
+        self.lin.weight.register_hook(self._hook)
+
+    def _hook(self, grad: torch.Tensor) -> torch.Tensor:
+        CALLS[self.tag] += 1
+        return grad * 0.5
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.nested:
+            return self.lin(torch.tanh(self.lin(x)))
+        return self.lin(x) + self.lin(torch.tanh(x))
+
+
 class Tagged(nn.Linear):
     def __init__(self, tag: str) -> None:
         super().__init__(WIDTH, WIDTH)
@@ -65,15 +86,15 @@ class Tagged(nn.Linear):
 
 
 def hooked_model(seed: int = 0) -> nn.Sequential:
-    """12 float64 layers: tensor hooks and both module backward hooks spread so that every stage of a 2-, 3- or
-    4-stage uniform cut holds some, at its start, its middle and its end."""
+    """14 float64 layers: tensor hooks, both module backward hooks and hooked weights used twice, spread so that
+    every stage of a 2-, 3- or 4-stage uniform cut holds some, at its start, its middle and its end."""
     torch.manual_seed(seed)
     pre, full = Tagged("a"), Tagged("b")
     pre.register_full_backward_pre_hook(_pre_hook)
     full.register_full_backward_hook(_full_hook)
-    layers = [nn.Linear(WIDTH, WIDTH), nn.Tanh(), Hooked("h0"),
+    layers = [nn.Linear(WIDTH, WIDTH), nn.Tanh(), Hooked("h0"), Twice("w0", nested=False),
               Hooked("h1", scale=True), nn.ReLU(), pre,
-              full, nn.Tanh(), Hooked("h2"),
+              full, nn.Tanh(), Hooked("h2"), Twice("w1", nested=True),
               nn.Linear(WIDTH, WIDTH), nn.ReLU(), Hooked("h3", scale=True)]
     return nn.Sequential(*layers).double()
 
@@ -94,11 +115,13 @@ def reference(steps: int, replicas: int = 1) -> Tuple[List[Dict[str, torch.Tenso
     return grads, per_backward
 
 
-def train(engine: Any, steps: int, local: int, replica: int = 0) -> List[Tuple[Dict[str, torch.Tensor], Counter]]:
+def train(engine: Any, steps: int, local: int, replicas: int = 1) -> List[Tuple[Dict[str, torch.Tensor], Counter]]:
     """SGD steps of ``global_batches``: each step's gradients by name and the hook calls this process saw in it."""
     opt = torch.optim.SGD(engine.parameters(), lr=0.1)
     out = []
-    for x, y in global_batches(1, steps, local=local):
+    replica = engine.topology.replica if replicas > 1 else 0
+    for batch in global_batches(replicas, steps, local=local):
+        x, y = local_slice(batch, replica, local)
         CALLS.clear()
         opt.zero_grad()
         first, last = getattr(engine, "is_first", True), getattr(engine, "is_last", True)
@@ -108,16 +131,17 @@ def train(engine: Any, steps: int, local: int, replica: int = 0) -> List[Tuple[D
     return out
 
 
-def stage_job(layouts: List[Tuple[int, str]], chunks: int, steps: int) -> List[Any]:
-    """``HybridParallel(mode="stage", schedule="zb")`` per (virtual stages, placement), one stage group per process:
-    each step's gradients and hook calls, per layout."""
+def two_process_job(layouts: List[Tuple[str, int, str]], chunks: int, steps: int) -> List[Any]:
+    """``HybridParallel(schedule="zb")`` per (mode, virtual stages, placement) on two processes: ``"stage"`` is one
+    stage group per process, ``"replica"`` two DDP replicas of a two-stage pipeline. Each step's gradients and hook
+    calls, per layout."""
     init()
     out = []
-    for virtual, placement in layouts:
-        engine = pipeddp.HybridParallel(hooked_model(), stages=2, mode="stage", chunks=chunks, schedule="zb",
+    for mode, virtual, placement in layouts:
+        engine = pipeddp.HybridParallel(hooked_model(), stages=2, mode=mode, chunks=chunks, schedule="zb",
                                         virtual_stages=virtual, placement=placement, balance="uniform")
         try:
-            out.append(train(engine, steps, local=10))
+            out.append(train(engine, steps, local=10, replicas=2 if mode == "replica" else 1))
         finally:
             engine.close()
     return out

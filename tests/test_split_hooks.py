@@ -19,7 +19,7 @@ from torch import nn
 import pipeddp
 from conftest import max_diff
 from pipeddp.runtime.stage import Stage, StepSpec
-from split_hooks_jobs import WIDTH, hooked_model, reference, stage_job, train
+from split_hooks_jobs import WIDTH, hooked_model, reference, train, two_process_job
 
 CPU = torch.device("cpu")
 CHUNKS = 4
@@ -42,7 +42,7 @@ def check(steps_got, ref_grads, per_backward: Counter, chunks: int = CHUNKS, nam
 def test_a_split_backward_runs_every_hook_once(schedule, virtual, placement, checkpoint):
     steps = 6 if schedule == "auto" else 2  # auto times its candidate orders in its first steps
     ref_grads, per_backward = reference(steps)
-    assert set(per_backward) == {"h0", "h1", "h2", "h3", "pre:a", "full:b"} and per_backward["h1"] == 2
+    assert set(per_backward) == {"h0", "h1", "h2", "h3", "w0", "w1", "pre:a", "full:b"} and per_backward["h1"] == 2
     with pipeddp.Pipeline(hooked_model(), ["cpu"] * 2, chunks=CHUNKS, schedule=schedule, virtual_stages=virtual,
                           placement=placement, checkpoint=checkpoint, balance="uniform") as pipe:
         got = train(pipe, steps, local=10)
@@ -57,12 +57,17 @@ def test_one_f_one_b_is_the_reference_the_split_must_meet():
 
 
 @pytest.mark.timeout(200)
-def test_stage_mode_processes_run_every_hook_once():
-    # one job of two processes: one stage each, then two each in the V; NCCL's rules for the messages
-    ref_grads, per_backward = reference(2)
-    layouts = [(1, "loop"), (2, "v")]
-    results = pipeddp.spawn(stage_job, 2, args=(layouts, CHUNKS, 2), timeout=150)
-    for layout in range(len(layouts)):
+def test_stage_and_replica_mode_processes_run_every_hook_once():
+    # one job of two processes, NCCL's rules for the messages: one stage each, two each in the V, then two DDP
+    # replicas (each replica's hooks fire once per micro-batch; DDP sees each weight ready once per step)
+    layouts = [("stage", 1, "loop"), ("stage", 2, "v"), ("replica", 1, "loop")]
+    results = pipeddp.spawn(two_process_job, 2, args=(layouts, CHUNKS, 2), timeout=150)
+    for layout, (mode, _, _) in enumerate(layouts):
+        ref_grads, per_backward = reference(2, replicas=2 if mode == "replica" else 1)
+        if mode == "replica":
+            for per_rank in results:
+                check(per_rank[layout], ref_grads, per_backward)
+            continue
         joined = []
         for step in range(2):
             grads, calls = {}, Counter()

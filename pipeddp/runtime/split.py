@@ -48,7 +48,10 @@ hook put on a node directly (``grad_fn.register_hook``) is not seen.
 A parameter reachable from a split point through both sides (the same weight
 used twice within one stage, one use feeding the other) is entered below the
 node too: W then starts only at the node's weight-side children, so the inner
-use, which has a split point of its own, is not counted twice. Where torch
+use, which has a split point of its own, is not counted twice. A parameter
+that several of W's starting points reach (two uses, nested or side by side)
+is accumulated once, as in one backward (``_once``): its hooks and DDP's
+"ready" fire once, where one W backward per point fired them per point. Where torch
 cannot start a backward at a node (before 2.5) W runs a whole backward
 restricted to the parameters instead, correct at the cost of recomputing the
 activation gradients (and of running the hooks above the split points twice).
@@ -56,9 +59,10 @@ activation gradients (and of running the hooks above the split points twice).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple, cast
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple, cast
 
 import torch
 
@@ -161,7 +165,20 @@ def _call(node: Node, got: Sequence[Optional[torch.Tensor]]) -> Sequence[Optiona
     return outs
 
 
-def _below(point: Point) -> None:
+#: where one backward of W starts: (gradient edges or roots, their gradients (None: a loss), the parameters it asks for)
+Piece = Tuple[List[Any], Optional[List[torch.Tensor]], List[torch.Tensor]]
+
+
+def _at(point: Point) -> Piece:
+    """W of a split point entered at the node, with the gradients that reached it in I."""
+    from torch.autograd.graph import GradientEdge
+
+    got = point.got
+    return ([GradientEdge(point.node, k) for k, g in enumerate(got) if g is not None],
+            [g for g in got if g is not None], point.params)
+
+
+def _below(point: Point) -> Piece:
     """W of a split point entered below it: its children, from what it passed on in I or from its backward called
     directly (no hooks) where I computed nothing for them.
 
@@ -189,8 +206,45 @@ def _below(point: Point) -> None:
             g = g.to(meta.dtype)
         edges.append(GradientEdge(child, nr))
         grads.append(g)
-    if edges:
-        torch.autograd.backward(edges, grads, inputs=point.params, retain_graph=True)
+    return edges, grads, point.params
+
+
+@contextlib.contextmanager
+def _hooks_held(params: Sequence[torch.Tensor]) -> Iterator[None]:
+    """The parameters' own tensor hooks, emptied for a while (and put back in their order)."""
+    held = []
+    for p in params:
+        hooks = p._backward_hooks
+        if hooks:
+            held.append((hooks, list(hooks.items())))
+            hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, items in held:
+            hooks.update(items)
+
+
+def _once(pieces: List[Piece]) -> None:
+    """Run ``pieces`` that share parameters so that each parameter's accumulator runs once, as in one backward.
+
+    A parameter reached by several pieces (a weight used twice in the stage)
+    would otherwise be accumulated once per piece, and its hooks and DDP's
+    "gradient ready" would fire as often. So the pieces' gradients are taken
+    first (``autograd.grad``, with the parameters' own hooks held back: it runs
+    them where it takes a gradient) and summed, then handed to the parameters'
+    accumulators in one backward.
+    """
+    total: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # by id: tensors compare by value
+    with _hooks_held([p for _, _, ps in pieces for p in ps]):
+        for starts, grads, params in pieces:
+            got = torch.autograd.grad(starts, params, grads, retain_graph=True, allow_unused=True)
+            for p, g in zip(params, got):
+                if g is not None:
+                    total[id(p)] = (p, g if id(p) not in total else total[id(p)][1] + g)
+    if total:
+        torch.autograd.backward([torch.autograd.graph.get_gradient_edge(p) for p, _ in total.values()],
+                                [g for _, g in total.values()])
 
 
 class WeightGrads:
@@ -217,22 +271,20 @@ class WeightGrads:
                 torch.autograd.backward([t for t, _ in pairs], None if all(g is None for g in grads) else grads,
                                         inputs=self.params)
         else:
-            from torch.autograd.graph import GradientEdge
-
-            for point in self.points:
-                if point.below is not None:
-                    _below(point)
-                    continue
-                got = point.got
-                edges = [GradientEdge(point.node, k) for k, g in enumerate(got) if g is not None]
-                if edges:
-                    torch.autograd.backward(edges, [g for g in got if g is not None], inputs=point.params,
-                                            retain_graph=True)
-            for root, grad in self.roots:
-                params = self.reachable.get(root.grad_fn, []) if root.grad_fn is not None else []
-                if params:
-                    torch.autograd.backward([root], None if grad is None else [grad], inputs=params,
-                                            retain_graph=True)
+            pieces = [_below(p) if p.below is not None else _at(p) for p in self.points]
+            pieces += [([root], None if grad is None else [grad], self.reachable.get(root.grad_fn, []))
+                       for root, grad in self.roots if root.grad_fn is not None]
+            pieces = [piece for piece in pieces if piece[0] and piece[2]]
+            seen: Set[int] = set()
+            shared = False
+            for _, _, params in pieces:
+                shared = shared or any(id(p) in seen for p in params)
+                seen.update(id(p) for p in params)
+            if shared:
+                _once(pieces)
+            else:
+                for starts, given, params in pieces:
+                    torch.autograd.backward(starts, given, inputs=params, retain_graph=True)
         self.points, self.roots, self.whole, self.params, self.reachable = [], [], None, [], {}
 
 
