@@ -70,9 +70,18 @@ class StepModule(nn.Module):
 
     def tied_keys(self) -> List[str]:
         """This process's keys that hold a later use of a tied weight (an output head tied to the embedding): the
-        places that take the first use's value at every step, and that Hugging Face checkpoints leave out."""
+        places that take the first use's value at every step, and that Hugging Face checkpoints leave out.
+
+        Both kinds: a tie across stages (each later stage holds a copy) and one whose places all sit in one stage
+        of this process (one tensor under several keys, the later keys in state-dict order), so that a checkpoint
+        reads alike whatever the cut, the devices or the virtual stages."""
         original = self.key_names.original
-        return sorted({original(name) for tie, _ in self._step.ties.entries for name in tie.names[1:]})
+        later = {original(name) for tie, _ in self._step.ties.entries for name in tie.names[1:]}
+        first: Dict[int, str] = {}
+        for key, value in self.state_dict(keep_vars=True).items():
+            if isinstance(value, torch.Tensor) and first.setdefault(id(value), key) != key:
+                later.add(key)
+        return sorted(later)
 
     @property
     def trace(self) -> Optional[Trace]:

@@ -110,7 +110,7 @@ def test_a_pipeline_exports_in_one_process_over_an_earlier_export(tmp_path):
 def test_a_weight_at_four_places_is_written_once_under_the_name_transformers_keeps(tmp_path):
     """T5's embedding is ``shared``, the encoder's and the decoder's ``embed_tokens`` and the head. The engine's first
     place is the encoder's, which transformers calls a later place of ``shared``: on one device all four are one
-    tensor, over two stages the others are copies."""
+    tensor, over two stages the others are copies; either way ``shared`` is a later place to the engine."""
     from hf_jobs import batch, logits, t5
 
     model = t5().eval()
@@ -119,7 +119,7 @@ def test_a_weight_at_four_places_is_written_once_under_the_name_transformers_kee
     for devices in (["cpu"], ["cpu", "cpu"]):
         target = str(tmp_path / f"t5-{len(devices)}")
         with pipeddp.Pipeline(flat, devices, chunks=2) as pipe:
-            assert ("shared.weight" in pipe.tied_keys()) == (len(devices) == 2)
+            assert "shared.weight" in pipe.tied_keys()  # a later place: the encoder's tensor, or a copy of it
             pipe.save_pretrained(target)
         index = json.loads((tmp_path / f"t5-{len(devices)}" / pretrained.INDEX).read_text())["weight_map"]
         assert [k for k in index if k.endswith("embed_tokens.weight") or k in ("shared.weight", "lm_head.weight")

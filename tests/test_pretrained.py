@@ -137,3 +137,26 @@ def test_a_directory_of_another_model_is_refused_before_anything_changes(tmp_pat
             pipe.load(path, torch.optim.SGD(pipe.parameters(), lr=0.1))
         after = pipe.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.timeout(120)
+def test_a_tied_model_loads_whatever_stage_holds_the_head(tmp_path):
+    """The directory holds the embedding only. With the head in the embedding's stage the two are one tensor under
+    two keys, and the head's key is not asked of the directory either: one stage, two stages, replica mode."""
+    path = str(tmp_path / "llama")
+    saved_llama(path, tied=True)
+    batch, _ = tokens(4, seed=3, padded=False)
+    want = reference(path, batch)
+    engines = [lambda flat: pipeddp.Pipeline(flat, ["cpu"], chunks=2, seed=0),
+               lambda flat: pipeddp.Pipeline(flat, ["cpu", "cpu"], chunks=2, seed=0),
+               lambda flat: pipeddp.HybridParallel(flat, stages=1, mode="replica", chunks=2, seed=0)]
+    for build in engines:
+        with build(flat_llama(batch, tied=True, meta=True)) as engine:
+            engine.load(path)
+            engine.eval()
+            with torch.no_grad():
+                got = engine(batch["input_ids"])
+            assert (got - want).abs().max().item() < 1e-10
+            if len(engine.stages) == 1:  # still one weight, not two that would drift apart in training
+                own = engine.state_dict(keep_vars=True)
+                assert own["lm_head.weight"] is own["model.embed_tokens.weight"]
