@@ -42,7 +42,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-__all__ = ["stage_generator", "stop_handing", "HostDraws", "register_kernels"]
+__all__ = ["stage_generator", "settled", "stop_handing", "HostDraws", "register_kernels"]
 
 _PARSED = torch._C._parse_dispatch_key("VmapMode")  # not among the Python enum's names
 if _PARSED is None:
@@ -135,7 +135,7 @@ def _kernel(op: Any) -> Optional[Callable[..., Any]]:
         with torch._C._ExcludeDispatchKeyGuard(_KEYSET):
             if generator is _PROCESS or not _on_cpu(args, kwargs):
                 return op(*args, **kwargs)
-            return hand(generator, args, dict(kwargs))
+            return hand(settled(), args, dict(kwargs))
 
     return kernel
 
@@ -177,15 +177,23 @@ class stage_generator:  # noqa: N801 (used as a context, like torch.no_grad)
         self.generator, self.seed = generator, seed
 
     def __enter__(self) -> None:
-        if self.seed is not None:
-            self.generator.manual_seed(self.seed)
-        self.before = getattr(_state, "generator", None), torch._C._dispatch_tls_is_dispatch_key_included(_KEY)
-        _state.generator = self.generator
+        self.before = (getattr(_state, "generator", None), getattr(_state, "seed", None),
+                       torch._C._dispatch_tls_is_dispatch_key_included(_KEY))
+        _state.generator, _state.seed = self.generator, self.seed  # seeded at the first draw: none, no cost
         torch._C._dispatch_tls_set_dispatch_key_included(_KEY, True)
 
     def __exit__(self, *exc: Any) -> None:
-        torch._C._dispatch_tls_set_dispatch_key_included(_KEY, self.before[1])
-        _state.generator = self.before[0]
+        torch._C._dispatch_tls_set_dispatch_key_included(_KEY, self.before[2])
+        _state.generator, _state.seed = self.before[:2]
+
+
+def settled() -> torch.Generator:
+    """This thread's stage generator, seeded if its body has not drawn yet (inside ``stage_generator`` alone)."""
+    generator: torch.Generator = _state.generator
+    if _state.seed is not None:
+        generator.manual_seed(_state.seed)
+        _state.seed = None
+    return generator
 
 
 def stop_handing() -> None:

@@ -60,7 +60,7 @@ from typing import Any, Callable, ContextManager, Dict, FrozenSet, Hashable, Ite
 
 import torch
 
-from .draws import HostDraws, register_kernels, stage_generator, stop_handing
+from .draws import HostDraws, register_kernels, settled, stage_generator, stop_handing
 
 __all__ = ["Replay", "ForeignDraws", "draw_base_seed", "is_checkpointing", "is_recomputing", "checkpointing",
            "recomputing"]
@@ -139,17 +139,16 @@ def _seed(key: str, seed: int) -> None:
 class _StateWatch:
     """Whether code run in this thread reads or sets the process's CPU generator (its state, its seed).
 
-    At the first such call the process's generator takes ``generator``'s state and the random ops stop
-    drawing from ``generator``: the rest of the body continues the same stream from the process's."""
+    At the first such call the process's generator takes the stage generator's state and the random ops stop
+    drawing from the stage's: the rest of the body continues the same stream from the process's."""
 
-    def __init__(self, generator: torch.Generator) -> None:
+    def __init__(self) -> None:
         self.touched = False
-        self.generator = generator
 
     def _profile(self, frame: FrameType, event: str, arg: Any) -> None:
         if not self.touched and event == "c_call" and getattr(arg, "__self__", None) is torch.default_generator:
             self.touched = True
-            torch.default_generator.set_state(self.generator.get_state())
+            torch.default_generator.set_state(settled().get_state())
             stop_handing()
 
     @contextlib.contextmanager
@@ -216,7 +215,7 @@ class Replay:
             if keeps:
                 yield
                 return
-            watch = _StateWatch(self._generator) if keeps is None else None
+            watch = _StateWatch() if keeps is None else None
             with stage_generator(self._generator, seed), watch.watching() if watch else contextlib.nullcontext():
                 yield
             if watch is not None:
