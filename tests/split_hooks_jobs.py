@@ -2,8 +2,9 @@
 
 Every hook halves the gradient it sees and counts its calls in ``CALLS`` (by the layer's tag), so a hook run twice
 or not at all shows in the gradients and in the counts: tensor hooks on a layer's output (``register_hook``, the way
-per-activation clipping, loss scaling by hand and probes attach), and module backward hooks
-(``register_full_backward_pre_hook`` on one layer, ``register_full_backward_hook`` on another).
+per-activation clipping, loss scaling by hand and probes attach), module backward hooks
+(``register_full_backward_pre_hook`` on one layer, ``register_full_backward_hook`` on another), and hooks on the
+weights of Linears used twice within a layer.
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """A split backward runs every gradient hook once, as the plain backward does (``runtime.split``, "Hooks").
 
-The model (``split_hooks_jobs.hooked_model``) has tensor hooks on layer outputs and both module backward hooks,
-each halving the gradient and counting its calls: a hook run twice or not at all changes the gradients (checked
-against the plain model on one device, float64, 1e-12) and the counts (each hook fires once per micro-batch's
-backward, as often as in the plain backward of that micro-batch). Zero-bubble in one stage per device, two
-interleaved (``zb-v2``) and in the V (ZBV), ``auto`` (whose timed candidates include split orders), recompute,
-the threads of ``Pipeline`` and the processes of ``HybridParallel(mode="stage")``; below them, ``split`` itself on a
-``retain_grad``.
+The model (``split_hooks_jobs.hooked_model``) has tensor hooks on layer outputs, both module backward hooks, and
+weights used twice in a stage (nested and side by side) with hooks of their own, each hook halving the gradient and
+counting its calls: a hook run twice or not at all changes the gradients (checked against the plain model on one
+device, float64, 1e-12) and the counts (each hook fires once per micro-batch's backward, as often as in the plain
+backward of that micro-batch). Zero-bubble in one stage per device, two interleaved (``zb-v2``) and in the V (ZBV),
+``auto`` (whose timed candidates include split orders), recompute, the threads of ``Pipeline``, the processes of
+``HybridParallel(mode="stage")`` and DDP replicas; below them, ``split`` on a ``retain_grad`` and on a module hook
+whose node is where the paths part.
 """
 
 import copy

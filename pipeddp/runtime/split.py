@@ -40,21 +40,22 @@ gradient I recorded after the tensor hooks. Every hook runs once, in I, as in
 the plain backward, and the weight gradient is still computed in W; the cost
 is that node's input-side gradient computed a second time and dropped.
 autograd does not say which nodes carry hooks, so ``watch_hooks`` marks them
-as they are made: the node of every tensor given a hook through
-``Tensor.register_hook`` or ``retain_grad`` (``register_multi_grad_hook`` and
-FSDP2's hooks go through these), and module backward hooks' nodes by name. A
-hook put on a node directly (``grad_fn.register_hook``) is not seen.
+as they are made, process-wide from the import of this module on: the node
+of every tensor given a hook through ``Tensor.register_hook`` or
+``retain_grad`` (``register_multi_grad_hook`` and FSDP2's hooks go through
+these), and module backward hooks' nodes by name. A hook put on a node
+directly (``grad_fn.register_hook``) is not seen.
 
 A parameter reachable from a split point through both sides (the same weight
 used twice within one stage, one use feeding the other) is entered below the
 node too: W then starts only at the node's weight-side children, so the inner
 use, which has a split point of its own, is not counted twice. A parameter
 that several of W's starting points reach (two uses, nested or side by side)
-is accumulated once, as in one backward (``_once``): its hooks and DDP's
-"ready" fire once, where one W backward per point fired them per point. Where torch
-cannot start a backward at a node (before 2.5) W runs a whole backward
-restricted to the parameters instead, correct at the cost of recomputing the
-activation gradients (and of running the hooks above the split points twice).
+is accumulated once, as in one backward (``_once``), so its hooks and DDP's
+"ready" fire once, not once per point. Where torch cannot start a backward at
+a node (before 2.5) W runs a whole backward restricted to the parameters
+instead, correct at the cost of recomputing the activation gradients (and of
+running the hooks above the split points twice).
 """
 
 from __future__ import annotations
