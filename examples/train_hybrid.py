@@ -9,11 +9,18 @@ over gloo. The data is synthetic (a fixed random teacher network), so nothing
 is downloaded. Each replica reads its own shard of every epoch
 (``pipeddp.data.loader``), and the job trains exactly like one device would on
 the global batch (replicas x --batch samples).
+
+Every ``--log-every`` steps rank 0 logs the step's figures (time, samples/s, each
+stage's idle share, peak memory on GPUs) on the ``"pipeddp"`` logger, which the
+script shows on stderr with ``logging.basicConfig(level=logging.INFO)``::
+
+    INFO pipeddp: step 25: 0.003 s, 12078.8 samples/s, idle 56% 55%
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 from typing import Any, Tuple
 
 import torch
@@ -66,6 +73,8 @@ def parse(argv: Any = None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=2048, help="training samples (a quarter more are held out)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
     p.add_argument("--out", default=None, help="write the final consolidated state dict here")
+    p.add_argument("--log-every", type=int, default=25,
+                   help="log the step's figures (pipeddp.watch) every this many steps (0: never)")
     return p.parse_args(argv)
 
 
@@ -74,7 +83,8 @@ def main(argv: Any = None) -> float:
     model, train_set, eval_set = build(args)
     # "auto": the GPUs where there are enough for every process's stages, else the CPU (gloo)
     engine = pipeddp.HybridParallel(model, stages=args.stages, mode=args.mode, chunks=args.chunks,
-                                    schedule=args.schedule, balance="params", devices="auto")
+                                    schedule=args.schedule, balance="params", devices="auto",
+                                    log_every=args.log_every)
     rank = engine.topology.rank
     loader = pipeddp.data.loader(train_set, args.batch, engine=engine, seed=args.seed, drop_last=True)
     optimizer = torch.optim.SGD(engine.parameters(), lr=args.lr, momentum=0.9)
@@ -113,4 +123,5 @@ def main(argv: Any = None) -> float:
 
 
 if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     main()

@@ -47,7 +47,9 @@ The same defaults take 0.25 s/step with ``--hybrid --mode stage`` under torchrun
 per stage) and 0.40 s/step for 2 replicas x 2 stages (a global batch of 64, four stage
 threads on two cores). The text grows as the project does, so numbers drift a little.
 
-Only rank 0 prints. ``--out PATH`` writes the final consolidated state dict.
+Only rank 0 prints: every ``--log-every`` steps the loss, and the step's time, samples/s and
+each stage's idle share from ``engine.last_step``. ``--out PATH`` writes the final consolidated
+state dict.
 """
 
 from __future__ import annotations
@@ -337,7 +339,8 @@ def main(argv: Any = None) -> Losses:
             torch.set_num_threads(args.threads)  # one stage per process
         engine: Union[pipeddp.Pipeline, pipeddp.HybridParallel] = pipeddp.HybridParallel(
             model, stages=args.stages, mode=args.mode, chunks=args.chunks, sample=x_sample, balance=args.balance,
-            checkpoint=args.checkpoint, threads=args.threads, devices="auto")  # the CPU where GPUs are too few
+            checkpoint=args.checkpoint, threads=args.threads, devices="auto",  # the CPU where GPUs are too few
+            log_every=args.log_every)  # idle shares are timed on the steps it would log, the ones printed here
         topo = engine.topology
         rank, replica, replicas = topo.rank, topo.replica, topo.replicas
         held_loader = pipeddp.data.loader(held_set, args.batch, engine=engine, train=False)
@@ -348,7 +351,8 @@ def main(argv: Any = None) -> Losses:
                 f"devices {[str(d) for d in engine.devices]}"
     else:
         engine = pipeddp.Pipeline(model, pipeline_devices(args.stages), chunks=args.chunks, sample=x_sample,
-                                  balance=args.balance, checkpoint=args.checkpoint, threads=args.threads)
+                                  balance=args.balance, checkpoint=args.checkpoint, threads=args.threads,
+                                  log_every=args.log_every)
         rank, replica, replicas = 0, 0, 1
 
         def held_out() -> float:
@@ -379,8 +383,12 @@ def main(argv: Any = None) -> Losses:
             step = len(losses)
             if rank == 0 and args.log_every and (step % args.log_every == 0 or step == 1):
                 recent = losses[-args.log_every:]
+                figures = engine.last_step  # the step's time, samples/s, idle shares (what pipeddp.watch logs)
+                idle = " ".join(f"{v:.0%}" for v in figures.idle.values() if v is not None) if figures else ""
+                speed = f"  {figures.seconds:.3f} s, {figures.samples_per_s:.0f} samples/s" if figures else ""
                 bar.console.print(f"step {step:5d}  loss {losses[-1]:.4f}  (mean of the last {len(recent)}: "
-                                  f"{sum(recent) / len(recent):.4f})", highlight=False)
+                                  f"{sum(recent) / len(recent):.4f}){speed}{', idle ' + idle if idle else ''}",
+                                  highlight=False, soft_wrap=True)
     seconds = time.perf_counter() - start
 
     held_after = held_out()
