@@ -48,8 +48,9 @@ class StepStats:
     row of this process, the share of ``seconds`` it did not compute (None for a CUDA device, whose busy
     time only its stream knows: ``trace=True`` records it). ``peak_memory``: per device row, the most bytes
     CUDA's allocator held during the step (None on the CPU, where no per-device figure exists).
-    ``waiting``: seconds this process waited for other processes (the step's agreements, and in stage mode
-    on the CPU its receives and the end-of-step flush); None for a one-process engine.
+    ``waiting``: seconds this process waited for other processes (the step's agreements, and on a step that
+    times its actions, in stage mode on the CPU, its receives and the end-of-step flush); None for a
+    one-process engine. ``idle`` too is measured on such steps only (``Recorder.timing``), else None.
     """
 
     step: int
