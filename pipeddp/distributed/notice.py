@@ -161,7 +161,9 @@ class Notices:
             if notice is None:
                 self.post(exc, call)
                 if not any(n.startswith("pipeddp: rank") for n in getattr(exc, "__notes__", [])):
-                    _note(exc, f"pipeddp: {self.where()}, in {call}")
+                    topo = self.topology
+                    _note(exc, f"pipeddp: rank {topo.rank}{f', stage {topo.stage}' if topo.mode == 'stage' else ''}, "
+                               f"in {call}")
             cut(self.groups, self.topology.rank)
             self.linger()
             if notice is None:
