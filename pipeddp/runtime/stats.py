@@ -12,7 +12,7 @@ Nothing here makes a device wait: the clock times CPU devices only, and on
 CUDA the memory figures are the caching allocator's counters, kept on the
 host. A count that a ``Pipeline`` made on a GPU stays there until
 ``StepStats.tokens`` is read. Timing every action costs a few microseconds
-each on the host (a step of 16 actions on a small CPU model: 2-4% measured),
+each on the host (small CPU models, 16 to 32 actions a step: 3-6% measured),
 so the clock runs only on the steps that ask for it (``timing``: the engines
 time the steps they log, every ``log_every``-th); the others' ``idle`` is None.
 """
