@@ -47,7 +47,9 @@ class StepStats:
     returned ``(total, count)`` (every replica together), else None; read ``tokens``. ``idle``: per device
     row of this process, the share of ``seconds`` it did not compute (None for a CUDA device, whose busy
     time only its stream knows: ``trace=True`` records it). ``peak_memory``: per device row, the most bytes
-    CUDA's allocator held during the step (None on the CPU, where no per-device figure exists).
+    CUDA's allocator has held since the process started or the user last reset its peak
+    (``torch.cuda.reset_peak_memory_stats``: the engine leaves the user's counters alone); None on the CPU,
+    where no per-device figure exists.
     ``waiting``: seconds this process waited for other processes (the step's agreements, and on a step that
     times its actions, in stage mode on the CPU, its receives and the end-of-step flush); None for a
     one-process engine. ``idle`` too is measured on such steps only (``Recorder.timing``), else None.
@@ -182,8 +184,6 @@ class Recorder:
         self._timed = self.timing and self.clock is not None
         if self._timed and self.clock is not None:
             self.clock.reset()
-        for dev in {d for d in self.devices.values() if d.type == "cuda"}:
-            torch.cuda.reset_peak_memory_stats(dev)  # the allocator's counters: no sync
 
     def arrive(self) -> None:
         """A step starts before its pass (its batch agreement): ``begin`` then keeps this start."""
