@@ -40,7 +40,7 @@ gradient I recorded after the tensor hooks. Every hook runs once, in I, as in
 the plain backward, and the weight gradient is still computed in W; the cost
 is that node's input-side gradient computed a second time and dropped.
 autograd does not say which nodes carry hooks, so ``watch_hooks`` marks them
-as they are made, process-wide from the import of this module on: the node
+as they are made, process-wide from the first engine's construction on: the node
 of every tensor given a hook through ``Tensor.register_hook`` or
 ``retain_grad`` (``register_multi_grad_hook`` and FSDP2's hooks go through
 these), and module backward hooks' nodes by name. A hook put on a node
@@ -113,8 +113,8 @@ def watch_hooks() -> None:
 
     ``Tensor.register_hook`` and ``Tensor.retain_grad`` are wrapped, process-wide:
     each still does what it did, and then sets a key in the tensor's node's
-    ``metadata``. Called when this module is imported (with ``pipeddp``), so it
-    is in place before any stage's first forward.
+    ``metadata``. Called when a step is built (``Step``), so it is in place
+    before any stage's first forward and importing pipeddp changes nothing in torch.
     """
     with _WATCH_LOCK:
         for name in ("register_hook", "retain_grad"):
@@ -384,6 +384,3 @@ def backward_input(pairs: Sequence[Tuple[torch.Tensor, Optional[torch.Tensor]]],
                     if c is not None]
     it = iter(got)
     return [next(it) if t.requires_grad else None for t in inputs], w
-
-
-watch_hooks()

@@ -39,6 +39,7 @@ from .schedule.actions import Action, Schedule, ScheduleFn, row_of
 from .schedule.builders import backward_only, forward_only
 from .schedule.registry import get_schedule
 from .spec import Grads, StepSpec
+from .split import watch_hooks
 from .stage import Stage
 from .stats import Recorder
 from .tied import LocalTies, Tie
@@ -85,6 +86,7 @@ class Step:
                  split_size: Optional[int], schedule: Union[str, ScheduleFn], checkpoint: str,
                  ties: Sequence[Tie] = (), deferred_batch_norm: bool = False, virtual_stages: int = 1,
                  placement: str = "loop") -> None:
+        watch_hooks()  # a split backward (zb, auto) must see which activations carry hooks
         self.stages = sorted(stages, key=lambda st: st.index)
         self.n_stages = n_stages
         self.virtual_stages = virtual_stages
