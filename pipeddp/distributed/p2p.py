@@ -24,30 +24,28 @@ and receive of a rank, to any peer, runs on one stream. Tags are still set (gloo
 went astray then waits instead of landing in the wrong buffer), but nothing depends on them.
 
 An activation crosses as a small int64 *header* (container, dtypes and shapes; a member may be None) followed by its
-tensors, so shapes may change from step to step; its tensors' receives are posted once the header is in. A header is
-a host value at both ends, so on an nccl job it travels over the pipeline's gloo twin (``header_group``,
-``groups.host_group``), where gloo pairs it by tag and it takes no place in the link's order: over nccl the sender's
-copy to the GPU and the receiver's copy back would each wait for the stream's queued work. Gradients need no header:
-they have the shapes of the activation this process sent. Where every rank's batch has the shapes of the previous
-call of its kind (``Agreement.repeated``, told to every rank alike), both ends *predict* each activation from what
-crossed at the same (stage, micro-batch) in that call (``begin(..., key, repeat)``) and its receives are posted at
-once, without a header. What crosses may still depend on the input's values (transformers' attention builds a mask
-only for a micro-batch with padding), so the sender flags in-band whether the activation is the predicted one (over
-gloo an element appended to its smallest tensor; over nccl the header on the twin says it, as a flag in a GPU buffer
-would take a sync to read); one that differs fills the predicted receives and follows with its header and the
-tensors they did not carry, in the link's order, at no round trip (``predicted``). An incoming activation's flag is
-read before later receives are posted.
+tensors, whose receives are posted once the header is in. A header is a host value at both ends, so on an nccl job
+it travels over the pipeline's gloo twin (``header_group``, ``groups.host_group``; paired by tag, no place in the
+link's order): over nccl the copies to and from the GPU would each wait for the stream's queued work. Gradients
+need no header: they have the shapes of the activation this process sent. Where every rank's batch has the shapes
+of the previous call of its kind (``Agreement.repeated``, told every rank alike), both ends *predict* each
+activation from what crossed at the same (stage, micro-batch) in that call (``begin(..., key, repeat)``) and its
+receives are posted at once. What crosses may still depend on the input's values (transformers' attention builds a
+mask only for a micro-batch with padding), so the sender flags whether the activation is the predicted one (over
+gloo in-band, an element on its smallest tensor; over nccl the header on the twin); one that differs fills the
+predicted receives and follows with its header and the tensors they did not carry, in the link's order, at no
+round trip (``predicted``). The receiver reads an activation's flag before it posts later receives.
 
-Sends are asynchronous (``isend``). A gloo send completes only once the peer has posted its receive and the data has
-crossed. Over gloo (CPU) a small one (up to ``EAGER_BYTES``) is waited for at once, as torch's schedules do: its
-receive is mostly posted ahead (``Ordering``), so the caller sleeps while gloo's socket thread writes it rather than
-computing on the core that thread needs (a small model's 1F1B step on 2 shared cores, messages of 1-2 KiB: 11-21%
-faster at m = 8 in three A/B runs, the same at m = 4). A large one stays in flight, so the compute goes on while it
-crosses (resnet50, messages of 256 KiB-4 MiB, each waited for at once: interleaved 10-11% slower at m = 8 and 7% at
-m = 4, 1F1B 0-4%, in A/B runs in one job). No deadlock in waiting: the peer posts its receive of message n before
-any later operation of the link's order (``catch_up``), and all it may wait for first came before n. Over NCCL a
-wait would hold the compute stream, so ``flush`` waits at the step's end. A failed step leaves operations posted
-that no later message may meet, so the channel refuses further steps (``fail``).
+Sends are asynchronous (``isend``); a gloo send completes once the peer has posted its receive and the data has
+crossed. Over gloo a small one (up to ``EAGER_BYTES``) is waited for at once, as torch's schedules do, where its
+receive is mostly posted ahead (not after an activation whose header or flag the peer reads first): the caller
+sleeps while gloo's socket thread writes it rather than computing on the core that thread needs (a small model's
+1F1B on 2 shared cores, messages of 1-2 KiB: 11-21% faster at m = 8 in three A/B runs, the same at m = 4). A large
+one stays in flight, so the compute goes on while it crosses (resnet50, messages of 256 KiB-4 MiB, each waited for
+at once: interleaved 7-11% slower, 1F1B 0-4%, in A/B runs in one job). No deadlock in waiting: the peer posts its
+receive of message n before any later operation of the link's order (``catch_up``), and all it may wait for first
+came before n. Over NCCL a wait would hold the compute stream, so ``flush`` waits at the step's end. A failed step
+leaves operations posted that no later message may meet, so the channel refuses further steps (``fail``).
 """
 
 from __future__ import annotations
@@ -265,8 +263,7 @@ class P2PChannel:
 
     def _post_header(self, posted: _Posted, m: Message) -> None:
         """Post the receive of message ``m``'s header: on ``header_group``, else in the link's order."""
-        on_host = self.header_group is not None
-        buf = torch.empty((HEADER,), dtype=torch.int64, device="cpu" if on_host else self.comm_device)
+        buf = torch.empty((HEADER,), dtype=torch.int64, device=self.comm_device if self.header_group is None else "cpu")
         posted.header = (self._irecv([buf], m, [0], self.header_group)[0], buf)
 
     def _ready(self, work: Any, m: Message, block: bool) -> bool:
@@ -346,7 +343,10 @@ class P2PChannel:
         works += [(dist.isend(t, self.peer, tag=_tag(m.kind, m.stage, m.mb, k)), [t]) for t, k in sent[at:]]
         self._next = i + 1
         self.ordering.issued()
-        if self.comm_device.type == "cpu" and sum(t.numel() * t.element_size() for t, _ in sent) <= EAGER_BYTES:
+        prev = self._order[i - 1] if i else None  # gated: the peer reads a header or flag before it posts this one
+        gated = (header is not None and at > 0) or (prev is not None and prev.src == self.stage and prev.kind == "F")
+        size = sum(t.numel() * t.element_size() for t, _ in sent)
+        if self.comm_device.type == "cpu" and not gated and size <= EAGER_BYTES:
             self._delivered(works)  # gloo, a small message: delivered now (see the module's docstring)
         else:
             self._inflight = [(w, ts) for w, ts in self._inflight if not w.is_completed()] + works
