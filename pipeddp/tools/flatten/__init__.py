@@ -39,6 +39,7 @@ from ..transformer import EncoderCall, EncoderLayerCall
 from .chain import NotAChain, by_hand, chain_layers, configure_encoders, unique_names
 from .check import clone, differences, train_mode_differences
 from .encdec import open_stacks
+from .head import TailProgram
 from .layerdrop import refuse_layer_drop
 from .lent import LentWeights
 from .stack import NotAStack, call_model, find_stack, model_output
@@ -186,9 +187,9 @@ def flatten_sequential(model: nn.Module, sample: Any, *, rtol: float = 1e-5, ato
         lent.__exit__(None, None, None)
         for m, mode in modes:
             m.training = mode
-    if isinstance(lent, LentWeights):  # what the first layer registered while the model ran: the lent values
-        for layer in flat:
-            if isinstance(layer, StackInput):
+    if isinstance(lent, LentWeights):  # what the layers registered of the model's own while it ran: lent values
+        for layer in flat.modules():  # an encoder-decoder's second stack opens inside a layer (``encoded.input``)
+            if isinstance(layer, (StackInput, TailProgram)):
                 layer.take_kept()
     for layer in [flat] + [m for m in flat.modules() if id(m) not in own]:
         layer.training = model.training

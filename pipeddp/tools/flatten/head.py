@@ -111,9 +111,12 @@ class TailProgram(nn.Module):
     refused, not computed with the sample's).
     """
 
+    _kept_from: List[Tuple[str, nn.Module, str]]
+
     def __init__(self, mods: Dict[str, nn.Module], steps: List[Tuple[Any, Any, Any]], result: Ref,
                  inputs: int, dims: List[Tuple[int, int, Tuple[int, ...]]],
-                 kept: Optional[Dict[str, Tuple[torch.Tensor, bool]]] = None, length: Optional[int] = None) -> None:
+                 kept: Optional[Dict[str, Tuple[torch.Tensor, bool]]] = None, length: Optional[int] = None,
+                 owners: Optional[Dict[str, Tuple[nn.Module, str]]] = None) -> None:
         super().__init__()
         self.mods = nn.ModuleDict(mods)
         #: the model's own parameters and buffers that a step reads (by name here; ``(tensor, persistent)``)
@@ -123,11 +126,20 @@ class TailProgram(nn.Module):
                 self.kept.register_parameter(name, t)
             else:
                 self.kept.register_buffer(name, t, persistent=persistent)
+        #: where the model holds each of them: (name here, its module, its attribute); not registered
+        object.__setattr__(self, "_kept_from", [(n, m, attr) for n, (m, attr) in (owners or {}).items()])
         self.steps = steps
         self.result = result
         self.inputs = inputs
         self.dims = dims
         self.length = length
+
+    def take_kept(self) -> None:
+        """Register again what the model holds now at the places it reads (after a meta model's run: its meta
+        tensors, not the values lent to it while it ran, which would be a second tensor under one key)."""
+        for name, owner, attr in self._kept_from:
+            table = self.kept._parameters if name in self.kept._parameters else self.kept._buffers
+            table[name] = getattr(owner, attr)
 
     # mypy: nn.Module.forward is variadic; a stage layer takes its one carried value
     def forward(self, carried: Any) -> Any:  # type: ignore[override]
@@ -167,16 +179,17 @@ class _Builder:
     def __init__(self, model: nn.Module, start: torch.Tensor, variations: List[Tuple[Tuple[int, int], _Marker]],
                  scope: Dict[str, Any]) -> None:
         self.where: Dict[int, Any] = {id(start): Ref(0)}
-        #: the model's parameters and buffers by tensor: (key in the model, persistent)
-        self.state: Dict[int, Tuple[str, torch.Tensor, bool]] = {}
+        #: the model's parameters and buffers by tensor: (key in the model, persistent, module, attribute)
+        self.state: Dict[int, Tuple[str, torch.Tensor, bool, nn.Module, str]] = {}
         for path, m in model.named_modules():
             for attr, t in list(m._parameters.items()) + list(m._buffers.items()):
                 if t is not None:
                     key = f"{path}.{attr}" if path else attr
-                    self.state.setdefault(id(t), (key, t, attr not in m._non_persistent_buffers_set))
-        #: what the program holds of them: name here -> (tensor, persistent), and the original keys
+                    self.state.setdefault(id(t), (key, t, attr not in m._non_persistent_buffers_set, m, attr))
+        #: what the program holds of them: name here -> (tensor, persistent), the original keys, and the owners
         self.kept: Dict[str, Tuple[torch.Tensor, bool]] = {}
         self.kept_keys: Dict[str, str] = {}
+        self.owners: Dict[str, Tuple[nn.Module, str]] = {}
         #: per other run: (the sizes in the sample's run and in that one, the marker of an int that moves so)
         self.variations = variations
         self.device = start.device
@@ -190,9 +203,10 @@ class _Builder:
         if found is not None:
             return found
         if id(t) in self.state:  # the model's own state, read by a step (a bias added to the logits)
-            key, tensor, persistent = self.state[id(t)]
+            key, tensor, persistent, owner, attr = self.state[id(t)]
             name = key.replace(".", "_")
             self.kept[name], self.kept_keys[f"kept.{name}"] = (tensor, persistent), key
+            self.owners[name] = (owner, attr)
             self.where[id(t)] = Kept(name)
             return self.where[id(t)]
         source = find_source(self.scope, t)
@@ -327,7 +341,7 @@ def program_of(model: nn.Module, run: Run, others: List[Tuple[Run, Tuple[int, in
         first = 2 if length is not None and t.dim() > 1 and t.shape[1] == varied[LENGTH.text] else 1
         if set(t.shape[first:]) & build.ints:
             dims.append((i + 1, first, tuple(t.shape[first:])))
-    program = TailProgram(mods, steps, number(build.where[id(final)]), k, dims, build.kept, length)
+    program = TailProgram(mods, steps, number(build.where[id(final)]), k, dims, build.kept, length, build.owners)
     return program, [source for source, _ in build.inputs], {**origins, **build.kept_keys}
 
 

@@ -9,8 +9,9 @@ initialised from a generator seeded by the module's name (its ``init``, else
 ``reset_parameters()``, else small normal values for floating tensors and zeros
 for the rest), and the forward hook puts the meta tensors back. Both runs see
 the same values, so the comparison holds; nothing lent outlives the run (the
-first layer of a block stack, built while the model ran, registers the model's
-own tensors again afterwards: ``StackInput.take_kept``).
+layers built while the model ran that hold the model's own tensors, the first
+layer of each block stack and a replayed head, register them again afterwards:
+``StackInput.take_kept``, ``TailProgram.take_kept``).
 
 A module that owns tensors and has children (a vision transformer's class token
 beside its blocks, BERT's embeddings and their ``token_type_ids`` buffer) may
