@@ -70,18 +70,25 @@ class StepModule(nn.Module):
 
     def tied_keys(self) -> List[str]:
         """This process's keys that hold a later use of a tied weight (an output head tied to the embedding): the
-        places that take the first use's value at every step, and that Hugging Face checkpoints leave out.
+        places that take the first use's value at every step, and that Hugging Face checkpoints leave out."""
+        return sorted(self.tied_places())
+
+    def tied_places(self) -> Dict[str, str]:
+        """The later places of each tied weight this process uses, and the weight's first place (in the model's
+        order; either may sit in another process), by the model's keys.
 
         Both kinds: a tie across stages (each later stage holds a copy) and one whose places all sit in one stage
-        of this process (one tensor under several keys, the later keys in state-dict order), so that a checkpoint
-        reads alike whatever the cut, the devices or the virtual stages."""
+        of this process (one tensor under several keys), so that a checkpoint reads alike whatever the cut, the
+        devices or the virtual stages; and a directory that names the weight by a later place (transformers keeps
+        ``shared`` where the engine's first place is the encoder's embedding) loads into the first."""
         original = self.key_names.original
-        later = {original(name) for tie, _ in self._step.ties.entries for name in tie.names[1:]}
+        later = {original(name): original(tie.names[0]) for tie, _ in self._step.ties.entries
+                 for name in tie.names[1:]}
         first: Dict[int, str] = {}
         for key, value in self.state_dict(keep_vars=True).items():
             if isinstance(value, torch.Tensor) and first.setdefault(id(value), key) != key:
-                later.add(key)
-        return sorted(later)
+                later.setdefault(key, first[id(value)])
+        return later
 
     @property
     def trace(self) -> Optional[Trace]:

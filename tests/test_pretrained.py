@@ -160,3 +160,29 @@ def test_a_tied_model_loads_whatever_stage_holds_the_head(tmp_path):
             if len(engine.stages) == 1:  # still one weight, not two that would drift apart in training
                 own = engine.state_dict(keep_vars=True)
                 assert own["lm_head.weight"] is own["model.embed_tokens.weight"]
+
+
+@pytest.mark.timeout(120)
+def test_a_meta_built_bart_loads_its_directory_in_one_and_two_stages(tmp_path):
+    """BART's head adds a buffer of the model itself (``final_logits_bias``), which the first layers of both its
+    stacks hold too, and transformers keeps its embedding as ``model.shared.weight`` where the engine's first place
+    is the encoder's: built on meta, flattened and loaded, it computes the saved model's logits."""
+    from hf_jobs import bart, batch, logits
+    from transformers import BartForConditionalGeneration
+
+    real = bart(5).eval()
+    path = str(tmp_path / "bart")
+    real.save_pretrained(path)
+    x, _ = batch("bart", 4, 0)
+    with torch.no_grad():
+        want = logits(real, x)
+    for devices in (["cpu"], ["cpu", "cpu"]):
+        with torch.device("meta"):
+            model = BartForConditionalGeneration(real.config).double()
+        with pipeddp.Pipeline(flatten_sequential(model, x), devices, chunks=2, seed=0) as pipe:
+            pipe.eval()
+            with torch.no_grad():
+                assert (pipe(x) - want).abs().max().item() > 1e-3  # its own initial weights: the load changes them
+                pipe.load(path)
+                got = pipe(x)
+        assert (got - want).abs().max().item() < 1e-10

@@ -14,7 +14,10 @@ the whole model::
 The names are the model's own: a model opened by ``flatten_sequential`` keeps
 them. Hugging Face leaves out the later uses of a tied weight (the output
 head tied to the embedding); those places take the first use's value at every
-step (``runtime.tied``), so they are not asked of the directory.
+step (``runtime.tied``), or are one tensor with it in one stage, so they are
+not asked of the directory. Where it names the weight by a place that is a
+later one to the engine (BART's ``model.shared.weight``), the first place is
+read from that name (``state``).
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ class _Scope:
     own: Dict[str, Any]                              # this process's share, under the model's keys
     keys: Set[str]                                   # the whole model's keys (every process's share)
     whole: Dict[str, Any]                            # every process's entries as meta tensors (shape and dtype)
-    tied: Set[str]                                   # the whole model's later uses of tied weights
+    tied: Dict[str, str]                             # the whole model's later uses of tied weights -> first uses
     load: Callable[..., Any]                         # loads entries of this share (load_state_dict)
     rank: int
     world_size: int
@@ -86,10 +86,10 @@ def _scope(engine: Engine) -> _Scope:
     load names the same misfits, counted over the whole model, on every rank."""
     own = engine.local_state_dict()
     mine = {k: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None for k, v in own.items()}
-    specs, tied = dict(mine), set(engine.tied_keys())
+    specs, tied = dict(mine), engine.tied_places()
     if engine.topology.world_size > 1 and engine.topology.mode == "stage":
         specs = {}  # in rank order: every rank lists the misfits alike
-        for part, ties in engine.agreement.gather_to_all((mine, sorted(tied))):
+        for part, ties in engine.agreement.gather_to_all((mine, sorted(tied.items()))):
             specs.update(part)
             tied.update(ties)
     whole = {k: torch.empty(spec[0], dtype=spec[1], device="meta") for k, spec in specs.items() if spec is not None}
@@ -143,14 +143,27 @@ def _load_pretrained(scope: _Scope, path: str, optimizer: Optional[torch.optim.O
         raise ValueError(f"{path} holds a model's weights only (Hugging Face safetensors); load it without an "
                          "optimizer, which starts fresh")
     where = pretrained.tensor_files(path)
-    files.check_model_keys(path, set(where) | scope.tied, scope.keys)
+    named = _first_places(where, scope.tied)
+    files.check_model_keys(path, set(where) | set(scope.tied) | set(named), scope.keys)
     files.check_model_tensors(path, pretrained.read_specs(where), scope.whole)
-    values = pretrained.read_tensors(where, [k for k in scope.own if k in where])
+    wanted = {k: k if k in where else named[k] for k in scope.own if k in where or k in named}
+    read = pretrained.read_tensors(where, sorted(set(wanted.values())))
+    values = {k: read[source] for k, source in wanted.items()}
 
     def apply() -> None:
         scope.load(values, strict=False)  # every key was checked above; tied places take their first use's value
 
     return apply
+
+
+def _first_places(where: Dict[str, str], tied: Dict[str, str]) -> Dict[str, str]:
+    """The first places of tied weights that the directory holds under a later place's name only, and that name
+    (transformers keeps BART's ``model.shared.weight``, the engine's first place is the encoder's embedding)."""
+    named: Dict[str, str] = {}
+    for later, first in sorted(tied.items()):
+        if first not in where and later in where:
+            named.setdefault(first, later)
+    return named
 
 
 def _buffer(own: torch.Tensor, saved: Tuple[Any, torch.dtype]) -> torch.Tensor:
