@@ -44,6 +44,12 @@ def counted_mse(out, y):
     return (((out - y) ** 2) * keep[:, None]).sum(), keep.sum()
 
 
+def device_calls(calls):
+    """The calls that would sync a device: all but the step's base seed, drawn from the CPU generator (a host
+    value on every machine, ``rng.draw_base_seed``)."""
+    return [c for c in calls if c[:2] != ("item", "rng.py")]
+
+
 LOSSES = {"mean": torch.nn.functional.mse_loss, "counted": counted_mse}
 
 
@@ -56,7 +62,7 @@ def step_job(skip_nonfinite: bool, loss: str = "mean"):
     with CountSyncs() as counted:
         loss = engine.train_step(*args)
     engine.close()
-    return {"calls": counted.calls, "loss": loss}
+    return {"calls": device_calls(counted.calls), "loss": loss}
 
 
 @pytest.mark.timeout(120)
@@ -87,7 +93,7 @@ def test_a_pipeline_s_counted_step_syncs_nowhere():
         with CountSyncs() as counted:
             loss = pipe.train_step(x, y, counted_mse)
         grads = [p.grad.clone() for p in pipe.parameters()]
-    assert counted.calls == [], counted.calls
+    assert device_calls(counted.calls) == [], counted.calls
     model.zero_grad(set_to_none=True)  # the pipeline's stages hold the model's own parameters
     total, count = counted_mse(model(x), y)
     (total / count).backward()
