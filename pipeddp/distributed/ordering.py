@@ -7,12 +7,20 @@ and receive of a rank, to any peer, runs on one stream (see ``p2p``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence, Tuple
+from typing import Protocol, Sequence, Tuple
 
-if TYPE_CHECKING:
-    from .p2p import P2PChannel
+__all__ = ["Ordering", "Link"]
 
-__all__ = ["Ordering"]
+
+class Link(Protocol):
+    """What the order needs of a channel (``p2p.P2PChannel``): its ends, and posting its receives."""
+
+    rank: int
+    peer: int
+
+    def post_next(self, j: int) -> None: ...
+
+    def post_ahead(self, j: int) -> bool: ...
 
 
 class Ordering:
@@ -23,11 +31,11 @@ class Ordering:
     receives, to every peer, run on one stream.
     """
 
-    def __init__(self, entries: Sequence[Tuple["P2PChannel", int]]) -> None:
+    def __init__(self, entries: Sequence[Tuple[Link, int]]) -> None:
         self.entries = list(entries)  # (channel, index in its link's order)
         self.next = 0
 
-    def catch_up(self, channel: "P2PChannel", upto: int) -> None:
+    def catch_up(self, channel: Link, upto: int) -> None:
         """Post every receive that comes before ``channel``'s message ``upto`` (waiting for headers and flags)."""
         while self.next < len(self.entries) and self.entries[self.next] != (channel, upto):
             ch, j = self.entries[self.next]
