@@ -234,8 +234,7 @@ class P2PChannel:
             posted.started, known = True, self._known.get((m.stage, m.mb))
             if known is not None:
                 posted.known, posted.bufs = known, predicted.buffers(known, self._flag, self.comm_device)
-                apart = self._flag and predicted.flag_slot(known) is None
-                posted.works = self._irecv(posted.bufs, m, range(not apart, len(posted.bufs) + (not apart)))
+                posted.works = self._irecv(posted.bufs, m, predicted.slots(known, self._flag, len(posted.bufs)))
             if known is None or not self._flag:
                 self._post_header(posted, m)
         if posted.header is None and known is not None:  # the flag says whether the header follows
@@ -324,8 +323,8 @@ class P2PChannel:
             # tensors they did not carry (a header on the twin goes ahead of all)
             first = [] if known is None else predicted.outgoing(known, meta, tensors, self._flag, self.comm_device)
             late = range(len(tensors)) if known is None else predicted.missing(known, meta)
-            apart = known is not None and self._flag and predicted.flag_slot(known) is None
-            out = list(zip(first, range(not apart, len(first) + (not apart)))) + [(tensors[k], 1 + k) for k in late]
+            ahead = [] if known is None else list(zip(first, predicted.slots(known, self._flag, len(first))))
+            out = ahead + [(tensors[k], 1 + k) for k in late]
             at = 0 if known is None or not self._flag else len(first)
             self.headers += header is not None
         else:

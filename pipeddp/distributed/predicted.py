@@ -23,7 +23,7 @@ import torch
 
 from .headers import Meta, specs
 
-__all__ = ["INLINE_BYTES", "buffers", "flag_index", "flag_slot", "missing", "outgoing", "raised", "unpack"]
+__all__ = ["INLINE_BYTES", "buffers", "flag_index", "flag_slot", "missing", "outgoing", "raised", "slots", "unpack"]
 
 #: the flag rides on the smallest predicted tensor up to this size; a separate byte goes ahead of larger ones
 INLINE_BYTES = 64 << 10
@@ -35,6 +35,14 @@ def flag_slot(known: Meta) -> Optional[int]:
     sizes = [math.prod(s) * d.itemsize for d, s in specs(known)]
     smallest = min(range(len(sizes)), key=sizes.__getitem__, default=None)
     return smallest if smallest is not None and sizes[smallest] <= INLINE_BYTES else None
+
+
+def slots(known: Meta, flag: bool, count: int) -> range:
+    """The tag slots of the ``count`` predicted tensors (``outgoing``'s, ``buffers``'): after the header's slot 0,
+    or from 0 where a separate flag byte goes ahead of them (the header, sent only after it, then takes slot 0 too,
+    one message later in the link's order)."""
+    start = 0 if flag and flag_slot(known) is None else 1
+    return range(start, start + count)
 
 
 def _carried(known: Specs, actual: Specs, k: int) -> bool:
