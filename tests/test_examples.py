@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_example, run_script
 
 import pipeddp
-from conftest import load_example, run_script
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_hybrid.py"
 
