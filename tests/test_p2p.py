@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 import pipeddp
 from pipeddp.distributed.headers import DTYPES, HEADER, decode, encode, flatten
-from pipeddp.distributed.p2p import EAGER_BYTES, P2PChannel, PeerError, _tag
+from pipeddp.distributed.p2p import EAGER_BYTES, P2PChannel, PeerError
+from pipeddp.distributed.tags import tag as _tag
 from pipeddp.runtime.schedule import Kind, crossings, interleaved, one_f_one_b
 
 import nccl_rules
@@ -75,7 +76,7 @@ def test_channel_refuses_a_dict_before_sending_anything():
     ch.begin(crossings(interleaved(2, 1))[(0, 1)])  # it starts with a send: nothing is posted, no group is needed
     with pytest.raises(TypeError, match="got dict; restructure the layer at the cut"):
         ch.send("F", 1, 0, {"h": torch.zeros(2, 3)})
-    assert ch._meta == {} and ch._inflight == [] and ch._next == 0
+    assert ch.shapes.pending == 0 and ch._inflight == [] and ch._next == 0
 
 
 def test_tags_are_unique_per_kind_stage_micro_batch_and_slot():

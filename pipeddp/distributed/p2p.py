@@ -16,12 +16,13 @@ of a channel issue their operations in one order, which both compute from the sc
     rank 0:       send   send   recv   send   recv  ...   (a receive is posted before any later send)
     rank 1:       recv   recv   send   recv   send  ...
 
-A send is issued when its action has produced it, after every receive that comes before it in the link's order has
-been posted; a receive is posted as early as the order and its shapes allow (``Ordering.advance``, on every call),
-so what a stage waits for is usually there already. A process with several links issues the operations of all of
-them in one order for the whole pipeline (``Ordering``, from ``in_order``), so it stays right even where every send
-and receive of a rank, to any peer, runs on one stream. Tags are still set (gloo honours them, and a message that
-went astray then waits instead of landing in the wrong buffer), but nothing depends on them.
+A send is issued when its action has produced it, after every receive that comes before it in the link's order has been
+posted; a receive is posted as early as the order and its shapes allow (``Ordering.advance``, on every call;
+``posting.Posting`` posts, from the shapes ``shapes.Shapes`` keeps), so what a stage waits for is usually there
+already. A process with several links issues the operations of all of them in one order for the whole pipeline
+(``Ordering``, from ``in_order``), so it stays right even where every send and receive of a rank, to any peer, runs on
+one stream. Tags are still set (gloo honours them, and a message that went astray then waits instead of landing in the
+wrong buffer), but nothing depends on them.
 
 An activation crosses as a small int64 *header* (container, dtypes and shapes; a member may be None) followed by its
 tensors, whose receives are posted once the header is in. A header is a host value at both ends, so on an nccl job
@@ -59,8 +60,12 @@ import torch.distributed as dist
 from ..runtime.channels import describe
 from ..runtime.schedule.messages import Message
 from . import predicted
-from .headers import HEADER, Meta, decode, encode, flatten, meta_of, specs, wants_grad
+from .headers import encode, flatten, meta_of, specs, wants_grad
 from .ordering import Ordering
+from .posting import Posting
+from .shapes import Shapes
+from .tags import activation_of, spare_tag
+from .tags import tag as _tag
 
 __all__ = ["P2PChannel", "PeerError", "Ordering", "spare_tag"]
 
@@ -71,49 +76,6 @@ class PeerError(RuntimeError):
 
 #: over gloo, a message of at most this many bytes is waited for as soon as it is sent (see the module's docstring)
 EAGER_BYTES = 64 << 10
-_SLOTS = 5  # bits: the header (slot 0) and up to 31 tensors (as many as a header can describe)
-_STAGES = 8  # bits: up to 256 stages
-_MBS = 31 - _SLOTS - 1 - _STAGES  # bits left for the micro-batch
-
-
-def _tag(kind: str, stage: int, mb: int, slot: int) -> int:
-    """A message's tag: unique per (kind, receiving stage, micro-batch, tensor slot); fits gloo's 32 bits."""
-    if not 0 <= stage < 1 << _STAGES or not 0 <= mb < 1 << _MBS:
-        raise ValueError(f"cannot tag a message of stage {stage}, micro-batch {mb} between processes: at most "
-                         f"{1 << _STAGES} stages and {1 << _MBS} micro-batches per step")
-    return ((((mb << _STAGES) | stage) << 1 | (kind == "B")) << _SLOTS) + slot
-
-
-def spare_tag(kind: int) -> int:
-    """A tag no pipeline message has (that of an activation for stage 0, which nothing sends), one per ``kind``
-    (0 <= kind < 32): for other messages between the same processes (``rows.gather_rows``)."""
-    if not 0 <= kind < 1 << _SLOTS:
-        raise ValueError(f"a spare tag's kind must be in [0, {1 << _SLOTS}), got {kind}")
-    return _tag("F", 0, 0, kind)
-
-
-def _activation(kind: str, stage: int, mb: int) -> Tuple[int, int]:
-    """Which activation a message belongs to: (the stage that takes it as input, micro-batch).
-
-    An activation sent to stage s and the gradient sent back to stage s - 1
-    belong to the same one: the gradient has its shapes.
-    """
-    return (stage + (kind == "B"), mb)
-
-
-class _Posted:
-    """The receives of one incoming message: a gradient's tensors; an activation's header, then its tensors; or its
-    predicted slots, then, where it differs, its header and the tensors they did not carry (``predicted``)."""
-
-    def __init__(self) -> None:
-        self.started = False
-        self.done = False  # every receive of the message is posted
-        self.known: Optional[Meta] = None  # the prediction the slots were posted for
-        self.header: Optional[Tuple[Any, torch.Tensor]] = None
-        self.meta: Optional[Meta] = None
-        self.works: List[Any] = []
-        self.bufs: List[torch.Tensor] = []  # a gradient's tensors, or the predicted slots
-        self.late: List[torch.Tensor] = []  # the tensors posted once the header was in
 
 
 class P2PChannel:
@@ -135,13 +97,8 @@ class P2PChannel:
         self._order: Sequence[Message] = ()
         self._index: Dict[Tuple[bool, str, int, int], int] = {}
         self._next = 0  # the first message of the order whose operations are not all issued yet
-        self._posted: Dict[int, _Posted] = {}
-        self._meta: Dict[Tuple[int, int], Meta] = {}
-        #: the activations' shapes of the last completed step of each kind (key), and of this step so far
-        self._shapes: Dict[str, Dict[Tuple[int, int], Meta]] = {}
-        self._known: Dict[Tuple[int, int], Meta] = {}
-        self._seen: Dict[Tuple[int, int], Meta] = {}
-        self._key = ""
+        #: the activations' shapes of this step so far and of the last completed step of each kind
+        self.shapes = Shapes()
         #: headers sent so far (one per activation whose shapes were not predicted, or not as predicted; over nccl
         #: one per activation, on the gloo twin)
         self.headers = 0
@@ -149,6 +106,8 @@ class P2PChannel:
         #: the twin says it; a device buffer without a twin gets no prediction (its flag would take a sync)
         self._flag = header_group is None
         self._predicts = header_group is not None or comm_device.type == "cpu"
+        self._incoming = Posting(peer, rank=rank, shapes=self.shapes, comm_device=comm_device,
+                                 header_group=header_group, flag=self._flag, wait=self._wait)
         self._inflight: List[Tuple[Any, List[torch.Tensor]]] = []
         self._broken: Optional[str] = None
         #: the order in which this process issues its operations: of all its links, or of this one alone
@@ -173,10 +132,8 @@ class P2PChannel:
         self._order = order
         self._index = {(m.src == self.stage, m.kind, m.stage, m.mb): i for i, m in enumerate(order)}
         self._next = 0
-        self._posted.clear()
-        self._meta.clear()
-        self._key, self._seen = key, {}
-        self._known = self._shapes.get(key, {}) if repeat and key and self._predicts else {}
+        self._incoming.begin(order)
+        self.shapes.begin(key, repeat and self._predicts)
         self.ordering = ordering if ordering is not None else Ordering([(self, i) for i in range(len(order))])
         if ordering is None:
             self.ordering.advance()
@@ -193,7 +150,7 @@ class P2PChannel:
     def post_ahead(self, j: int) -> bool:
         """Post the receives of this link's message ``j`` if it is incoming and that needs no wait; False: the
         process's order stops here for now (a send, or a header, flag or activation not in yet)."""
-        if self._order[j].src == self.stage or not self._post(j, block=False):
+        if self._order[j].src == self.stage or not self._incoming.post(j, block=False):
             return False
         self._next = j + 1
         return True
@@ -204,73 +161,10 @@ class P2PChannel:
             m = self._order[j]
             raise RuntimeError(f"pipeddp: rank {self.rank} must first send {m.kind}{m.mb} of stage {m.stage}: the "
                                "step does not run in the order of its schedule")
-        self._post(j, block=True)
+        self._incoming.post(j, block=True)
         self._next = j + 1
 
     # -- receiving ---------------------------------------------------------------------------------
-
-    def _irecv(self, bufs: Sequence[torch.Tensor], m: Message, slots: Sequence[int], group: Any = None) -> List[Any]:
-        return [dist.irecv(b, self.peer, group=group, tag=_tag(m.kind, m.stage, m.mb, k)) for b, k in zip(bufs, slots)]
-
-    def _post(self, i: int, *, block: bool) -> bool:
-        """Post the receives of incoming message ``i``; False where that needs what is not in yet and not ``block``
-        (an activation's header or flag, or the gradient of an activation not sent yet)."""
-        m = self._order[i]
-        posted = self._posted.setdefault(i, _Posted())
-        if posted.done:
-            return True
-        if m.kind == "B":
-            meta = self._meta.get(_activation(m.kind, m.stage, m.mb))
-            if meta is None:
-                if not block:
-                    return False
-                raise RuntimeError(f"pipeddp: rank {self.rank} expects the gradient of micro-batch {m.mb} from rank "
-                                   f"{self.peer} before it sent that activation")
-            posted.bufs = [torch.empty(s, dtype=d, device=self.comm_device) for d, s in specs(meta) if wants_grad(d)]
-            posted.works, posted.done = self._irecv(posted.bufs, m, range(1, 1 + len(posted.bufs))), True
-            return True
-        known = posted.known
-        if not posted.started:  # the predicted slots at once (a flag of their own first, where it goes apart)
-            posted.started, known = True, self._known.get((m.stage, m.mb))
-            if known is not None:
-                posted.known, posted.bufs = known, predicted.buffers(known, self._flag, self.comm_device)
-                posted.works = self._irecv(posted.bufs, m, predicted.slots(known, self._flag, len(posted.bufs)))
-            if known is None or not self._flag:
-                self._post_header(posted, m)
-        if posted.header is None and known is not None:  # the flag says whether the header follows
-            if not self._ready(posted.works[predicted.flag_index(known)], m, block):
-                return False
-            posted.works.pop(predicted.flag_index(known))  # waited for (a gloo receive is not waited for twice)
-            if predicted.raised(known, posted.bufs):
-                self._post_header(posted, m)
-            else:
-                posted.meta = known
-        if posted.meta is None and posted.header is not None:
-            work, buf = posted.header
-            if not self._ready(work, m, block):
-                return False
-            posted.meta = decode(buf if buf.device.type == "cpu" else buf.cpu())
-        if posted.meta is None:  # _post reads every activation's header or flag before its tensors
-            raise RuntimeError(f"pipeddp: the header of micro-batch {m.mb} for stage {m.stage} was never read")
-        self._meta[(m.stage, m.mb)] = self._seen[(m.stage, m.mb)] = posted.meta
-        have = specs(posted.meta)
-        late = range(len(have)) if known is None else predicted.missing(known, posted.meta)
-        posted.late = [torch.empty(have[k][1], dtype=have[k][0], device=self.comm_device) for k in late]
-        posted.works += self._irecv(posted.late, m, [1 + k for k in late])
-        posted.done = True
-        return True
-
-    def _post_header(self, posted: _Posted, m: Message) -> None:
-        """Post the receive of message ``m``'s header: on ``header_group``, else in the link's order."""
-        buf = torch.empty((HEADER,), dtype=torch.int64, device=self.comm_device if self.header_group is None else "cpu")
-        posted.header = (self._irecv([buf], m, [0], self.header_group)[0], buf)
-
-    def _ready(self, work: Any, m: Message, block: bool) -> bool:
-        """Whether ``work`` (a receive of message ``m``) is in: waited for where ``block``, else looked at."""
-        if not block and not work.is_completed():
-            return False
-        self._wait([work], m)
-        return True
 
     def _wait(self, works: List[Any], m: Message) -> None:
         try:
@@ -285,24 +179,12 @@ class P2PChannel:
         i = self._find(False, kind, stage, mb)
         if i >= self._next:
             self.ordering.catch_up(self, i)
-            self._post(i, block=True)
+            self._incoming.post(i, block=True)
             self._next = i + 1
             self.ordering.issued()
-        posted = self._posted.pop(i)
-        m = self._order[i]
-        self._wait(posted.works, m)
+        posted = self._incoming.arrived(i)
         self.ordering.advance()
-        if kind == "F":
-            container, members = posted.meta if posted.meta is not None else (0, [])
-            tensors = posted.late if posted.known is None else \
-                predicted.unpack(posted.known, (container, members), posted.bufs, posted.late, self._flag)
-            got = iter(t.to(self.device) for t in tensors)
-            value = [None if d is None else next(got) for d, _ in members]
-            if container == 0:
-                return value[0]
-            return tuple(value) if container == 1 else list(value)
-        got = iter(b.to(self.device) for b in posted.bufs)
-        return [next(got) if wants_grad(d) else None for d, _ in specs(self._meta.pop(_activation(kind, stage, mb)))]
+        return self._incoming.value(i, posted, self.device)
 
     # -- sending -----------------------------------------------------------------------------------
 
@@ -313,11 +195,11 @@ class P2PChannel:
         if kind == "F":
             container, members = flatten(value)  # refuses what cannot cross before anything is posted
             meta = meta_of(container, members)
-            known = self._known.get((stage, mb))
+            known = self.shapes.predicted((stage, mb))
             if known is None or known != meta or not self._flag:
                 header = encode(container, members)
             self.ordering.catch_up(self, i)
-            self._meta[(stage, mb)] = self._seen[(stage, mb)] = meta
+            self.shapes.crossed((stage, mb), meta)
             tensors = [t.detach().to(self.comm_device) for t in members if t is not None]
             # in the link's order: the predicted slots, the header where they did not hold the activation, the
             # tensors they did not carry (a header on the twin goes ahead of all)
@@ -329,7 +211,7 @@ class P2PChannel:
             self.headers += header is not None
         else:
             # Gradients of the activation this process received: one per floating tensor, zeros where unused.
-            metas = specs(self._meta.pop(_activation(kind, stage, mb)))
+            metas = specs(self.shapes.take(activation_of(kind, stage, mb)))
             grads = [g if g is not None else torch.zeros(shape, dtype=dtype, device=self.device)
                      for (dtype, shape), g in zip(metas, value) if wants_grad(dtype)]
             out, at = [(g.detach().to(self.comm_device), 1 + k) for k, g in enumerate(grads)], 0
@@ -375,20 +257,18 @@ class P2PChannel:
 
     def finish(self) -> None:
         """End a step that ran to completion: every message of the link's order was sent or received."""
-        if self._next != len(self._order) or self._posted:
+        if self._next != len(self._order) or self._incoming.posted:
             left = self._order[self._next] if self._next < len(self._order) else None
             raise RuntimeError(f"pipeddp: rank {self.rank} ended a step with messages to or from rank {self.peer} "
                                f"left over (the first: {left}): the step did not run its schedule")
-        if self._key:
-            self._shapes[self._key] = self._seen  # what the next step of this kind may take, if its batch repeats
+        self.shapes.finish()  # what the next step of this kind may take, if its batch repeats
 
     def fail(self, exc: BaseException) -> None:
         """A step failed: no later step may use this link (see ``begin``; the first failure is the reason given)."""
         if self._broken is None:
             self._broken = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-        self._posted.clear()
-        self._meta.clear()
-        self._shapes.clear()
+        self._incoming.posted.clear()
+        self.shapes.clear()
         self._inflight = []
 
     def _error(self, what: str, exc: BaseException) -> PeerError:
