@@ -1,11 +1,12 @@
 """``runtime.stage``: one stage's forward / backward / recompute against autograd on the plain layers."""
 
 import copy
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import data, make_mlp, max_diff
 from pipeddp.runtime.stage import Stage, StepSpec, build_stages, register_layers
@@ -22,6 +23,18 @@ def middle_slice(seed: int = 0) -> nn.Sequential:
 def tail_slice(seed: int = 0) -> nn.Sequential:
     """The last three layers of the MLP (ends with a Linear): a last stage."""
     return nn.Sequential(*list(make_mlp(seed=seed))[-3:])
+
+
+class CountOps(TorchDispatchMode):
+    """The aten ops run in its body, by name (run as they come)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
 
 
 def grads_of(module: nn.Module):
@@ -182,6 +195,28 @@ def test_in_place_first_layer_does_not_modify_the_received_tensor(grad, recomput
         torch.autograd.backward(plain(leaf), g)
         assert (gin - leaf.grad).abs().max().item() < 1e-12
         assert max_diff(grads_of(plain), grads_of(stage.module)) < 1e-12
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_a_checkpointed_forward_copies_its_input_once_at_most(in_place):
+    """A forward that recompute replays gives its layers one copy of a received activation where a layer writes in
+    place (two before: the checkpoint's and the in-place layer's), none where none does (a leaf that requires grad
+    cannot be written in place); the gradients stay the plain layers'."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(12, 12), nn.ReLU(inplace=in_place), nn.Linear(12, 3)]
+    plain = copy.deepcopy(nn.Sequential(*layers)).double()
+    stage = Stage(1, nn.Sequential(*layers).double(), CPU, last=False)
+    x, _ = data(5)
+    spec = StepSpec(grad=True, recompute=lambda i: True)
+    with CountOps() as counted:
+        out, _ = stage.forward(0, x, spec)
+    assert counted.ops["clone"] == (1 if in_place else 0), counted.ops
+    g = torch.ones(5, 3, dtype=torch.float64)
+    (gin,) = stage.backward(0, [g], spec)
+    leaf = x.clone().requires_grad_(True)
+    torch.autograd.backward(plain(leaf), g)
+    assert torch.equal(out, plain(x)) and (gin - leaf.grad).abs().max().item() < 1e-12
+    assert max_diff(grads_of(plain), grads_of(stage.module)) < 1e-12
 
 
 def test_in_place_layer_behind_a_pass_through_first_layer():

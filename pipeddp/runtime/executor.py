@@ -34,12 +34,12 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
-from .channels import Channel, Inbox, LocalChannel, PipelineAborted
+from .channels import Channel, Inbox, LocalChannel, PipelineAborted, describe
 from .schedule.actions import Action, Kind, Schedule, row_of
 from .spec import Grads, StepSpec
 from .stage import Stage
 from .streams import StageStreams
-from .trace import Trace, timed
+from .trace import UNTIMED, Trace, timed
 from .workers import Workers
 
 __all__ = ["Workers", "StageResults", "Device", "run_actions", "ThreadRunner", "group_rows"]
@@ -171,6 +171,9 @@ def _run(
     first = device.first
     streams = first.streams  # every send and receive runs with the compute stream current (see _recv)
     stream = streams.compute if (trace is not None and streams.cuda) else None
+    # each stage's links to the devices before and after it, looked up once per step rather than per action
+    before = {s: links.get(device.row_of(s - 1)) for s in stages if s > 0}
+    after = {s: links.get(device.row_of(s + 1)) for s in stages if s < last_stage}
     for k, a in enumerate(actions):
         if stop is not None and stop.is_set():
             where.clear()  # the message says where it stopped; no action was interrupted
@@ -187,12 +190,12 @@ def _run(
                     raise RuntimeError("stage 0 was given no inputs")
                 value = inputs[mb]
             else:
-                value = _recv(links[device.row_of(s - 1)], "F", s, mb, device.row, trace, streams)
-            with timed(trace, s, "F", mb, stream, device.row):
+                value = _recv(_link(before, s, "F"), "F", s, mb, device.row, trace, streams)
+            with UNTIMED if trace is None else timed(trace, s, "F", mb, stream, device.row):
                 out, loss = st.forward(mb, value, spec)
             if s < last_stage:
                 with streams.computing(), timed(trace, s, "send", mb, None, device.row, lane="comm"):
-                    links[device.row_of(s + 1)].send("F", s + 1, mb, out)
+                    _link(after, s, "F").send("F", s + 1, mb, out)
             else:
                 if loss is not None:
                     results.losses[mb] = loss
@@ -203,13 +206,13 @@ def _run(
             if s == last_stage:
                 grads = output_grads[mb] if output_grads is not None else None
             else:
-                grads = _recv(links[device.row_of(s + 1)], "B", s, mb, device.row, trace, streams)
-            with timed(trace, s, kind.value, mb, stream, device.row):
+                grads = _recv(_link(after, s, "B"), "B", s, mb, device.row, trace, streams)
+            with UNTIMED if trace is None else timed(trace, s, kind.value, mb, stream, device.row):
                 gin = st.backward(mb, grads, spec, sync=k in arm) if kind is Kind.B \
                     else st.backward_input(mb, grads, spec)
             if s > 0:
                 with streams.computing(), timed(trace, s, "send", mb, None, device.row, lane="comm"):
-                    links[device.row_of(s - 1)].send("B", s - 1, mb, gin)
+                    _link(before, s, "B").send("B", s - 1, mb, gin)
             else:
                 results.input_grads[mb] = gin
         elif kind is Kind.W:
@@ -220,6 +223,16 @@ def _run(
         if trace is not None:
             trace.note_memory(device.row, sum(len(spec.store(i)) for i in stages), first.device)
     return results
+
+
+def _link(links: Dict[int, Optional[Channel]], stage: int, kind: str) -> Channel:
+    """The channel ``stage`` takes its ``kind`` message from (or sends the other way on); the error a missing one
+    raised as a ``KeyError`` before, now saying which."""
+    channel = links.get(stage)
+    if channel is None:
+        raise KeyError(f"stage {stage} has no link for its {describe(kind)} messages: the runner gave this device no "
+                       "channel to that neighbour's device")
+    return channel
 
 
 def _recv(channel: Channel, kind: str, stage: int, mb: int, row: int, trace: Optional[Trace],

@@ -68,6 +68,7 @@ __all__ = ["Replay", "ForeignDraws", "draw_base_seed", "is_checkpointing", "is_r
 _locks: Dict[str, threading.RLock] = {}  # re-entrant: a backward that holds it may recompute a forward
 _locks_guard = threading.Lock()
 _state = threading.local()
+_FREE = contextlib.nullcontext()  # reusable: what most backwards hold (nothing), entered on every one
 
 
 def draw_base_seed() -> int:
@@ -187,7 +188,7 @@ class Replay:
         generator state it stashed, which another stage's seeded forward must not meet halfway); else nothing."""
         if self._keeps.get(mode, False) or "cpu" in self._draws.get(mode, ()):
             return _lock("cpu")
-        return contextlib.nullcontext()
+        return _FREE
 
     def may_draw(self, mode: Hashable) -> bool:
         """Whether a forward in ``mode`` (the layers' training flags) may draw: always for an eager stage (any

@@ -13,7 +13,7 @@ The saved state lives in the step, not in the stage, so several outstanding
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -57,6 +57,8 @@ class StepSpec:
     counts: Dict[int, Union[int, float, torch.Tensor]] = field(default_factory=dict)
     #: which kind of loss the step's loss_fn returns: a mean (False) or (total, count) (True); None before the first
     counted: Optional[bool] = None
+    #: per stage, the training flags of its layers in this step (``Stage._step_mode``: read once, at its first action)
+    modes: Dict[int, Tuple[bool, ...]] = field(default_factory=dict)
 
     def count(self, mb: int, count: Optional[Union[int, float, torch.Tensor]]) -> None:
         """Record the kind of loss micro-batch ``mb`` returned (and its count): one kind for the whole step."""

@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections import OrderedDict
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -56,6 +56,10 @@ _NOTHING = contextlib.nullcontext()  # reusable no-op context: entered on every 
 
 def _clone(t: torch.Tensor) -> torch.Tensor:
     return t.clone()
+
+
+def _clone_writable(t: torch.Tensor) -> torch.Tensor:
+    return t if t.requires_grad else t.clone()
 
 
 def _detach(t: torch.Tensor) -> torch.Tensor:
@@ -112,17 +116,30 @@ class Stage:
         """Whether this stage's forward may draw random numbers in its current mode (see ``rng``)."""
         return self.replay.may_draw(self._mode())
 
+    def _step_mode(self, spec: StepSpec) -> Tuple[bool, ...]:
+        """The training flags for this step, read at its first action (a step's layers keep one mode throughout;
+        read per action it walked the layers every time, and a backward replays the mode its forward ran in)."""
+        mode = spec.modes.get(self.index)
+        if mode is None:
+            mode = spec.modes[self.index] = self._mode()
+        return mode
+
     def _seeded(self, spec: StepSpec, mb: int) -> ContextManager[None]:
         if spec.seed is None:  # no stage of this step draws: nothing to seed (and no per-action cost)
             return _NOTHING
-        mode = self._mode()
+        mode = self._step_mode(spec)
         if not self.replay.may_draw(mode):
             return _NOTHING
         return self.replay.seeded(spec.seed + 1_000_003 * self.index + mb, mode)
 
-    def _run(self, value: Any) -> Any:
+    def _run(self, value: Any, keep: bool = False) -> Any:
+        """The layers on ``value``: on a copy of it where a layer may write its input in place; with ``keep``
+        (a forward that recompute will replay from ``value``), on a copy of every tensor the layers could change
+        (one that requires grad is a leaf, which autograd refuses to write in place). One copy at most."""
         if self.clone_input:
             value = tree_map(_clone, value)
+        elif keep:
+            value = tree_map(_clone_writable, value)
         return self.call(value)
 
     def _root(self, loss: torch.Tensor, spec: StepSpec) -> torch.Tensor:
@@ -163,7 +180,7 @@ class Stage:
                 # on copies: an in-place op must not change what the replay will see; with grad, as the replay
                 # runs (a kernel may take another path without: an LSTM's oneDNN inference kernel differs by 3e-8)
                 with torch.enable_grad(), checkpointing(), self.replay.host.first(mb):
-                    out = self._run(tree_map(_clone, inputs))
+                    out = self._run(inputs, keep=True)
                     loss = self._loss(out, saved, spec, mb) if wants_loss else None
             else:
                 with _NOTHING if torch.is_grad_enabled() else torch.enable_grad():
@@ -246,7 +263,7 @@ class Stage:
         gradients of the input leaves (None where there is none).
         """
         saved = self._take(spec, mb, keep=False)
-        with self.streams.computing(), self.replay.backward_guard(self._mode()):
+        with self.streams.computing(), self.replay.backward_guard(self._step_mode(spec)):
             pairs = self._pairs(self._roots(saved, spec, mb), grads)
             if sync:
                 pairs = self._arm(pairs)
@@ -265,7 +282,7 @@ class Stage:
         saved = self._take(spec, mb, keep=True)
         if saved.weight_grads is not None:
             raise RuntimeError(f"stage {self.index}: the input-gradient backward of micro-batch {mb} ran twice")
-        with self.streams.computing(), self.replay.backward_guard(self._mode()):
+        with self.streams.computing(), self.replay.backward_guard(self._step_mode(spec)):
             pairs = self._pairs(self._roots(saved, spec, mb), grads)
             got, saved.weight_grads = backward_input(pairs, tree_tensors(saved.inputs), list(self.module.parameters()),
                                                      loss=grads is None)
@@ -283,7 +300,7 @@ class Stage:
             raise RuntimeError(f"stage {self.index}: the weight-gradient backward of micro-batch {mb} ran before its "
                                "input-gradient backward (a W needs its I)")
         del spec.store(self.index)[mb]
-        with self.streams.computing(), self.replay.backward_guard(self._mode()):
+        with self.streams.computing(), self.replay.backward_guard(self._step_mode(spec)):
             if sync and saved.roots is not None:
                 self._arm([(t, None) for t in tree_tensors(saved.roots) if t.requires_grad])
             saved.weight_grads.run()
@@ -294,7 +311,8 @@ class Stage:
 
 def build_stages(model: nn.Sequential, balance: Sequence[int], devices: Sequence[torch.device],
                  indices: Optional[Sequence[int]] = None, *,
-                 compile: Optional[Dict[str, Any]] = None, seed: int = 0, init: Optional[Init] = None) -> List[Stage]:
+                 compile: Optional[Dict[str, Any]] = None, seed: int = 0, init: Optional[Init] = None,
+                 distribute: Optional[Callable[[str, nn.Module], None]] = None) -> List[Stage]:
     """Cut ``model`` by ``balance`` and place stage ``indices[k]`` on ``devices[k]`` (default: every stage).
 
     A process that owns one stage of a longer pipeline builds only that one;
@@ -303,6 +321,8 @@ def build_stages(model: nn.Sequential, balance: Sequence[int], devices: Sequence
     meta device are materialized here, only those of the stages built, each
     from ``seed`` and its name (a copy of a module used by several stages from
     the name of its first place), as ``materialize`` would the whole model.
+    ``distribute(name, layer)`` then shards each layer built (tensor parallelism), once it has its values and
+    before the next one is materialized, so no more than one layer is ever held whole.
     """
     indices = list(range(len(balance))) if indices is None else list(indices)
     if len(indices) != len(devices):
@@ -315,6 +335,7 @@ def build_stages(model: nn.Sequential, balance: Sequence[int], devices: Sequence
     origin = [first.setdefault(id(layer), name) for name, layer in layers_of(model)]  # per place: first name
     starts = [sum(balance[:s]) for s in range(len(balance))]
     stages = []
+    done: Set[int] = set()  # the layers distributed (a layer at several positions, once)
     for s in indices if shared is not None else ():  # a layer nothing can initialise: refused before any changes
         for pos in range(starts[s], starts[s] + balance[s]):
             check_init(named[pos][1], origin[pos], init)
@@ -323,6 +344,9 @@ def build_stages(model: nn.Sequential, balance: Sequence[int], devices: Sequence
             if shared is not None and is_meta(named[pos][1]):
                 materialize_layer(named[pos][1], origin[pos], seed=seed, init=init, rename=rename)
                 shared.join()
+            if distribute is not None and id(named[pos][1]) not in done:
+                done.add(id(named[pos][1]))
+                distribute(named[pos][0], named[pos][1])
         part = nn.Sequential(OrderedDict(named[starts[s]:starts[s] + balance[s]])).to(device)
         stages.append(Stage(s, part, device, last=s == len(balance) - 1, compile=compile))
     return stages

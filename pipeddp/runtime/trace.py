@@ -27,7 +27,7 @@ from typing import Any, ContextManager, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-__all__ = ["Span", "Trace", "timed"]
+__all__ = ["Span", "Trace", "UNTIMED", "timed"]
 
 
 @dataclass
@@ -171,10 +171,11 @@ class Trace:
         return [asdict(s) for s in self.spans]
 
 
-_UNTIMED = contextlib.nullcontext()  # reusable: what the work runs in when nothing is traced
+#: reusable: what the work runs in when nothing is traced (entered on every action of an untraced step)
+UNTIMED = contextlib.nullcontext()
 
 
 def timed(trace: Optional[Trace], stage: int, kind: str, mb: int, stream: Any = None, row: Optional[int] = None,
           lane: str = "compute") -> ContextManager[Any]:
     """``trace.span(...)`` around the body, or nothing (no cost but a ``with``) when there is no trace."""
-    return _UNTIMED if trace is None else trace.span(stage, kind, mb, stream, lane=lane, row=row)
+    return UNTIMED if trace is None else trace.span(stage, kind, mb, stream, lane=lane, row=row)
