@@ -4,9 +4,11 @@ The multi-process case (stage mode, the tied weight in two processes) is in ``te
 """
 
 import copy
+from collections import Counter
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import pipeddp
 from conftest import max_diff
@@ -64,3 +66,33 @@ def test_clip_grad_norm_without_ties_on_three_stages_equals_the_plain_model():
         got = pipe.state_dict()
     assert min(norms) > 0.05 and got_norms == pytest.approx(norms, rel=1e-12)
     assert max_diff(expect.values(), got.values()) < 1e-12
+
+
+class CountOps(TorchDispatchMode):
+    """The aten ops run in its body, by name (what ran, not a stand-in: the ops are run as they come)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_clip_grad_norm_takes_the_norms_and_scales_in_one_call_each_not_one_per_parameter():
+    """As torch's ``clip_grad_norm_``: ``_foreach_norm`` and ``_foreach_mul_`` over the gradients (of one device and
+    dtype), not a norm and a multiply per parameter (what it was); the norm still equals the plain model's."""
+    model = torch.nn.Sequential(*(torch.nn.Linear(6, 6) for _ in range(6))).double()
+    x, y = global_batches(1)[0]
+    plain = copy.deepcopy(model)
+    LOSS(plain(x), y).backward()
+    expect = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.01)
+    with pipeddp.Pipeline(model, ["cpu"] * 2, chunks=2, balance=[3, 3]) as pipe:
+        pipe.train_step(x, y, LOSS)
+        with CountOps() as counted:
+            norm = pipe.clip_grad_norm_(0.01)
+        assert norm.item() == pytest.approx(expect.item(), rel=1e-12)
+        assert max_diff([p.grad for p in pipe.parameters()], [p.grad for p in plain.parameters()]) < 1e-12
+    assert counted.ops["_foreach_norm"] == 1 and counted.ops["_foreach_mul_"] == 1, counted.ops
+    assert counted.ops["linalg_vector_norm"] == 0 and counted.ops["mul_"] == 0, counted.ops

@@ -18,7 +18,7 @@ scaled by the same factor as ``clip_grad_norm_`` on the plain model would.
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -34,6 +34,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _grouped(tensors: Sequence[torch.Tensor]) -> Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]]:
+    """``tensors`` by device and dtype, each group in order: what one ``_foreach`` call takes (as torch's
+    ``clip_grad_norm_`` groups them), instead of a norm and a multiply per parameter."""
+    out: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
+    for t in tensors:
+        out.setdefault((t.device, t.dtype), []).append(t)
+    return out
+
+
 def local_part(grads: Sequence[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
     """This process's share of the total norm, on ``device``: ``sum |g|^p``, or ``max |g|`` for the inf-norm.
 
@@ -42,8 +51,10 @@ def local_part(grads: Sequence[torch.Tensor], norm_type: float, device: torch.de
     """
     if not grads:
         return torch.zeros((), dtype=torch.float64, device=device)
-    grads = [_local(g) for g in grads]
-    norms = torch.stack([torch.linalg.vector_norm(g.detach(), norm_type).to(device, torch.float64) for g in grads])
+    per_grad: List[torch.Tensor] = []
+    for group in _grouped([_local(g.detach()) for g in grads]).values():  # one kernel per device and dtype
+        per_grad.extend(torch._foreach_norm(group, norm_type))
+    norms = torch.stack([n.to(device, torch.float64) for n in per_grad])
     if math.isinf(norm_type):
         return norms.max()
     return norms.pow(norm_type).sum()
@@ -57,10 +68,9 @@ def total_from_part(part: torch.Tensor, norm_type: float) -> torch.Tensor:
 def scale_grads(params: Iterable[torch.nn.Parameter], max_norm: float, total: torch.Tensor) -> None:
     """Scale every gradient by ``min(1, max_norm / (total + 1e-6))``, the factor ``clip_grad_norm_`` uses."""
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for p in params:
-        if p.grad is not None:
-            g = _local(p.grad.detach())
-            g.mul_(coef.to(g.device, g.dtype))
+    grads = [_local(p.grad.detach()) for p in params if p.grad is not None]
+    for (dev, dtype), group in _grouped(grads).items():
+        torch._foreach_mul_(group, coef.to(dev, dtype))  # a tensor factor: no host sync on a GPU
 
 
 def clip_grad_norm(params: Sequence[torch.nn.Parameter], copies: Iterable[torch.nn.Parameter], max_norm: float,
