@@ -89,6 +89,27 @@ def test_gradients_accumulated_over_calls_keep_each_calls_own_mean():
             opt.step()
 
 
+def test_gradients_zeroed_in_place_are_not_copied_and_still_train_the_token_mean():
+    """After ``zero_grad(set_to_none=False)`` the step's gradients start at zero: nothing to keep apart (a copy of
+    every gradient per step before), and the steps still equal the plain model's; a real accumulation is kept."""
+    batches = [batch(10, seed) for seed in range(3)]
+    losses, grads, state = plain_steps(batches)
+    with pipeddp.Pipeline(lm(), ["cpu", "cpu"], chunks=4, balance=[2, 4]) as pipe:
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.5)
+        kept = []
+        begin = pipe._step.train  # what the step's baseline held, seen as its first pass starts
+        pipe._step.train = lambda *a, **k: (kept.append(pipe._step.baseline.kept), begin(*a, **k))[1]
+        for k, (x, y) in enumerate(batches):
+            opt.zero_grad(set_to_none=False)
+            assert abs(pipe.train_step(x, y, token_sum).item() - losses[k]) < 1e-12
+            assert max_diff([p.grad for p in pipe.parameters()], grads[k]) < 1e-12
+            opt.step()
+        assert max_diff(list(pipe.state_dict().values()), list(state.values())) < 1e-12
+        assert kept[0] is None and kept[1:] == [{}, {}]  # no gradient before the first; zeros after
+        pipe.train_step(*batches[0], token_sum)  # accumulating onto real gradients: those are kept
+        assert len(kept[-1]) == len(list(pipe.parameters()))
+
+
 def test_a_loss_that_changes_kind_over_accumulated_gradients_is_refused():
     with pipeddp.Pipeline(lm(), ["cpu", "cpu"], chunks=2, balance=[3, 3]) as pipe:
         x, y = batch(6, 0)
