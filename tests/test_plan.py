@@ -150,3 +150,210 @@ def test_a_device_in_the_v_is_planned_with_the_memory_of_the_stages_it_holds():
                   + c.prediction.peak_activations[r] * max(4096 * c.micro_batch * c.balance[k] for k in mine)
                   for r, mine in enumerate(held)]
         assert c.memory == pytest.approx(expect)
+
+
+# -- tensor parallelism ---------------------------------------------------------------------------------------------
+
+SEQ, HIDDEN, VOCAB = 8, 32, 96
+#: the Linear weights a Llama's own tensor-parallel plan splits (its config's base_model_tp_plan and the head's
+#: _tp_plan: q, k, v, gate, up column-wise, o, down row-wise, the head column-wise) and its vocabulary-parallel
+#: embedding; every other parameter (the norms) stays whole on each tp rank
+SPLIT = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight", "up_proj.weight",
+         "down_proj.weight", "embed_tokens.weight", "lm_head.weight")
+
+
+def tiny_llama(heads=4, kv_heads=2):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, tie_word_embeddings=False)
+    return LlamaForCausalLM(config)
+
+
+def flat_llama():
+    """A tiny Llama flattened for pipeddp, and one batch of 4 token rows (``--model module:flat_llama``)."""
+    from pipeddp.tools.flatten import flatten_sequential
+
+    model = tiny_llama()
+    ids = torch.randint(0, VOCAB, (4, SEQ))
+    return flatten_sequential(model, ids), ids
+
+
+def llama_layers(compute: float):
+    """The flat Llama, its layers as plan sees them (``compute`` seconds per sample forward, twice that backward,
+    no fixed cost; each layer's own parameter bytes and output size), and what its own plan splits in them."""
+    from pipeddp.tools.tp_costs import model_tp_plan, sharded_layers
+
+    flat, ids = flat_llama()
+    layers = [LayerModel(name, 0.0, compute, 0.0, 2 * compute, 4096,
+                         sum(p.numel() * p.element_size() for p in layer.parameters()))
+              for name, layer in flat.named_children()]
+    return flat, layers, sharded_layers(flat, model_tp_plan(flat), ids)
+
+
+def test_tensor_parallel_memory_is_the_plain_llamas_parameters_with_the_split_ones_divided():
+    flat, layers, sharded = llama_layers(1e-4)
+    model = flat._pipeddp_source
+    whole = sum(p.numel() * 4 for p in model.parameters())
+    for tp in (1, 2):
+        # counted on the transformers model itself: the split tensors divided by tp, the rest whole
+        expect = sum(p.numel() * 4 / (tp if name.endswith(SPLIT) else 1) for name, p in model.named_parameters())
+        assert tp == 1 or expect < 0.51 * whole
+        for stages in (1, 2):
+            c = [c for c in plan(layers, devices=stages * tp, batch=8, tp=tp, sharded=sharded, chunks=(2,),
+                                 schedules=("1f1b",)) if c.stages == stages][0]
+            assert c.tp == tp and c.replicas == 1 and c.kind == {(1, 1): "plain model", (1, 2): "tensor parallel",
+                                                                 (2, 1): "pipeline", (2, 2): "pipeline x TP"}[
+                                                                     (stages, tp)]
+            starts = [sum(c.balance[:k]) for k in range(stages)]
+            saved = [4096 * c.micro_batch * c.balance[k] for k in range(stages)]  # the outputs: whole on every rank
+            held = [m - c.prediction.peak_activations[k] * saved[k] for k, m in enumerate(c.memory)]
+            # Adam: weights, gradients and two moments, on each device for its stage's share
+            assert sum(held) == pytest.approx(4 * expect, rel=1e-6), (tp, stages, starts)
+
+
+def test_tensor_parallel_time_is_the_split_work_and_the_all_reduces_of_a_llama_block():
+    import math
+
+    from pipeddp.tools.simulate import Link
+
+    b, tp = 4, 2
+    # the all-reduces alone (no compute): per block, o_proj and down_proj all-reduce their outputs forward; q, k, v,
+    # gate and up each their input's gradient backward (torch's ColwiseParallel: five, where Megatron's fused
+    # projections make two); the vocabulary-parallel embedding all-reduces its output, the head all-gathers its
+    # logits and all-reduces its input's gradient. Each a ring over tp ranks: 2 (tp-1) steps of n/tp (all-gather:
+    # tp-1), at 1 GB/s and 10 us a step
+    link = Link(1e9, 1e-5)
+    hidden = b * SEQ * HIDDEN * 4
+    ring = lambda n, steps: steps * 1e-5 + steps / tp * n / 1e9  # noqa: E731
+    reduce_, gather = (lambda n: ring(n, 2 * (tp - 1))), (lambda n: ring(n, tp - 1))
+    expect = 2 * (7 * reduce_(hidden)) + reduce_(hidden) + gather(b * SEQ * VOCAB * 4) + reduce_(hidden)
+    _, layers, sharded = llama_layers(0.0)
+    only = plan(layers, devices=tp, batch=b, tp=tp, sharded=sharded, tp_link=link, chunks=(1,))
+    assert len(only) == 1 and only[0].step_time == pytest.approx(expect, rel=1e-9)
+    # the work alone (a free link): each layer's per-sample time times (the share of its parameters left whole
+    # + the split share / tp), counted on the transformers model's own parameters
+    flat, layers, sharded = llama_layers(1e-3)
+    model = flat._pipeddp_source
+    kept = []
+    for name, layer in flat.named_children():
+        split = sum(p.numel() for n, p in layer.named_parameters() if f"{name}.{n}".endswith(SPLIT))
+        total = sum(p.numel() for p in layer.parameters())
+        kept.append(1 - split / total + split / total / tp if total else 1.0)
+    assert sum(p.numel() for n, p in model.named_parameters() if n.endswith(SPLIT)) == \
+        sum(s.split_bytes for s in sharded) // 4
+    only = plan(layers, devices=tp, batch=b, tp=tp, sharded=sharded, tp_link=Link(math.inf), chunks=(1,))
+    assert only[0].step_time == pytest.approx(sum(3e-3 * b * k for k in kept), rel=1e-9)
+
+
+def test_plan_answers_pp_x_tp_x_dp_and_refuses_a_tp_the_heads_do_not_allow():
+    _, layers, sharded = llama_layers(1e-4)
+    # 2 key-value heads: tp=4 would leave a rank half a head; 4 attention heads: tp=3 cannot split them
+    with pytest.raises(ValueError, match=r"tp=4 does not divide the model's key-value heads \(2\).*choose tp from "
+                                         r"\[1, 2\]"):
+        plan(layers, devices=8, batch=16, tp=[1, 2, 4], sharded=sharded)
+    with pytest.raises(ValueError, match=r"tp=3 does not divide the model's .*attention heads \(4\)"):
+        plan(layers, devices=6, batch=12, tp=3, sharded=sharded)
+    with pytest.raises(ValueError, match="sharded="):
+        plan(layers, devices=8, batch=16, tp=2)
+    cands = plan(layers, devices=8, batch=16, tp=[1, 2], sharded=sharded)
+    grids = {(c.replicas, c.stages, c.tp) for c in cands}
+    assert {(8, 1, 1), (4, 2, 1), (4, 1, 2), (2, 2, 2), (1, 4, 2), (2, 4, 1)} <= grids
+    assert all(dp * pp * tp == 8 for dp, pp, tp in grids)
+    assert [c.step_time for c in cands] == sorted(c.step_time for c in cands)
+    # a slow link between a tp group's devices ranks every tp layout below the same layout without tp
+    slow = plan(layers, devices=8, batch=16, tp=[1, 2], sharded=sharded, tp_link="ethernet")
+    best = {}
+    for c in slow:
+        best.setdefault((c.tp, c.stages), c.step_time)
+    assert best[(2, 2)] > best[(1, 2)] and best[(2, 1)] > best[(1, 1)]
+    c = next(c for c in cands if (c.replicas, c.stages, c.tp) == (2, 2, 2))
+    assert c.layout == "2 x 2 x 2" and c.kind == "pipeline x TP x DDP"
+    assert c.mesh() == "init_device_mesh('cuda', (2, 2, 2), mesh_dim_names=('dp', 'pp', 'tp'))"
+    assert c.arguments().startswith("pipeddp.HybridParallel(model, stages=2, mode='stage', mesh=mesh, "
+                                    "tp_plan='auto', chunks=")
+    assert c.command(devices_per_node=8) == "torchrun --nproc_per_node=8 train.py"
+    assert c.command(devices_per_node=4).startswith("torchrun --nnodes=2 --nproc_per_node=4 ")
+
+
+@pytest.mark.timeout(120)
+def test_the_collectives_plan_counts_are_those_torchs_tensor_parallelism_sends():
+    """Each split module's collectives, as plan predicts them from the plan and one forward, against what
+    ``parallelize_module`` with the same torch styles sends over gloo in 2 processes (one forward, one backward)."""
+    import pipeddp
+    import plan_jobs
+    from pipeddp.tools.tp_costs import sharded_layers
+
+    batch = 3
+    sample = torch.randint(0, plan_jobs.VOCAB, (batch, plan_jobs.TOKENS))
+    sharded = sharded_layers(plan_jobs.model(), plan_jobs.styles(), sample)
+    predicted = {when: sorted((c.kind, round(c.bytes_per_sample * batch)) for layer in sharded
+                              for c in getattr(layer, when)) for when in ("forward", "backward")}
+    # 2 blocks: o and down forward, q, k, v and up backward; the embedding forward; the head both ways
+    assert [len(predicted["forward"]), len(predicted["backward"])] == [6, 9], predicted
+    for counted in pipeddp.spawn(plan_jobs.count_job, 2, args=(batch,), timeout=100):
+        assert counted == predicted
+
+
+LLAMA_MODULE = '''
+import sys
+sys.path.insert(0, {tests!r})
+from test_plan import flat_llama
+'''
+
+
+@pytest.fixture
+def llama_module(tmp_path, monkeypatch):
+    """A module of the user's in the current folder whose ``flat_llama`` the command line plans."""
+    import os
+    import sys
+
+    name = f"plan_models_{tmp_path.name}"
+    (tmp_path / f"{name}.py").write_text(LLAMA_MODULE.format(tests=os.path.dirname(__file__)))
+    monkeypatch.chdir(tmp_path)
+    yield name
+    sys.modules.pop(name, None)
+
+
+@pytest.mark.timeout(120)
+def test_the_plan_command_ranks_tp_and_shows_its_sweep_on_a_terminal_only(llama_module, capfd, monkeypatch):
+    import os
+    import pty
+    import sys
+    import threading
+
+    from pipeddp.tools.cli import main
+
+    from test_watch import drain
+
+    # a log or a pipe (pytest's capture): the table, nothing of the sweep's bar
+    assert main(["plan", "--model", f"{llama_module}:flat_llama", "--devices", "8", "--batch", "16", "--tp", "auto",
+                 "--profile-batch", "4", "--top", "40"]) == 0
+    out, err = capfd.readouterr()
+    said = " ".join(out.split())
+    assert "tp=4 left out: it does not divide the model's key-value heads (2)" in said, said
+    assert "tp=8 left out" in said and "replicas x stages x tp" in said and "2 x 2 x 2" in said
+    assert "simulating" not in out + err and err == "", err
+    # stderr a terminal, as a user's at a shell: the sweep's bar
+    monkeypatch.setenv("TERM", "xterm")
+    for name in ("FORCE_TERMINAL", "TTY_COMPATIBLE", "NO_COLOR"):
+        monkeypatch.delenv(name, raising=False)
+    main_fd, tty = pty.openpty()
+    shown = []
+    reader = threading.Thread(target=drain, args=(main_fd, shown))
+    reader.start()
+    with open(tty, "w", closefd=True) as terminal:
+        monkeypatch.setattr(sys, "stderr", terminal)
+        code = main(["plan", "--model", f"{llama_module}:flat_llama", "--devices", "2", "--batch", "8", "--tp", "2",
+                     "--profile-batch", "4"])
+        monkeypatch.setattr(sys, "stderr", sys.__stderr__)
+    reader.join(timeout=30)
+    os.close(main_fd)
+    assert code == 0
+    drawn = b"".join(shown)
+    assert b"simulating the layouts of 2 devices" in drawn and b"100%" in drawn, drawn[-2000:]  # it moved to the end
+    out = " ".join(capfd.readouterr().out.split())
+    assert "mesh = init_device_mesh('cuda', (1, 1, 2), mesh_dim_names=('dp', 'pp', 'tp'))" in out, out
+    assert "engine = pipeddp.HybridParallel(model, stages=1, mode='stage', mesh=mesh, tp_plan='auto'" in out
+    assert "torchrun --nproc_per_node=2 train.py" in out

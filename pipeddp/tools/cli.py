@@ -4,6 +4,7 @@
     pipeddp partition --model resnet50 --stages 4
     pipeddp timeline --stages 2 --chunks 8        a traced step as Chrome trace JSON and a PNG
     pipeddp plan --model resnet50 --devices 8 --link nvlink --memory 80GB
+    pipeddp plan --model mymodels:llama --devices 16 --devices-per-node 8 --tp auto   pp x tp x dp
     pipeddp convert run/step-000000042 model.pt   a sharded checkpoint as one file (torch.load opens it)
 """
 
@@ -159,83 +160,10 @@ def _timeline(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _check_plan_arguments(args: argparse.Namespace) -> Optional[float]:
-    """Every argument of ``plan`` checked before the minutes of profiling; returns ``--memory`` in bytes."""
-    from .plan import parse_bytes
-    from .simulate import LINKS
-
-    for flag, value, least in (("--devices", args.devices, 1), ("--batch", args.batch, 1),
-                               ("--profile-batch", args.profile_batch, 2), ("--threads", args.threads, 1),
-                               ("--top", args.top, 1), ("--optimizer-slots", args.optimizer_slots, 0)):
-        if value is not None and value < least:  # --optimizer-slots may be left to --optimizer
-            raise ValueError(f"{flag} must be >= {least}, got {value}")
-    if args.devices_per_node is not None and (args.devices_per_node < 1 or args.devices % args.devices_per_node):
-        raise ValueError(f"--devices-per-node {args.devices_per_node} must be >= 1 and divide --devices "
-                         f"{args.devices}")
-    for flag, name in (("--link", args.link), ("--allreduce-link", args.allreduce_link)):
-        if name is not None and name not in LINKS:
-            raise ValueError(f"{flag} {name!r} is not a link this command knows; choose one of "
-                             f"{', '.join(sorted(LINKS))}")
-    try:
-        budget = parse_bytes(args.memory)
-    except ValueError:
-        raise ValueError(f"--memory {args.memory!r} is not a size; write e.g. 80GB, 40GiB or 512MiB") from None
-    if budget is not None and budget <= 0:
-        raise ValueError(f"--memory must be more than nothing, got {args.memory!r}")
-    return budget
-
-
 def _plan(args: argparse.Namespace, console: Console) -> int:
-    import torch
-    from rich.table import Table
+    from .plan_command import run_plan
 
-    from .models import MODELS, build
-    from .plan import fit_layers, optimizer_slots, plan
-
-    budget = _check_plan_arguments(args)
-    torch.set_num_threads(args.threads)
-    model, make_sample = build(args.model)
-    shape = "x".join(str(d) for d in make_sample(1).shape[1:]) or "a scalar"
-    console.print(f"{args.model}: planned for inputs of {shape} per sample"
-                  + (" (the built-in model's sample; for your own input size, plan your own model: --model "
-                     "package.module:function)" if args.model in MODELS else ""))
-    sizes = (max(1, args.profile_batch // 4), args.profile_batch)
-    with _progress(console, f"profiling {args.model} at micro-batches {sizes[0]} and {sizes[1]}") as progress:
-        layers = fit_layers(model, make_sample, sizes=sizes, progress=progress)
-    found = plan(layers, args.devices, args.batch, link=args.link, allreduce_link=args.allreduce_link,
-                 memory=budget, optimizer_slots=optimizer_slots(args.optimizer, args.optimizer_slots))
-    if not found:
-        memory = escape(str(args.memory))
-        console.print(f"[red]no configuration of {args.devices} devices fits {memory} per device[/red]; "
-                      "raise --memory, add devices, or use a smaller batch")
-        return 1
-    table = Table(title=f"{args.model} on {args.devices} devices, global batch {args.batch}, link {args.link}"
-                        + (f", replicas over {args.allreduce_link}" if args.allreduce_link else "")
-                        + (f", {args.memory} per device" if args.memory else ""))
-    for col in ("#", "replicas x stages", "what", "micro-batches (size)", "schedule", "shard", "step ms", "bubble",
-                "memory/device"):
-        table.add_column(col, justify="right", overflow="fold")
-    for i, c in enumerate(found[:args.top]):
-        table.add_row(str(i + 1), c.layout, c.kind, f"{c.chunks} ({c.micro_batch})", c.schedule_text, c.shard,
-                      f"{c.step_time * 1e3:.1f}", f"{c.prediction.bubble:.0%}", f"{max(c.memory) / 2**30:.2f} GiB")
-    console.print(table)
-    for i, c in enumerate(found[:args.top]):
-        console.print(escape(f"{i + 1}: cut {c.balance}; {c.why}"))
-    console.print(f"{len(found)} configurations fit; layer costs were measured on this machine "
-                  f"({'cuda' if torch.cuda.is_available() else 'cpu'}), link and all-reduce costs are modelled.")
-    best = found[0]
-    per_node = args.devices_per_node or args.devices
-    batches = f"{best.chunks} micro-batch{'es' if best.chunks > 1 else ''} of {best.micro_batch}"
-    console.print(f"\nfirst choice: {best.layout} ({best.kind}), {batches}"
-                  + (f", {best.schedule_text}" if best.stages > 1 else "")
-                  + f"; each replica takes a local batch of {best.chunks * best.micro_batch} (global {args.batch})")
-    if best.stages == 1 and best.replicas > 1:
-        alone = "torch.nn.parallel.DistributedDataParallel" if best.shard == "none" else \
-            "torch.distributed.fsdp.fully_shard"
-        console.print(f"plain data parallelism wins: {alone} does this alone; with pipeddp:")
-    console.print(escape(f"  engine = {best.arguments()}"))
-    console.print(escape(f"  {best.command(per_node)}"))
-    return 0
+    return run_plan(args, console, _progress)
 
 
 def _convert(args: argparse.Namespace, console: Console) -> int:
@@ -338,6 +266,14 @@ def _parser() -> argparse.ArgumentParser:
     n.add_argument("--top", type=int, default=8, help="configurations to show")
     n.add_argument("--devices-per-node", type=int, default=None,
                    help="devices on each machine, for the torchrun command; None: all on one")
+    n.add_argument("--tp", default="1",
+                   help="tensor-parallel degrees to rank (devices = replicas x stages x tp): a number, a list such "
+                        "as 1,2,4, or auto (every one that divides the devices of a machine and the model's heads "
+                        "and split dimensions)")
+    n.add_argument("--tp-link", default="nvlink", help="between the devices of a tp group: " + LINK_NAMES)
+    n.add_argument("--tp-plan", default="auto",
+                   help="what tensor parallelism splits: auto (the model's own, a transformers config's "
+                        "base_model_tp_plan) or a JSON object of module patterns to colwise, rowwise, ...")
     n.set_defaults(fn=_plan)
 
     c = sub.add_parser("convert", formatter_class=fmt,

@@ -8,7 +8,7 @@ with the exact partitioner at that configuration's micro-batch size,
 simulates one step (``simulate``), estimates memory per device, drops what
 does not fit, and sorts by predicted step time::
 
-    devices = stages x replicas        global batch = replicas x local batch
+    devices = replicas x stages x tp   global batch = replicas x local batch
     local batch = chunks x micro-batch
 
 Memory per device is an estimate: parameters x (weights + gradients +
@@ -21,6 +21,13 @@ Configurations are written replicas x stages, as everywhere in pipeddp; one
 stage per replica is plain data parallelism and is named so. The first
 choice comes with the ``HybridParallel`` arguments and ``torchrun`` command
 that run it (``Candidate.arguments``, ``Candidate.command``).
+
+With ``tp`` degrees (tensor parallelism, the mesh's innermost dimension),
+every layer is first put on one of its tp devices (``tp_costs``: the
+parameters the plan splits, their share of the work, the all-reduces of the
+split modules on ``tp_link``), and the same sweep runs on what is left of
+the devices; what a stage sends and keeps is its whole output (replicated
+over tp), its replicas reduce its split gradients only.
 """
 
 from __future__ import annotations
@@ -35,7 +42,9 @@ from torch import nn
 from ..partitioning.profile import profile_layers
 from ..partitioning.solve import solve
 from ..runtime.schedule.actions import PLACEMENTS, row_of
+from .candidate import Candidate
 from .simulate import Link, Prediction, StageCost, resolve_link, simulate
+from .tp_costs import ShardedLayer, check_tp
 
 __all__ = ["LayerModel", "fit_layers", "Candidate", "plan", "parse_bytes", "SCHEDULES", "optimizer_slots",
            "shard_memory"]
@@ -61,6 +70,18 @@ class LayerModel:
 
     def backward(self, b: int) -> float:
         return max(self.bwd_fixed + self.bwd_per_sample * b, 0.0)
+
+    def tensor_parallel(self, shard: ShardedLayer, tp: int, link: Link) -> "LayerModel":
+        """This layer on one of ``tp`` ranks (``tp_costs``): its share of the parameters and of the per-sample
+        work, and the collectives of its split modules added to its forward and backward."""
+        if tp == 1:
+            return self
+        ff, fp, bf, bp = shard.costs(tp, link)
+        kept = shard.kept(tp)
+        split = min(shard.split_bytes, self.param_bytes)
+        return LayerModel(self.name, self.fwd_fixed + ff, self.fwd_per_sample * kept + fp,
+                          self.bwd_fixed + bf, self.bwd_per_sample * kept + bp, self.activation_bytes_per_sample,
+                          self.param_bytes - split + math.ceil(split / tp))
 
 
 def _line(t1: float, t2: float, b1: int, b2: int) -> tuple:
@@ -90,79 +111,6 @@ def fit_layers(model: nn.Sequential, make_sample: Callable[[int], Any], sizes: S
         ba, bc = _line(s.backward, big.backward, b1, b2)
         out.append(LayerModel(s.name, fa, fc, ba, bc, big.activation_bytes / b2, s.param_bytes))
     return out
-
-
-@dataclass
-class Candidate:
-    """One configuration and what the simulator says about it.
-
-    ``stages`` devices per replica, each holding ``virtual_stages`` stages
-    (``balance`` lists the layers of all ``stages * virtual_stages`` of them).
-    """
-
-    stages: int
-    replicas: int
-    chunks: int
-    micro_batch: int
-    schedule: str
-    balance: List[int]
-    prediction: Prediction
-    memory: List[float]
-    why: str
-    virtual_stages: int = 1
-    #: how each stage's state is split over its replicas (``HybridParallel(shard=...)``), chosen where memory demands
-    shard: str = "none"
-    #: seconds the shard setting adds to the simulated step ("full" gathers each stage again per micro-batch)
-    shard_time: float = 0.0
-    #: with virtual stages, which device holds which: round robin ("loop") or down and back up ("v")
-    placement: str = "loop"
-
-    @property
-    def step_time(self) -> float:
-        return self.prediction.step_time + self.shard_time
-
-    @property
-    def kind(self) -> str:
-        """What a user would call it: the plain model, plain data parallelism, a pipeline, or both."""
-        joined = "DDP" if self.shard == "none" else "FSDP2"
-        if self.stages == 1:
-            return "plain model" if self.replicas == 1 else f"data parallel ({joined})"
-        return "pipeline" if self.replicas == 1 else f"pipeline x {joined}"
-
-    @property
-    def layout(self) -> str:
-        """``replicas x stages``, the order every other part of pipeddp writes a layout in."""
-        return f"{self.replicas} x {self.stages}"
-
-    @property
-    def schedule_text(self) -> str:
-        if self.stages == 1:
-            return "-"
-        in_v = ", the V" if self.placement == "v" else ""
-        return self.schedule + (f" (v={self.virtual_stages}{in_v})" if self.virtual_stages > 1 else "")
-
-    def arguments(self) -> str:
-        """The ``HybridParallel`` call that runs this configuration (``model`` is the user's nn.Sequential)."""
-        args = [f"stages={self.stages}", f"chunks={self.chunks}"]
-        if self.stages > 1:
-            args += [f"schedule={self.schedule!r}"]
-            if self.virtual_stages > 1:
-                args += [f"virtual_stages={self.virtual_stages}"]
-            if self.placement != "loop":
-                args += [f"placement={self.placement!r}"]
-            args += [f"balance={list(self.balance)}"]
-        if self.shard != "none":
-            args += [f"shard={self.shard!r}"]
-        return f"pipeddp.HybridParallel(model, {', '.join(args)})"
-
-    def command(self, devices_per_node: int, script: str = "train.py") -> str:
-        """The torchrun command: one process per replica (each drives ``stages`` devices, mode="replica")."""
-        per_node = max(1, devices_per_node // self.stages)
-        nodes = math.ceil(self.replicas / per_node)
-        if nodes <= 1:
-            return f"torchrun --nproc_per_node={self.replicas} {script}"
-        return (f"torchrun --nnodes={nodes} --nproc_per_node={per_node} --rdzv-backend=c10d "
-                f"--rdzv-endpoint=HOST:29400 {script}")
 
 
 def parse_bytes(text: Union[str, float, int, None]) -> Optional[float]:
@@ -211,6 +159,10 @@ def plan(
     schedules: Sequence[str] = SCHEDULES,
     virtual_stages: int = 2,
     top: Optional[int] = None,
+    tp: Union[int, Sequence[int]] = 1,
+    sharded: Optional[Sequence[ShardedLayer]] = None,
+    tp_link: Union[str, Link] = "nvlink",
+    progress: Optional[Callable[[int, int], None]] = None,
 ) -> List[Candidate]:
     """Every configuration of ``devices`` that fits ``memory`` bytes per device, fastest first.
 
@@ -220,47 +172,74 @@ def plan(
     SGD with momentum, 0 for plain SGD). The interleaved schedule is tried with
     ``virtual_stages`` stages per device, placed round robin and in the V; one stage per device (plain data
     parallelism, or the plain model) is one configuration, whatever the schedule.
+
+    ``tp``: the tensor-parallel degrees to try (each layer split over ``tp`` devices joined by ``tp_link``, as
+    ``sharded`` says: ``tp_costs.sharded_layers``), so ``devices = replicas x stages x tp``; a degree that does
+    not divide ``devices``, a split dimension or the heads is refused. ``progress(done, total)`` is called as the
+    sweep goes, per (tp, stages, micro-batches).
     """
     if devices < 1 or batch < 1:
         raise ValueError("devices and batch must be >= 1")
+    degrees = sorted({tp} if isinstance(tp, int) else set(tp))
+    for t in degrees:
+        if t < 1 or devices % t:
+            raise ValueError(f"tp={t} must be >= 1 and divide devices={devices}")
+        if t > 1 and sharded is None:
+            raise ValueError(f"tp={t} needs what tensor parallelism splits in each layer: pass sharded= "
+                             "(pipeddp.tools.tp_costs.sharded_layers(model, tp_plan, sample))")
+        if t > 1 and sharded is not None:
+            if len(sharded) != len(layers):
+                raise ValueError(f"sharded= describes {len(sharded)} layers, the model has {len(layers)}")
+            check_tp(sharded, t)
     stage_link = resolve_link(link)
     ar_link = resolve_link(allreduce_link) if allreduce_link is not None else stage_link
+    inner = resolve_link(tp_link)
+    runs = [(t, stages, m) for t in degrees for stages in _divisors(devices // t)
+            if stages <= len(layers) and batch % (devices // t // stages) == 0
+            for m in sorted({c for c in chunks if c <= batch // (devices // t // stages)})]
     found: List[Candidate] = []
-    for stages in _divisors(devices):
-        if stages > len(layers):
-            continue
-        replicas = devices // stages
-        if batch % replicas:
-            continue
-        local = batch // replicas
-        for m in sorted({c for c in chunks if c <= local}):
-            b = math.ceil(local / m)
-            cost = [layer.forward(b) + layer.backward(b) for layer in layers]
-            comm = [stage_link.time(layer.activation_bytes_per_sample * b) for layer in layers] if stages > 1 \
-                else None
-            # one micro-batch, or one stage per replica: every schedule runs the same step
-            for schedule in (schedules[:1] if m == 1 or stages == 1 else schedules):
-                v = virtual_stages if schedule == "interleaved" else 1
-                if stages * v > len(layers):
-                    continue
-                balance = solve(cost, stages * v, comm)
-                stage_costs, saved = _stages(layers, balance, b)
-                for placement in PLACEMENTS if v > 1 else ("loop",):  # the V: first and last stage on device 0
-                    pred = simulate(stage_costs, schedule, stages=stages, chunks=m, replicas=replicas,
-                                    links=stage_link, allreduce_link=ar_link, virtual_stages=v, placement=placement)
-                    chosen = _choose_shard(layers, balance, stages, v, replicas, m, optimizer_slots, pred, saved,
-                                           memory, ar_link, placement)
-                    if chosen is None:
-                        continue
-                    shard, mem, extra = chosen
-                    why = _why(stage_costs, pred, balance, stages, replicas)
-                    if shard != "none":
-                        why += f"; shard={shard!r}: " + ("optimizer state and gradients split over the replicas"
-                                                         if shard == "optimizer" else "parameters split too")
-                    found.append(Candidate(stages, replicas, m, b, schedule, balance, pred, mem, why, v, shard,
-                                           extra, placement))
+    for done, (t, stages, m) in enumerate(runs):
+        split = layers if t == 1 else [x.tensor_parallel(s, t, inner) for x, s in zip(layers, sharded or ())]
+        found += _configurations(split, stages, devices // t // stages, m, batch, t, stage_link, ar_link, memory,
+                                 optimizer_slots, schedules, virtual_stages)
+        if progress is not None:
+            progress(done + 1, len(runs))
     found.sort(key=lambda c: (c.step_time, max(c.memory)))
     return found[:top] if top else found
+
+
+def _configurations(layers: Sequence[LayerModel], stages: int, replicas: int, m: int, batch: int, tp: int,
+                    stage_link: Link, ar_link: Link, memory: Optional[float], optimizer_slots: int,
+                    schedules: Sequence[str], virtual_stages: int) -> List[Candidate]:
+    """The candidates of one (stages, replicas, micro-batches, tp): each schedule and placement that fits."""
+    found: List[Candidate] = []
+    b = math.ceil(batch // replicas / m)
+    cost = [layer.forward(b) + layer.backward(b) for layer in layers]
+    comm = [stage_link.time(layer.activation_bytes_per_sample * b) for layer in layers] if stages > 1 else None
+    # one micro-batch, or one stage per replica: every schedule runs the same step
+    for schedule in (schedules[:1] if m == 1 or stages == 1 else schedules):
+        v = virtual_stages if schedule == "interleaved" else 1
+        if stages * v > len(layers):
+            continue
+        balance = solve(cost, stages * v, comm)
+        stage_costs, saved = _stages(layers, balance, b)
+        for placement in PLACEMENTS if v > 1 else ("loop",):  # the V: first and last stage on device 0
+            pred = simulate(stage_costs, schedule, stages=stages, chunks=m, replicas=replicas,
+                            links=stage_link, allreduce_link=ar_link, virtual_stages=v, placement=placement)
+            chosen = _choose_shard(layers, balance, stages, v, replicas, m, optimizer_slots, pred, saved,
+                                   memory, ar_link, placement)
+            if chosen is None:
+                continue
+            shard, mem, extra = chosen
+            why = _why(stage_costs, pred, balance, stages, replicas)
+            if tp > 1:
+                why += f"; tp={tp}: each stage's planned modules split over {tp} devices"
+            if shard != "none":
+                why += f"; shard={shard!r}: " + ("optimizer state and gradients split over the replicas"
+                                                 if shard == "optimizer" else "parameters split too")
+            found.append(Candidate(stages, replicas, m, b, schedule, balance, pred, mem, why, v, shard,
+                                   extra, placement, tp))
+    return found
 
 
 def shard_memory(params: float, largest: float, slots: int, replicas: int, shard: str) -> float:
