@@ -262,6 +262,11 @@ def test_plan_answers_pp_x_tp_x_dp_and_refuses_a_tp_the_heads_do_not_allow():
     assert {(8, 1, 1), (4, 2, 1), (4, 1, 2), (2, 2, 2), (1, 4, 2), (2, 4, 1)} <= grids
     assert all(dp * pp * tp == 8 for dp, pp, tp in grids)
     assert [c.step_time for c in cands] == sorted(c.step_time for c in cands)
+    # what the engine runs with tp_plan: one backward action per micro-batch, whole copies on the replicas
+    assert {c.schedule for c in cands if c.tp > 1} == {"1f1b", "gpipe", "interleaved"}
+    tight = plan(layers, devices=8, batch=16, tp=[1, 2], sharded=sharded,
+                 memory=sorted(max(c.memory) for c in cands)[len(cands) // 4])
+    assert {c.shard for c in tight if c.tp == 1} > {"none"} and {c.shard for c in tight if c.tp > 1} == {"none"}
     # a slow link between a tp group's devices ranks every tp layout below the same layout without tp
     slow = plan(layers, devices=8, batch=16, tp=[1, 2], sharded=sharded, tp_link="ethernet")
     best = {}

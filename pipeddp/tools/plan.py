@@ -27,7 +27,9 @@ every layer is first put on one of its tp devices (``tp_costs``: the
 parameters the plan splits, their share of the work, the all-reduces of the
 split modules on ``tp_link``), and the same sweep runs on what is left of
 the devices; what a stage sends and keeps is its whole output (replicated
-over tp), its replicas reduce its split gradients only.
+over tp), its replicas reduce its split gradients only. As the engine runs
+them, tensor-parallel layouts keep whole copies on their replicas (no
+``shard=``) and a backward in one action (no zero-bubble schedule).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from typing import Any, Callable, List, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from ..distributed.shard import split_backward
 from ..partitioning.profile import profile_layers
 from ..partitioning.solve import solve
 from ..runtime.schedule.actions import PLACEMENTS, row_of
@@ -219,15 +222,15 @@ def _configurations(layers: Sequence[LayerModel], stages: int, replicas: int, m:
     # one micro-batch, or one stage per replica: every schedule runs the same step
     for schedule in (schedules[:1] if m == 1 or stages == 1 else schedules):
         v = virtual_stages if schedule == "interleaved" else 1
-        if stages * v > len(layers):
-            continue
+        if stages * v > len(layers) or (tp > 1 and stages > 1 and split_backward(schedule, stages, v)):
+            continue  # the engine runs tensor-parallel stages under schedules whose backward is one action
         balance = solve(cost, stages * v, comm)
         stage_costs, saved = _stages(layers, balance, b)
         for placement in PLACEMENTS if v > 1 else ("loop",):  # the V: first and last stage on device 0
             pred = simulate(stage_costs, schedule, stages=stages, chunks=m, replicas=replicas,
                             links=stage_link, allreduce_link=ar_link, virtual_stages=v, placement=placement)
-            chosen = _choose_shard(layers, balance, stages, v, replicas, m, optimizer_slots, pred, saved,
-                                   memory, ar_link, placement)
+            chosen = _choose_shard(layers, balance, stages, v, replicas if tp == 1 else 1, m, optimizer_slots,
+                                   pred, saved, memory, ar_link, placement)  # tp: the replicas keep whole copies
             if chosen is None:
                 continue
             shard, mem, extra = chosen
