@@ -248,7 +248,14 @@ def test_tensor_parallel_time_is_the_split_work_and_the_all_reduces_of_a_llama_b
 
 
 def test_plan_answers_pp_x_tp_x_dp_and_refuses_a_tp_the_heads_do_not_allow():
-    _, layers, sharded = llama_layers(1e-4)
+    from pipeddp.tools.tp_costs import sharded_layers
+
+    flat, layers, sharded = llama_layers(1e-4)
+    ids = torch.randint(0, VOCAB, (2, SEQ))
+    with pytest.raises(ValueError, match="'packed_colwise', which pipeddp does not translate"):
+        sharded_layers(flat, {"lm_head": "packed_colwise"}, ids)  # as HybridParallel(tp_plan=) refuses it
+    with pytest.raises(ValueError, match=r"\['model.layers.\*.mlp.fc1'\] match no module"):
+        sharded_layers(flat, {"lm_head": "colwise", "model.layers.*.mlp.fc1": "colwise"}, ids)
     # 2 key-value heads: tp=4 would leave a rank half a head; 4 attention heads: tp=3 cannot split them
     with pytest.raises(ValueError, match=r"tp=4 does not divide the model's key-value heads \(2\).*choose tp from "
                                          r"\[1, 2\]"):

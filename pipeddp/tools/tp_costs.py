@@ -11,6 +11,8 @@ splits some modules of each layer over ``tp`` ranks, as torch's
     embedding_rowwise       weight (vocabulary)        all-reduce of the output   -
     rowwise_split_input     weight (in dim)            all-reduce of the output   all-gather of the input's grad
 
+(the last: torch's ``RowwiseParallel(input_layouts=Replicate())`` on a
+Linear; by name a plan gives the first four, as ``HybridParallel``'s does).
 A Llama or Qwen2 block (q, k, v, gate, up colwise; o, down rowwise) thus
 all-reduces its hidden state twice forward and five times backward: torch
 reduces each colwise module's input gradient itself, where Megatron's fused
@@ -45,7 +47,6 @@ __all__ = ["Collective", "ShardedLayer", "STYLES", "model_tp_plan", "sharded_lay
 #: the styles plan can cost: (what is split, forward collective, backward collective); "in"/"out" say whose bytes
 STYLES: Dict[str, Tuple[str, Optional[str], Optional[str]]] = {
     "colwise": ("out", None, "all_reduce:in"),
-    "packed_colwise": ("out", None, "all_reduce:in"),
     "rowwise": ("in", "all_reduce:out", None),
     "colwise_gather_output": ("out", "all_gather:out", "all_reduce:in"),
     "embedding_rowwise": ("in", "all_reduce:out", None),
@@ -108,15 +109,20 @@ def _matches(pattern: str, name: str) -> bool:
     return len(atoms) == len(parts) and all(fnmatch.fnmatchcase(p, a) for p, a in zip(parts, atoms))
 
 
+#: the styles a plan may name by string: those ``HybridParallel(tp_plan=)`` translates
+NAMED = ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise")
+
+
 def style_name(style: Any) -> str:
     """A plan's style as one of ``STYLES``: its string, or what torch's Colwise/RowwiseParallel amounts to."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     if isinstance(style, str):
-        if style not in STYLES:
-            raise ValueError(f"plan cannot cost the tensor-parallel style {style!r}; it costs {', '.join(STYLES)} "
-                             "(and torch's ColwiseParallel and RowwiseParallel)")
+        if style not in NAMED:
+            raise ValueError(f"the tensor-parallel plan names the style {style!r}, which pipeddp does not translate "
+                             f"(it knows {', '.join(NAMED)}); give the plan as patterns to torch's ColwiseParallel "
+                             "or RowwiseParallel instead")
         return style
     outputs = tuple(getattr(style, "output_layouts", ()) or ())
     inputs = tuple(getattr(style, "input_layouts", ()) or ())
