@@ -232,6 +232,7 @@ def test_tensor_parallel_time_is_the_split_work_and_the_all_reduces_of_a_llama_b
     _, layers, sharded = llama_layers(0.0)
     only = plan(layers, devices=tp, batch=b, tp=tp, sharded=sharded, tp_link=link, chunks=(1,))
     assert len(only) == 1 and only[0].step_time == pytest.approx(expect, rel=1e-9)
+    assert f"tp=2: 17 collectives a micro-batch over the stages' tp devices, {expect * 1e3:.2f} ms" in only[0].why
     # the work alone (a free link): each layer's per-sample time times (the share of its parameters left whole
     # + the split share / tp), counted on the transformers model's own parameters
     flat, layers, sharded = llama_layers(1e-3)
@@ -287,6 +288,22 @@ def test_plan_answers_pp_x_tp_x_dp_and_refuses_a_tp_the_heads_do_not_allow():
                                     "tp_plan='auto', chunks=")
     assert c.command(devices_per_node=8) == "torchrun --nproc_per_node=8 train.py"
     assert c.command(devices_per_node=4).startswith("torchrun --nnodes=2 --nproc_per_node=4 ")
+
+
+def test_the_plan_command_refuses_a_tp_before_measuring(monkeypatch, capsys):
+    import pipeddp.tools.plan as plan_module
+    from pipeddp.tools.cli import main
+
+    monkeypatch.setattr(plan_module, "fit_layers", lambda *a, **k: pytest.fail("profiled before refusing"))
+    for args, said in ((["--tp", "3"], "--tp 3 must divide --devices 8"),
+                       (["--tp", "4", "--devices-per-node", "2"], "and --devices-per-node 2 (a tp group sits on one"),
+                       (["--tp", "two"], "--tp 'two': give tensor-parallel degrees such as 2 or 1,2,4, or auto"),
+                       (["--tp-link", "wifi"], "--tp-link 'wifi' is not a link"),
+                       (["--model", "mlp", "--tp", "2"], "mlp carries no tensor-parallel plan"),
+                       (["--model", "mlp", "--tp", "2", "--tp-plan", "{x"], "--tp-plan '{x': give auto or a JSON")):
+        assert main(["plan", "--devices", "8", *args]) == 2
+        out = " ".join(capsys.readouterr().out.split())
+        assert said in out, out
 
 
 @pytest.mark.timeout(120)

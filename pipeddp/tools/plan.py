@@ -47,7 +47,7 @@ from ..partitioning.solve import solve
 from ..runtime.schedule.actions import PLACEMENTS, row_of
 from .candidate import Candidate
 from .simulate import Link, Prediction, StageCost, resolve_link, simulate
-from .tp_costs import ShardedLayer, check_tp
+from .tp_costs import ShardedLayer, check_tp, collectives_note
 
 __all__ = ["LayerModel", "fit_layers", "Candidate", "plan", "parse_bytes", "SCHEDULES", "optimizer_slots",
            "shard_memory"]
@@ -203,8 +203,10 @@ def plan(
     found: List[Candidate] = []
     for done, (t, stages, m) in enumerate(runs):
         split = layers if t == 1 else [x.tensor_parallel(s, t, inner) for x, s in zip(layers, sharded or ())]
-        found += _configurations(split, stages, devices // t // stages, m, batch, t, stage_link, ar_link, memory,
-                                 optimizer_slots, schedules, virtual_stages)
+        replicas = devices // t // stages
+        note = "" if t == 1 else collectives_note(sharded or (), t, inner, math.ceil(batch // replicas / m))
+        found += _configurations(split, stages, replicas, m, batch, t, stage_link, ar_link, memory,
+                                 optimizer_slots, schedules, virtual_stages, note)
         if progress is not None:
             progress(done + 1, len(runs))
     found.sort(key=lambda c: (c.step_time, max(c.memory)))
@@ -213,7 +215,7 @@ def plan(
 
 def _configurations(layers: Sequence[LayerModel], stages: int, replicas: int, m: int, batch: int, tp: int,
                     stage_link: Link, ar_link: Link, memory: Optional[float], optimizer_slots: int,
-                    schedules: Sequence[str], virtual_stages: int) -> List[Candidate]:
+                    schedules: Sequence[str], virtual_stages: int, tp_note: str = "") -> List[Candidate]:
     """The candidates of one (stages, replicas, micro-batches, tp): each schedule and placement that fits."""
     found: List[Candidate] = []
     b = math.ceil(batch // replicas / m)
@@ -235,8 +237,8 @@ def _configurations(layers: Sequence[LayerModel], stages: int, replicas: int, m:
                 continue
             shard, mem, extra = chosen
             why = _why(stage_costs, pred, balance, stages, replicas)
-            if tp > 1:
-                why += f"; tp={tp}: each stage's planned modules split over {tp} devices"
+            if tp_note:
+                why += "; " + tp_note
             if shard != "none":
                 why += f"; shard={shard!r}: " + ("optimizer state and gradients split over the replicas"
                                                  if shard == "optimizer" else "parameters split too")

@@ -42,7 +42,8 @@ from torch import nn
 from ..runtime.names import Names, recorded, recorded_source
 from .costs import Link
 
-__all__ = ["Collective", "ShardedLayer", "STYLES", "model_tp_plan", "sharded_layers", "tp_refusals", "check_tp"]
+__all__ = ["Collective", "ShardedLayer", "STYLES", "model_tp_plan", "sharded_layers", "tp_refusals", "check_tp",
+           "collectives_note"]
 
 #: the styles plan can cost: (what is split, forward collective, backward collective); "in"/"out" say whose bytes
 STYLES: Dict[str, Tuple[str, Optional[str], Optional[str]]] = {
@@ -254,3 +255,10 @@ def check_tp(layers: Sequence[ShardedLayer], tp: int) -> None:
         raise ValueError(f"tp={tp} does not divide the model's {', '.join(bad[:4])}"
                          + (" ..." if len(bad) > 4 else "") + f": each tp rank must hold an equal part; choose tp "
                          f"from {fits}")
+
+
+def collectives_note(layers: Sequence[ShardedLayer], tp: int, link: Link, b: int) -> str:
+    """What the tp collectives of one micro-batch of ``b`` samples cost, for a candidate's explanation."""
+    count = sum(len(layer.forward) + len(layer.backward) for layer in layers)
+    seconds = sum(f + p * b for layer in layers for f, p in (c.cost(tp, link) for c in layer.forward + layer.backward))
+    return f"tp={tp}: {count} collectives a micro-batch over the stages' tp devices, {seconds * 1e3:.2f} ms in all"
