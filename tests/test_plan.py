@@ -11,20 +11,24 @@ def synthetic_layers(n=8):
     return [LayerModel(f"l{i}", 1e-3, 1e-4, 2e-3, 2e-4, 4096, 4_000_000) for i in range(n)]
 
 
+#: a sweep of three micro-batch counts: the tests below are about memory and ranking, not about every count
+FEW = (1, 4, 16)
+
+
 def test_memory_budget_is_never_exceeded():
     layers = synthetic_layers()
-    everything = plan(layers, devices=8, batch=256, link="nvlink", memory=None)
+    everything = plan(layers, devices=8, batch=256, link="nvlink", memory=None, chunks=FEW)
     assert everything
     budget = sorted(max(c.memory) for c in everything)[len(everything) // 2]
-    fitting = plan(layers, devices=8, batch=256, link="nvlink", memory=budget)
+    fitting = plan(layers, devices=8, batch=256, link="nvlink", memory=budget, chunks=FEW)
     assert fitting and len(fitting) < len(everything)
     assert all(max(c.memory) <= budget for c in fitting)
-    assert plan(layers, devices=8, batch=256, memory=1.0) == []
+    assert plan(layers, devices=8, batch=256, memory=1.0, chunks=FEW) == []
 
 
 def test_ranking_and_shapes():
     layers = synthetic_layers()
-    cands = plan(layers, devices=8, batch=256, link="pcie", top=5)
+    cands = plan(layers, devices=8, batch=256, link="pcie", top=5, chunks=FEW)
     assert len(cands) == 5
     assert [c.step_time for c in cands] == sorted(c.step_time for c in cands)
     for c in cands:
@@ -32,8 +36,8 @@ def test_ranking_and_shapes():
         assert sum(c.balance) == len(layers) and len(c.balance) == c.stages * c.virtual_stages
         assert c.why
     # with slow replica links, fewer replicas (more stages) win over pure data parallelism
-    slow = plan(layers, devices=8, batch=256, link="nvlink", allreduce_link="ethernet", top=1)[0]
-    fast = plan(layers, devices=8, batch=256, link="nvlink", allreduce_link="nvlink", top=1)[0]
+    slow = plan(layers, devices=8, batch=256, link="nvlink", allreduce_link="ethernet", top=1, chunks=FEW)[0]
+    fast = plan(layers, devices=8, batch=256, link="nvlink", allreduce_link="nvlink", top=1, chunks=FEW)[0]
     assert slow.stages >= fast.stages
 
 
