@@ -49,13 +49,23 @@ if _PARSED is None:
     raise ImportError(f"pipeddp needs torch's VmapMode dispatch key, which torch {torch.__version__} lacks")
 _KEY: torch._C.DispatchKey = _PARSED
 _KEYSET = torch._C.DispatchKeySet(_KEY)
+_is_included = torch._C._dispatch_tls_is_dispatch_key_included
+_set_included = torch._C._dispatch_tls_set_dispatch_key_included
 #: what the legacy vmap's kernels say (the only other code that includes the key)
 _LEGACY = ("vmap: We do not yet support calling random operations inside of vmap. Please perform random operations "
            "outside of vmap as a workaround")
 #: ``_state.generator`` once ``stop_handing`` ran: the process's generator for the rest of the body
 _PROCESS = object()
 _SEEDED = torch.Tag.nondeterministic_seeded
-_state = threading.local()
+class _Hand(threading.local):
+    """This thread's stage generator and the seed it takes at its first draw; the class's values are each new
+    thread's (an attribute a thread never set is read from the class, without the cost of a missing one)."""
+
+    generator: Any = None
+    seed: Optional[int] = None
+
+
+_state = _Hand()
 _registered: List[Any] = []  # the Library that holds the kernels (kept alive), once registered
 _register_guard = threading.Lock()
 
@@ -129,7 +139,7 @@ def _kernel(op: Any) -> Optional[Callable[..., Any]]:
             return overload(*args, generator=generator, **kwargs)
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
-        generator = getattr(_state, "generator", None)
+        generator = _state.generator
         if generator is None:  # not in a stage: torch's legacy vmap included the key
             raise RuntimeError(_LEGACY)
         with torch._C._ExcludeDispatchKeyGuard(_KEYSET):
@@ -171,20 +181,25 @@ def _register(library: Any) -> None:
 
 class stage_generator:  # noqa: N801 (used as a context, like torch.no_grad)
     """Every random op of the CPU run in this thread by the body draws from ``generator`` (seeded with ``seed``
-    first, where one is given)."""
+    first, where one is given). Entered around every forward of a stage: kept to a few attribute writes."""
+
+    __slots__ = ("generator", "seed", "before", "included")
 
     def __init__(self, generator: torch.Generator, seed: Optional[int] = None) -> None:
         self.generator, self.seed = generator, seed
 
     def __enter__(self) -> None:
-        self.before = (getattr(_state, "generator", None), getattr(_state, "seed", None),
-                       torch._C._dispatch_tls_is_dispatch_key_included(_KEY))
-        _state.generator, _state.seed = self.generator, self.seed  # seeded at the first draw: none, no cost
-        torch._C._dispatch_tls_set_dispatch_key_included(_KEY, True)
+        state = _state
+        self.before = (state.generator, state.seed)
+        self.included = _is_included(_KEY)
+        state.generator, state.seed = self.generator, self.seed  # seeded at the first draw: none, no cost
+        if not self.included:
+            _set_included(_KEY, True)
 
     def __exit__(self, *exc: Any) -> None:
-        torch._C._dispatch_tls_set_dispatch_key_included(_KEY, self.before[2])
-        _state.generator, _state.seed = self.before[:2]
+        if not self.included:
+            _set_included(_KEY, False)
+        _state.generator, _state.seed = self.before
 
 
 def settled() -> torch.Generator:

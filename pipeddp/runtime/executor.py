@@ -274,6 +274,9 @@ class ThreadRunner:
                                                self._inboxes[peer.row], timeout)
             self._links.append(links)
         self._workers = Workers(len(self.devices), threads=threads)
+        #: set when a device fails, so the others stop before their next action; one event, cleared per step
+        #: (a step starts once every job of the one before has ended: ``Workers.settle``)
+        self._stop = threading.Event()
 
     def run(self, rows: Sequence[Sequence[Action]], spec: StepSpec, *, plan: Optional[Schedule] = None,
             inputs: Optional[Sequence[Any]] = None, output_grads: Optional[Sequence[Optional[Grads]]] = None,
@@ -290,7 +293,8 @@ class ThreadRunner:
         last = next(d for d in self.devices if d.n_stages - 1 in d.stages)  # the device of the last stage
         if grad_event is not None and last.first.streams.cuda:
             last.first.streams.compute.wait_event(grad_event)
-        stop = threading.Event()
+        stop = self._stop
+        stop.clear()
         fns = [functools.partial(run_actions, d, rows[k], spec, links=self._links[k],
                                  inputs=inputs if 0 in d.stages else None,
                                  output_grads=output_grads if d is last else None,

@@ -107,9 +107,13 @@ class Step:
         self.deferred = [DeferredStatistics(st.module) for st in self.stages] if deferred_batch_norm else []
         #: Called before a step's forwards, after them, and after its backwards (a distributed
         #: engine adds its own, e.g. the exchange of tied weights between processes).
-        self.before_forward: List[Callable[[], None]] = [self.ties.refresh] + [d.reset for d in self.deferred]
+        #: (A process with no tie among its stages keeps none of the ties' hooks: each is a call under no_grad per
+        #: step that would find nothing to do.)
+        self._tied = bool(self.ties.entries)
+        self.before_forward: List[Callable[[], None]] = ([self.ties.refresh] if self._tied else []) + \
+            [d.reset for d in self.deferred]
         self.after_forward: List[Callable[[], None]] = [d.commit for d in self.deferred]
-        self.after_backward: List[Callable[[], None]] = [self.ties.fold]
+        self.after_backward: List[Callable[[], None]] = [self.ties.fold] if self._tied else []
         #: called when a training step is over: after the engine's agreement at its end (``finish_counted``), or
         #: after the backwards of a forward's output (``refine`` times whole steps by it)
         self.after_step: List[Callable[[], None]] = []
@@ -210,7 +214,8 @@ class Step:
                         sync=self.sync and final, autocast=Autocast.capture(), loss_scale=loss_scale)
         if first:
             self.started = time.perf_counter()
-            self.ties.begin()
+            if self._tied:
+                self.ties.begin()
         self._call(self.before_forward)
         rows, plan = self._plan("train", m)
         results = self.runner.run(rows, spec, plan=plan, inputs=self._split_to(self.first, x, sizes),
@@ -296,7 +301,8 @@ class Step:
         spec.sync = self.sync
 
         def run_backward(grads: List[Optional[Grads]], event: Any) -> List[Grads]:
-            self.ties.begin()  # here, not at the forward: the user may zero_grad in between
+            if self._tied:
+                self.ties.begin()  # here, not at the forward: the user may zero_grad in between
             rows, plan = self._plan("backward", m)
             res = self.runner.run(rows, spec, plan=plan, output_grads=grads, grad_event=event,
                                   trace=self.stats.timeline(self.trace))
