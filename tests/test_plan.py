@@ -390,3 +390,4 @@ def test_the_plan_command_ranks_tp_and_shows_its_sweep_on_a_terminal_only(llama_
     assert "mesh = init_device_mesh('cuda', (1, 1, 2), mesh_dim_names=('dp', 'pp', 'tp'))" in out, out
     assert "engine = pipeddp.HybridParallel(model, stages=1, mode='stage', mesh=mesh, tp_plan='auto'" in out
     assert "torchrun --nproc_per_node=2 train.py" in out
+    assert "no pipeline, no replicas: the model split over 2 devices" in out and "plain data" not in out

@@ -236,7 +236,7 @@ def _configurations(layers: Sequence[LayerModel], stages: int, replicas: int, m:
             if chosen is None:
                 continue
             shard, mem, extra = chosen
-            why = _why(stage_costs, pred, balance, stages, replicas)
+            why = _why(stage_costs, pred, balance, stages, replicas, tp)
             if tp_note:
                 why += "; " + tp_note
             if shard != "none":
@@ -301,11 +301,13 @@ def _stages(layers: Sequence[LayerModel], balance: Sequence[int], b: int) -> tup
     return costs, saved
 
 
-def _why(costs: Sequence[StageCost], pred: Prediction, balance: Sequence[int], stages: int, replicas: int) -> str:
+def _why(costs: Sequence[StageCost], pred: Prediction, balance: Sequence[int], stages: int, replicas: int,
+         tp: int = 1) -> str:
     slowest = max(range(len(costs)), key=lambda s: costs[s].forward + costs[s].backward)
     parts = []
     if stages == 1 and replicas > 1:
-        parts.append("plain data parallelism: the whole model on every device, no pipeline")
+        parts.append("plain data parallelism: the whole model on every device, no pipeline" if tp == 1 else
+                     f"no pipeline: each replica's model split over {tp} devices")
     if len(costs) > 1:
         c = costs[slowest]
         parts.append(f"bottleneck stage {slowest} ({balance[slowest]} layers, "
@@ -315,5 +317,6 @@ def _why(costs: Sequence[StageCost], pred: Prediction, balance: Sequence[int], s
         hidden = max(pred.allreduce_time) - pred.exposed_allreduce
         parts.append(f"all-reduce {max(pred.allreduce_time) * 1e3:.1f} ms, "
                      f"{max(hidden, 0.0) * 1e3:.1f} ms of it hidden")
-    return "; ".join(parts) if parts else "no pipeline, no replicas: the plain model"
+    return "; ".join(parts) if parts else ("no pipeline, no replicas: the plain model" if tp == 1 else
+                                          f"no pipeline, no replicas: the model split over {tp} devices")
 

@@ -163,7 +163,7 @@ def run_plan(args: argparse.Namespace, console: Console, profiling: Progress) ->
     console.print(f"\nfirst choice: {best.layout} ({best.kind}), {batches}"
                   + (f", {best.schedule_text}" if best.stages > 1 else "")
                   + f"; each replica takes a local batch of {best.chunks * best.micro_batch} (global {args.batch})")
-    if best.stages == 1 and best.replicas > 1:
+    if best.stages == 1 and best.replicas > 1 and best.tp == 1:
         alone = "torch.nn.parallel.DistributedDataParallel" if best.shard == "none" else \
             "torch.distributed.fsdp.fully_shard"
         console.print(f"plain data parallelism wins: {alone} does this alone; with pipeddp:")
