@@ -329,6 +329,8 @@ def test_the_collectives_plan_counts_are_those_torchs_tensor_parallelism_sends()
         assert counted == predicted
 
 
+MLP_PLAN = {"model.layers.*.mlp.gate_proj": "colwise", "model.layers.*.mlp.up_proj": "colwise",
+            "model.layers.*.mlp.down_proj": "rowwise"}
 LLAMA_MODULE = '''
 import sys
 sys.path.insert(0, {tests!r})
@@ -351,6 +353,7 @@ def llama_module(tmp_path, monkeypatch):
 
 @pytest.mark.timeout(120)
 def test_the_plan_command_ranks_tp_and_shows_its_sweep_on_a_terminal_only(llama_module, capfd, monkeypatch):
+    import json
     import os
     import pty
     import sys
@@ -379,7 +382,7 @@ def test_the_plan_command_ranks_tp_and_shows_its_sweep_on_a_terminal_only(llama_
     with open(tty, "w", closefd=True) as terminal:
         monkeypatch.setattr(sys, "stderr", terminal)
         code = main(["plan", "--model", f"{llama_module}:flat_llama", "--devices", "2", "--batch", "8", "--tp", "2",
-                     "--profile-batch", "4"])
+                     "--profile-batch", "4", "--tp-plan", json.dumps(MLP_PLAN)])
         monkeypatch.setattr(sys, "stderr", sys.__stderr__)
     reader.join(timeout=30)
     os.close(main_fd)
@@ -388,6 +391,7 @@ def test_the_plan_command_ranks_tp_and_shows_its_sweep_on_a_terminal_only(llama_
     assert b"simulating the layouts of 2 devices" in drawn and b"100%" in drawn, drawn[-2000:]  # it moved to the end
     out = " ".join(capfd.readouterr().out.split())
     assert "mesh = init_device_mesh('cuda', (1, 1, 2), mesh_dim_names=('dp', 'pp', 'tp'))" in out, out
-    assert "engine = pipeddp.HybridParallel(model, stages=1, mode='stage', mesh=mesh, tp_plan='auto'" in out
+    assert f"engine = pipeddp.HybridParallel(model, stages=1, mode='stage', mesh=mesh, tp_plan={MLP_PLAN!r}" in out
+    assert "tp=2: 6 collectives a micro-batch" in out  # the MLPs' only: gate and up backward, down forward
     assert "torchrun --nproc_per_node=2 train.py" in out
     assert "no pipeline, no replicas: the model split over 2 devices" in out and "plain data" not in out
