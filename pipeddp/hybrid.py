@@ -45,7 +45,7 @@ from .distributed.build import build_replica
 from .distributed.ddp import CommHook
 from .distributed.elastic import DataPosition, GlobalBatch, plan_global_batch
 from .distributed.groups import current_topology
-from .distributed.mesh import mesh_topology
+from .distributed.mesh import mesh_parts
 from .distributed.shard import check_shard, shard_like, split_backward, whole_tensors
 from .partitioning.report import Partition
 from .runtime.devices import DeviceLike
@@ -100,7 +100,12 @@ class HybridParallel(Checkpointable, StepModule):
         mesh: a ``DeviceMesh`` of the job's (two dimensions named ``"dp"`` and ``"pp"``, or such a slice of a larger
             one) to place the engine on, in stage mode, instead of taking the whole world from the environment:
             the engine's groups and collectives then involve the mesh's ranks alone, beside another parallelism
-            over the rest of the world. See ``distributed/mesh.py``.
+            over the rest of the world. A mesh of three dimensions, ``"dp"``, ``"pp"`` and ``"tp"``, with ``tp_plan``
+            shards each stage over ``tp`` too. See ``distributed/mesh.py``.
+        tp_plan: with a mesh that has a ``"tp"`` dimension: ``"auto"`` (a transformers model's own plan) or
+            ``{module-name pattern: "colwise" | "rowwise" | "colwise_gather_output" | "embedding_rowwise" |
+            ParallelStyle}`` in the model's own names; each process shards its stages' modules over ``tp`` with
+            torch's ``parallelize_module``. See ``distributed/tensor_parallel.py``.
         log_every: as in ``Pipeline``: the step's figures (``engine.last_step``: samples and tokens of every
             replica together) logged every that many steps, by rank 0 alone.
     """
@@ -117,11 +122,12 @@ class HybridParallel(Checkpointable, StepModule):
                  placement: str = "loop", global_batch: Optional[int] = None, batch_size: Optional[int] = None,
                  shard: str = "none", max_activations: Optional[int] = None, seed: int = 0,
                  init: Optional[Callable[[nn.Module], None]] = None, mesh: Optional[Any] = None,
-                 log_every: Optional[int] = 100) -> None:
+                 log_every: Optional[int] = 100, tp_plan: Union[None, str, Dict[str, Any]] = None) -> None:
         super().__init__()
         log_every = check_log_every(log_every)
-        self.topology = topo = current_topology(stages, mode, layout) if mesh is None \
-            else mesh_topology(mesh, stages, mode)
+        self.topology, tp_mesh = mesh_parts(mesh, stages, mode, tp_plan,
+                                            partial(current_topology, stages, mode, layout))
+        topo = self.topology
         self.global_batch_plan: Optional[GlobalBatch] = plan_global_batch(global_batch, batch_size, topo.replicas)
         #: the epoch and samples of it consumed; checkpoints record it, resume restores it, loaders follow it
         self.position = DataPosition()
@@ -146,7 +152,8 @@ class HybridParallel(Checkpointable, StepModule):
         self._replica = wired = build_replica(self, model, topo, settings, partition=cut, devices=devices,
                                               backend=backend, ddp_kwargs=ddp_kwargs, comm_hook=comm_hook,
                                               sync_batchnorm=sync_batchnorm, trace=trace, threads=threads,
-                                              deferred_batch_norm=deferred_batch_norm, shard=self.shard)
+                                              deferred_batch_norm=deferred_batch_norm, shard=self.shard,
+                                              tp_mesh=tp_mesh, tp_plan=tp_plan)
         self.devices, self.backend, self.agreement = wired.devices, wired.backend, wired.agreement
         self.settings = wired.settings  # virtual_stages and placement as built, where "auto" left them to the profile
         self.partition: Partition = wired.partition

@@ -4,12 +4,14 @@
 
     topology (torchrun's env, or the user's mesh) -> devices, backend -> the current CUDA device (this process's
         first) -> process group (unless one exists; a mesh's job: a group of its ranks) -> Agreement
-        -> partition: measured on rank 0, the same on every rank
+        -> partition: measured on rank 0, the same on every rank (with tp_plan: every tp slice takes t = 0's)
         -> stage groups (and pipeline groups in stage mode)
-        -> [SyncBatchNorm] -> this process's stages, registered on the owner under the model's names
+        -> [SyncBatchNorm] -> this process's stages, registered on the owner under the model's names (with
+           tp_plan: each layer sharded over tp as it is built, ``tp_stages``)
         -> runner: ThreadRunner (replica mode: every stage, on threads) | ProcessRunner (stage mode: one stage)
         -> Step, with the exchange of tied weights between processes (and schedule="auto"'s order)
-        -> DDP over each stage's group (several replicas), or FSDP2's fully_shard with shard=
+        -> DDP over each stage's group (several replicas), or FSDP2's fully_shard with shard= (with tp_plan:
+           the shards' gradients averaged over the group by ``TPGradSync``)
 
 Every rank runs these steps in the same order, because several are
 collectives (``new_group``, the partition's broadcast, DDP's first broadcast
@@ -47,8 +49,10 @@ from .groups import Groups, choose_backend, host_group, init_process_group, loca
 from .replica import Replica
 from .shard import StageShard, attach_shards
 from .stage_runner import ProcessRunner
+from .tensor_parallel import PlanArg
 from .ties import TieExchange
 from .topology import Topology
+from .tp_stages import TensorParallel, tensor_parallel
 
 __all__ = ["build_replica"]
 
@@ -58,18 +62,22 @@ def build_replica(owner: nn.Module, model: nn.Sequential, topology: Topology, se
                   devices: Union[None, str, Sequence[DeviceLike]] = None, backend: Optional[str] = None,
                   ddp_kwargs: Optional[Dict[str, Any]] = None, comm_hook: Optional[CommHook] = None,
                   sync_batchnorm: bool = False, trace: bool = False, threads: Optional[int] = None,
-                  deferred_batch_norm: bool = False, shard: str = "none") -> Replica:
+                  deferred_batch_norm: bool = False, shard: str = "none", tp_mesh: Optional[Any] = None,
+                  tp_plan: PlanArg = None) -> Replica:
     """Wire this process's stages of ``model`` into ``topology``; their layers are registered on ``owner``.
 
     ``partition(device)`` cuts the model (``stages x virtual_stages`` stages);
     it runs on rank 0 only, on its first device, and every rank takes its
     result. The other arguments are ``HybridParallel``'s (``shard`` already
-    checked by ``shard.check_shard``). A ``Pipeline`` is built here too: a
+    checked by ``shard.check_shard``; ``tp_mesh``, ``tp_plan``: tensor parallelism
+    over the mesh's ``tp`` dimension). A ``Pipeline`` is built here too: a
     job of one process and one replica in replica mode, where every
     collective is a local call and no process group is made.
     """
     check_ddp_kwargs(ddp_kwargs, comm_hook)
     topo, virtual = topology, settings.virtual_stages
+    tp = tensor_parallel(model, tp_mesh, tp_plan, settings, stages=topo.stages, shard=shard,
+                         ddp_options=bool(ddp_kwargs) or comm_hook is not None) if tp_mesh is not None else None
     n_stages = topo.stages * virtual
     devs = local_devices(topo, devices)
     backend = choose_backend(backend, devs, topo)
@@ -81,9 +89,10 @@ def build_replica(owner: nn.Module, model: nn.Sequential, topology: Topology, se
     topo = with_job_group(topo, settings.timeout_delta)  # placed on a mesh: the job's collectives on its own ranks
     agreement = Agreement(topo, devs[0] if backend == "nccl" and topo.world_size > 1 else torch.device("cpu"),
                           host_group=host_group(topo, None, backend, topo.group, settings.timeout_delta))
-    cut = agreement.from_rank0(lambda: partition(devs[0]))
+    from_rank0 = tp.on_first(agreement.from_rank0) if tp is not None else agreement.from_rank0
+    cut = from_rank0(lambda: partition(devs[0]))
     if settings.choose_virtual or settings.placement == "auto":  # from the profile, on rank 0 for every rank
-        virtual, placement = agreement.from_rank0(lambda: _layout(cut, settings, topo.stages, len(model)))
+        virtual, placement = from_rank0(lambda: _layout(cut, settings, topo.stages, len(model)))
         settings = replace(settings, virtual_stages=virtual, choose_virtual=False, placement=placement)
         n_stages = topo.stages * virtual
         cut = cut.recut(n_stages)  # the same solve on every rank
@@ -100,7 +109,9 @@ def build_replica(owner: nn.Module, model: nn.Sequential, topology: Topology, se
         indices = stages_on(topo.stage, topo.stages, n_stages, placement)
         placed = [devs[0]] * len(indices)
     local = build_stages(model, balance, placed, indices, compile=settings.compile, seed=settings.seed,
-                         init=settings.init)
+                         init=settings.init, distribute=tp.distribute if tp is not None else None)
+    if tp is not None:
+        tp.settle(local)
     register_layers(owner, local)
     runner: Runner
     if topo.mode == "replica":
@@ -109,18 +120,19 @@ def build_replica(owner: nn.Module, model: nn.Sequential, topology: Topology, se
     else:
         twin = groups.pipeline_host if groups.pipeline_host is not groups.pipeline else None  # nccl: gloo headers
         runner = ProcessRunner.connect(local, topo, n_stages=n_stages, comm_device=agreement.comm_device,
-                                       timeout=settings.timeout_delta, placement=placement, header_group=twin)
+                                       timeout=settings.timeout_delta, placement=placement, header_group=twin,
+                                       side_group=groups.pipeline if twin is None else None)  # gloo: changes
     try:
         step, exchange, ddps, shards = _step_over(model, topo, settings, local, balance, runner, agreement, groups,
                                                   backend, ddp_kwargs=ddp_kwargs, comm_hook=comm_hook, trace=trace,
-                                                  deferred_batch_norm=deferred_batch_norm, shard=shard)
+                                                  deferred_batch_norm=deferred_batch_norm, shard=shard, tp=tp)
         attach_auto(step, cut.layers, balance, settings.max_activations, gather=agreement.gather_to_all,
-                    on_rank0=agreement.from_rank0)  # schedule="auto": costs measured, one order for every rank
+                    on_rank0=from_rank0)  # schedule="auto": costs measured, one order for every rank
     except BaseException:
         runner.close()  # its threads (or links) must not outlive a construction that failed
         raise
     return Replica(topo, devs, backend, owns_group=owns_group, agreement=agreement, partition=cut, groups=groups,
-                   step=step, runner=runner, ties=exchange, ddps=ddps, shards=shards, settings=settings)
+                   step=step, runner=runner, ties=exchange, ddps=ddps, shards=shards, settings=settings, tp=tp)
 
 
 def _layout(cut: Partition, settings: Settings, devices: int, layers: int) -> Tuple[int, str]:
@@ -141,8 +153,9 @@ def _layout(cut: Partition, settings: Settings, devices: int, layers: int) -> Tu
 def _step_over(model: nn.Sequential, topo: Topology, settings: Settings, local: List[Stage], balance: List[int],
             runner: Runner, agreement: Agreement, groups: Groups, backend: str, *,
             ddp_kwargs: Optional[Dict[str, Any]], comm_hook: Optional[CommHook], trace: bool,
-            deferred_batch_norm: bool, shard: str) -> Tuple[Step, TieExchange, List[Optional[DistributedDataParallel]],
-                                                            List[Optional[StageShard]]]:
+            deferred_batch_norm: bool, shard: str,
+            tp: Optional[TensorParallel]) -> Tuple[Step, TieExchange, List[Optional[DistributedDataParallel]],
+                                                   List[Optional[StageShard]]]:
     """The step over ``runner``, tied weights exchanged between processes, DDP (or FSDP2 with ``shard``) over each
     stage's group."""
     ties = find_ties(model, balance)
@@ -156,8 +169,10 @@ def _step_over(model: nn.Sequential, topo: Topology, settings: Settings, local: 
     step.before_forward.append(exchange.refresh)
     step.ties.across = exchange  # the gains of ties' uses in other processes join the step's fold
     step.trace = Trace(topo.rank) if trace else None
+    if tp is not None and topo.replicas > 1:
+        tp.attach(local, groups.stage)  # DDP's part, for DTensor parameters
     ddps = attach_stages(local, groups.stage, ddp_kwargs=ddp_kwargs, comm_hook=comm_hook,
-                         trace=step.trace) if topo.replicas > 1 and shard == "none" else []
+                         trace=step.trace) if topo.replicas > 1 and shard == "none" and tp is None else []
     shards = attach_shards(local, groups.stage, shard, step.trace) if shard != "none" else []
     if shards:
         step.ties.rebind(local)  # the tied uses are the sharded parameters now

@@ -10,6 +10,17 @@ mesh=mesh)`` takes its two dimensions named ``"dp"`` (replicas) and ``"pp"``
     mesh = init_device_mesh("cuda", (2, 2, 4), mesh_dim_names=("dp", "pp", "tp"))
     engine = HybridParallel(model, stages=2, mode="stage", mesh=mesh["dp", "pp"])
 
+A mesh of three dimensions named ``"dp"``, ``"pp"`` and ``"tp"`` adds tensor
+parallelism inside each stage (``tp_plan=``, see ``tensor_parallel``)::
+
+    mesh = init_device_mesh("cuda", (2, 2, 4), mesh_dim_names=("dp", "pp", "tp"))
+    engine = HybridParallel(model, stages=2, mode="stage", mesh=mesh, tp_plan="auto")
+
+Each tp coordinate t is then a pipeline-and-replicas job of its own on
+``mesh["dp", "pp"]`` at t: rank (dp, pp, t) sends to (dp, pp + 1, t), and the
+replicas of (stage, t) reduce together; the tp ranks of a stage hold the same
+activations and meet in the sharded layers' collectives over ``mesh["tp"]``.
+
 The mesh says which global rank holds each (replica, stage): point-to-point
 messages go to those ranks, each stage's DDP (or FSDP2) group holds that
 stage's copies, and the job's own collectives (the batch check, the mean
@@ -21,13 +32,35 @@ build their own engines in their own time.
 
 from __future__ import annotations
 
-from typing import Any, Tuple
+from typing import Any, Callable, Optional, Tuple
 
+from .tensor_parallel import PlanArg, check_tp_plan_arg
 from .topology import Topology, env_world
 
-__all__ = ["mesh_topology"]
+__all__ = ["mesh_topology", "mesh_parts"]
 
 _NAMES = ("dp", "pp")
+
+
+def mesh_parts(mesh: Any, stages: int, mode: str, tp_plan: PlanArg,
+               default: Callable[[], Topology]) -> Tuple[Topology, Optional[Any]]:
+    """``(this process's place in the (dp, pp) job, the 1-D tp mesh or None)`` for ``mesh`` (2-D, or 3-D with
+    ``tp``) and ``tp_plan``; refuses a plan without a ``tp`` dimension, and a ``tp`` dimension without a plan.
+    Without a mesh, ``default()`` (the job read from the environment)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    names = tuple(mesh.mesh_dim_names or ()) if isinstance(mesh, DeviceMesh) else ()
+    has_tp = mesh is not None and mesh.ndim == 3 and sorted(names) == sorted(_NAMES + ("tp",))
+    check_tp_plan_arg(tp_plan, has_tp=has_tp, mode=mode)
+    if mesh is None:
+        return default(), None
+    if has_tp and tp_plan is None:
+        raise ValueError("the mesh has a 'tp' dimension, but no tp_plan says what to shard over it: pass tp_plan="
+                         "'auto' or {pattern: style}, or pass mesh['dp', 'pp'] to run each tp slice as a job of its "
+                         "own")
+    if has_tp:
+        return mesh_topology(mesh["dp", "pp"], stages, mode), mesh["tp"]
+    return mesh_topology(mesh, stages, mode), None
 
 
 def mesh_topology(mesh: Any, stages: int, mode: str) -> Topology:
@@ -41,8 +74,9 @@ def mesh_topology(mesh: Any, stages: int, mode: str) -> Topology:
     names = tuple(mesh.mesh_dim_names or ())
     if mesh.ndim != 2 or sorted(names) != sorted(_NAMES):
         raise ValueError(
-            f"mesh must have two dimensions named 'dp' (replicas) and 'pp' (stages), got {mesh.ndim} named "
-            f"{names or 'nothing'}: build it as {example}, or pass a slice of a larger one, mesh['dp', 'pp']"
+            f"mesh must have two dimensions named 'dp' (replicas) and 'pp' (stages), or three with 'tp' (and tp_plan="
+            f"), got {mesh.ndim} named {names or 'nothing'}: build it as {example}, or pass a slice of a larger one, "
+            "mesh['dp', 'pp']"
         )
     if mode != "stage":
         raise ValueError(f"mesh= places one stage per process: use mode='stage' (got mode={mode!r})")

@@ -40,6 +40,7 @@ from .shard import StageShard
 from .skipped import OpenSkip
 from .ties import TieExchange
 from .topology import Topology
+from .tp_stages import TensorParallel
 
 __all__ = ["Replica"]
 
@@ -52,7 +53,7 @@ class Replica:
     def __init__(self, topology: Topology, devices: List[torch.device], backend: str, *, owns_group: bool,
                  agreement: Agreement, partition: Partition, groups: Groups, step: Step, runner: Runner,
                  ties: TieExchange, ddps: List[Optional[DistributedDataParallel]], settings: Settings,
-                 shards: Sequence[Optional[StageShard]] = ()) -> None:
+                 shards: Sequence[Optional[StageShard]] = (), tp: Optional[TensorParallel] = None) -> None:
         self.topology = topology
         #: the settings the engine was built with, the layout the profile chose included (``virtual_stages`` and
         #: ``placement`` where they were ``"auto"``)
@@ -77,6 +78,8 @@ class Replica:
         self.skipped_steps = 0
         #: a skipped step held open until the optimizer steps, so that its other accumulation calls go with it
         self.open_skip = OpenSkip()
+        #: tensor parallelism inside the stages (``tp_plan``), else None
+        self.tp = tp
         #: whether the stages' sharded parameters are held gathered (an evaluation with shard=)
         self._gathered = False
         # a step's figures count every replica's samples, and the waits for the other processes
@@ -99,6 +102,8 @@ class Replica:
         with self.notices.guard("train_step"):
             loss = self.step.train_passes(x, y, loss_fn, n, plan.accumulation if plan is not None else 1,
                                           loss_scale=scaler.scale if scaler is not None else None)
+            if self.tp is not None:
+                self.tp.after_backward(params, self.agreement.comm_device, skip_nonfinite or scaler is not None)
         with self._agreeing(), self.notices.guard("train_step"):
             mean, skipped, count = self.agreement.finish_step(loss, params,
                                                               skip_nonfinite=skip_nonfinite,
@@ -179,7 +184,15 @@ class Replica:
         return self.agreement.mean_metrics(count, sums, counts)
 
     def norm_scope(self) -> Tuple[List[nn.Parameter], torch.device, Optional[Combine]]:
-        """For clipping: in stage mode the norm is joined over this replica's processes (replicas agree after DDP)."""
+        """For clipping: in stage mode the norm is joined over this replica's processes (replicas agree after DDP);
+        with tensor parallelism over the tp ranks too (``TensorParallel.norm_scope``)."""
+        copies, device, combine = self._job_norm_scope()
+        if self.tp is None:
+            return copies, device, combine
+        return self.tp.norm_scope([p for st in self.step.stages for p in st.module.parameters()], copies, device,
+                                  combine)
+
+    def _job_norm_scope(self) -> Tuple[List[nn.Parameter], torch.device, Optional[Combine]]:
         if self.shards:  # every rank holds disjoint shards: the norm is summed over the whole job
             return self.ties.copies(), self.agreement.comm_device, partial(self.agreement.join_norm,
                                                                         group=self.topology.group)

@@ -1,0 +1,218 @@
+"""A tensor-parallel plan, resolved against the model before anything is allocated: which module takes which style.
+
+``HybridParallel(..., mesh=mesh, tp_plan=...)`` on a mesh named ``dp``,
+``pp``, ``tp`` shards the modules the plan names over ``tp`` with PyTorch's
+own tensor parallelism (``parallelize_module``: ``ColwiseParallel``,
+``RowwiseParallel``, DTensor parameters), in each stage a process holds::
+
+    tp_plan="auto"                 the model's own (a transformers model's ``tp_plan``: its config's
+                                   ``base_model_tp_plan`` and its head's ``_tp_plan``), in its names
+    tp_plan={"blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise"}
+                                   patterns of the user's module names (``*`` matches one part of a
+                                   name), to a style's name or any ``ParallelStyle``
+
+The patterns are matched against the names of the model the user wrote (a
+flattened model's modules are mapped back with ``Names``), and resolved to
+the flattened model's own module paths, which are the stage modules' paths.
+
+Everything here only reads the model (its modules' types and sizes, on the
+meta device too), so a wrong plan is refused on every rank alike, before a
+group or a tensor exists: a pattern that matches no module, a style on a
+module it cannot shard, a ``tp`` size that does not divide the dimension a
+style splits (a Linear's outputs for ``colwise``, inputs for ``rowwise``, an
+attention's heads), a sharded parameter tied to another place (an embedding
+tied to the head), and dropout (the tensor-parallel ranks of a stage would
+draw different masks: refused rather than made to agree).
+
+A head sharded on the vocabulary (transformers' ``colwise_gather_output``)
+gathers its logits, so every tp rank holds them whole and the user's loss
+runs unchanged.
+"""
+
+from __future__ import annotations
+
+from fnmatch import fnmatch
+from typing import Any, Callable, Dict, List, Mapping, Optional, Union
+
+from torch import nn
+
+from ..runtime.names import Names, recorded_source
+
+__all__ = ["STYLE_NAMES", "resolve_plan", "check_tp_plan_arg", "layer_plan"]
+
+PlanArg = Union[str, Mapping[str, Any], None]
+
+
+def _styles() -> Dict[str, Callable[[nn.Module], Any]]:
+    """The styles known by name (transformers' names), each made for the module it shards."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    def rowwise(m: nn.Module) -> Any:  # an embedding's input is the (replicated) token ids, not a sharded activation
+        return RowwiseParallel(input_layouts=Replicate()) if isinstance(m, nn.Embedding) else RowwiseParallel()
+
+    return {"colwise": lambda m: ColwiseParallel(), "rowwise": rowwise,
+            "colwise_gather_output": lambda m: ColwiseParallel(output_layouts=Replicate()),
+            "embedding_rowwise": lambda m: RowwiseParallel(input_layouts=Replicate())}
+
+
+STYLE_NAMES = ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise")
+
+
+def check_tp_plan_arg(tp_plan: PlanArg, *, has_tp: bool, mode: str) -> None:
+    """The argument's type, and that it comes with a mesh that has a ``tp`` dimension, in stage mode."""
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    if tp_plan is None:
+        return
+    if mode != "stage":
+        raise ValueError(f"tp_plan shards each stage over the mesh's 'tp' dimension, one stage per process: use "
+                         f"mode='stage' with mesh= (got mode={mode!r})")
+    if not has_tp:
+        raise ValueError("tp_plan needs a mesh with a 'tp' dimension: build it as init_device_mesh('cuda', (replicas, "
+                         "stages, tp), mesh_dim_names=('dp', 'pp', 'tp')) and pass mesh=mesh")
+    if isinstance(tp_plan, str):
+        if tp_plan != "auto":
+            raise ValueError(f"tp_plan must be 'auto' (the model's own plan) or a dict of module-name patterns to "
+                             f"styles, got {tp_plan!r}")
+        return
+    if not isinstance(tp_plan, Mapping) or not tp_plan:
+        raise ValueError(f"tp_plan must be 'auto' or a non-empty dict {{pattern: style}}, got {tp_plan!r}")
+    for pattern, style in tp_plan.items():
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError(f"tp_plan's keys are module-name patterns (e.g. 'blocks.*.fc1'), got {pattern!r}")
+        if not isinstance(style, ParallelStyle) and style not in STYLE_NAMES:
+            raise ValueError(f"tp_plan[{pattern!r}] = {style!r}: a style is one of {STYLE_NAMES} or a "
+                             "torch.distributed.tensor.parallel.ParallelStyle")
+
+
+def _matches(pattern: str, name: str) -> bool:
+    parts, got = pattern.split("."), name.split(".")
+    return len(parts) == len(got) and all(fnmatch(g, p) for p, g in zip(parts, got))
+
+
+def _auto_plan(model: nn.Sequential) -> Dict[str, Any]:
+    """The model's own plan: a transformers model's ``tp_plan`` (``base_model_tp_plan`` with its head's)."""
+    source = recorded_source(model)
+    found = getattr(source, "tp_plan", None) if source is not None else None
+    if not isinstance(found, Mapping) or not found:
+        what = type(source).__name__ if source is not None else "a model not flattened from a transformers model"
+        raise ValueError(f"tp_plan='auto' takes the plan a transformers model carries (config.base_model_tp_plan), but "
+                         f"{what} has none: pass tp_plan={{pattern: 'colwise' | 'rowwise' | ParallelStyle}} in the "
+                         "model's module names")
+    unknown = {k: v for k, v in found.items() if v not in STYLE_NAMES}
+    if unknown:
+        raise ValueError(f"the model's own tensor-parallel plan uses styles pipeddp does not translate: {unknown} (it "
+                         f"knows {STYLE_NAMES}); pass tp_plan as a dict of patterns to torch ParallelStyles instead")
+    return dict(found)
+
+
+def resolve_plan(model: nn.Sequential, tp_plan: PlanArg, size: int) -> Dict[str, Any]:
+    """``{flattened module path: ParallelStyle}`` for ``tp_plan`` over ``size`` tensor-parallel ranks; refuses a plan
+    that cannot apply (see the module docstring), naming the fix. Reads the model only."""
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    plan = _auto_plan(model) if isinstance(tp_plan, str) else dict(tp_plan or {})  # "auto": the only string
+    names = Names.of(model)
+    modules = [(k, names.original(k), m) for k, m in model.named_modules() if k]
+    made = _styles()
+    out: Dict[str, Any] = {}
+    for pattern, style in plan.items():
+        hits = [(k, original, m) for k, original, m in modules if _matches(pattern, original)]
+        if not hits:
+            raise ValueError(f"tp_plan pattern {pattern!r} matches no module of the model (its modules are named "
+                             f"like {_examples(modules)}); write it in the model's own names, '*' for one part")
+        for k, original, m in hits:
+            built = style if isinstance(style, ParallelStyle) else made[style](m)
+            _check_module(original, m, built, size)
+            out[k] = built
+    _check_heads(model, {names.original(k) for k in out}, size)
+    _check_ties(model, out, names)
+    _check_dropout(model)
+    return out
+
+
+def _examples(modules: List[Any]) -> str:
+    picked = [original for _, original, m in modules if not list(m.children())][:4]
+    return ", ".join(repr(n) for n in picked) or "nothing"
+
+
+def _check_module(name: str, module: nn.Module, style: Any, size: int) -> None:
+    """A column- or row-wise style needs a Linear or an Embedding whose split dimension ``size`` divides."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    colwise = isinstance(style, ColwiseParallel)
+    if not colwise and not isinstance(style, RowwiseParallel):
+        return  # another ParallelStyle says itself what it applies to
+    kind = "colwise" if colwise else "rowwise"
+    if isinstance(module, nn.Linear):
+        dim, what = (module.out_features, "out_features") if colwise else (module.in_features, "in_features")
+    elif isinstance(module, nn.Embedding):
+        dim, what = (module.embedding_dim, "embedding_dim") if colwise else (module.num_embeddings, "num_embeddings")
+    else:
+        raise ValueError(f"tp_plan gives {name} ({type(module).__name__}) the {kind} style, which shards an nn.Linear "
+                         "or an nn.Embedding only: name its Linear layers in the plan instead, or pass a ParallelStyle "
+                         "written for it")
+    if dim % size:
+        raise ValueError(f"tp_plan shards {name} {kind} over tp={size}, but its {what}={dim} is not divisible by "
+                         f"{size}: choose a tp size that divides it, or leave {name} out of the plan")
+
+
+def _check_heads(model: nn.Sequential, planned: Any, size: int) -> None:
+    """An attention sharded over ``tp`` splits its heads: a transformers config's head counts must divide."""
+    if not any("attn" in n or "attention" in n for n in planned):
+        return
+    config = getattr(recorded_source(model), "config", None)
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, key, None)
+        if isinstance(heads, int) and heads % size:
+            raise ValueError(f"tp_plan splits the attention's heads over tp={size}, but config.{key}={heads} is not "
+                             f"divisible by {size}: choose a tp size that divides it, or leave the attention out of "
+                             "the plan")
+
+
+def _check_ties(model: nn.Sequential, styles: Mapping[str, Any], names: Names) -> None:
+    """A parameter of a sharded module held at another place too (an embedding tied to the head) is refused."""
+    places: Dict[int, List[str]] = {}
+    for key, p in model.named_parameters(remove_duplicate=False):
+        places.setdefault(id(p), []).append(names.original(key))
+    for path in styles:
+        twice = _used_twice(model, path)
+        for p in model.get_submodule(path).parameters(recurse=False):
+            if len(set(places[id(p)])) > 1 or twice:
+                raise ValueError(f"tp_plan shards {names.original(path)}, whose weight is tied to another place "
+                                 f"({', '.join(sorted(set(places[id(p)])))}); a sharded tie is not supported: untie "
+                                 "it (a transformers config's tie_word_embeddings=False) or leave it out of the plan")
+
+
+def _used_twice(model: nn.Sequential, path: str) -> bool:
+    target = model.get_submodule(path)
+    return sum(1 for _, m in model.named_modules(remove_duplicate=False) if m is target) > 1
+
+
+def _check_dropout(model: nn.Sequential) -> None:
+    """Dropout is refused: the tp ranks of a stage draw apart, so a replicated activation would differ between them."""
+    from torch.nn.modules.dropout import _DropoutNd
+
+    for name, m in model.named_modules():
+        if isinstance(m, _DropoutNd) and m.p > 0:
+            raise ValueError(f"{name} drops with p={m.p}; with tp_plan the tensor-parallel ranks of a stage would draw "
+                             "different masks, which is not supported: set its p to 0, or train without tp_plan")
+    config = getattr(recorded_source(model), "config", None)
+    settings = config.to_dict() if config is not None and hasattr(config, "to_dict") else {}
+    for key, value in settings.items():
+        if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, float) and value > 0:
+            raise ValueError(f"config.{key}={value}: with tp_plan the tensor-parallel ranks of a stage would draw "
+                             "different dropout masks, which is not supported: build the model with it 0, or train "
+                             "without tp_plan")
+
+
+def layer_plan(styles: Mapping[str, Any], layer: str) -> Optional[Dict[str, Any]]:
+    """The styles of the modules under the model's layer ``layer``, by their paths in it (``""``: the layer)."""
+    out = {}
+    for path, style in styles.items():
+        if path == layer:
+            out[""] = style
+        elif path.startswith(layer + "."):
+            out[path[len(layer) + 1:]] = style
+    return out or None

@@ -1,0 +1,221 @@
+"""Tensor parallelism inside this process's stages: sharding the layers, and what the engine does around it.
+
+The plan (``tensor_parallel.resolve_plan``) says which module takes which
+style; this applies it and keeps the rest of the engine exact with DTensor
+parameters::
+
+    build       each layer, once it has its values (a meta build: the whole layer on the CPU from the
+                layout-independent seed, then sharded at once, so a process never holds more than one
+                layer whole), goes through parallelize_module(layer, mesh["tp"], its part of the plan)
+    partition   profiled by each tp slice's first rank; the slice at t = 0's cut (and schedule="auto"'s
+                order) is taken by every slice, so the stages are the same in each
+    replicas    the stage's gradients, each rank's shards, averaged over the stage's dp group in one
+                coalesced all-reduce after the step's last weight action (DDP's reducer takes no DTensor)
+    clipping    a shard over tp counts on every tp rank, a tensor replicated over tp on t = 0 alone; the
+                shares are summed over tp, so every rank clips by the whole model's norm
+    skipping    a non-finite gradient in one tp rank's shard marks the others' too: the slices skip together
+
+The tp ranks of a stage run the same actions in the same order (the same
+schedule on the same cut), so the sharded layers' collectives over ``tp``
+pair up as the pipeline's messages do.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from ..runtime.clip import Combine
+from ..runtime.gradsync import GradSync
+from ..runtime.materialize import is_meta
+from ..runtime.settings import Settings
+from ..runtime.stage import Stage
+from .shard import split_backward
+from .tensor_parallel import PlanArg, layer_plan, resolve_plan
+
+__all__ = ["TensorParallel", "TPGradSync", "tensor_parallel"]
+
+T = TypeVar("T")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _sharded(p: torch.Tensor) -> bool:
+    """Whether ``p`` is split over tp (a shard on each rank), not the same on every tp rank."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    return isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements)
+
+
+def tensor_parallel(model: nn.Sequential, mesh: Any, tp_plan: PlanArg, settings: Settings, *, stages: int,
+                    shard: str, ddp_options: bool) -> "TensorParallel":
+    """This process's ``TensorParallel`` for ``tp_plan`` over ``mesh`` (the 1-D tp mesh); refuses, before anything is
+    allocated and on every rank alike, a plan that cannot apply and what is not made to work with it yet."""
+    if shard != "none":
+        raise ValueError(f"shard={shard!r} with tp_plan is not supported yet (FSDP2 over dp of tensor-parallel "
+                         "stages): use shard='none', whose replicas average their shards' gradients")
+    if ddp_options:
+        raise ValueError("with tp_plan the replicas' gradients are averaged by pipeddp itself (DDP takes no DTensor "
+                         "parameters), so ddp_kwargs and comm_hook have nothing to configure: leave them out")
+    if settings.compile is not None:
+        raise ValueError("compile= with tp_plan is not verified: leave compile out (eager stages)")
+    if split_backward(settings.schedule, stages, settings.virtual_stages, settings.placement):
+        raise ValueError(f"schedule={settings.schedule!r} splits backward into input and weight halves, which is not "
+                         "verified with tp_plan's DTensor layers: use '1f1b', 'gpipe' or 'interleaved'")
+    styles = resolve_plan(model, tp_plan, mesh.size())
+    return TensorParallel(mesh, styles, built_whole=not is_meta(model))
+
+
+class TensorParallel:
+    """This process's tp mesh (``mesh["tp"]``) and the resolved ``styles`` (``{flattened module path: style}``);
+    ``built_whole``: the model's layers have values on every rank already (not a meta build), so shards and the
+    tensors the plan leaves whole are taken from tp rank 0, as DDP takes the first replica's."""
+
+    def __init__(self, mesh: Any, styles: Dict[str, Any], *, built_whole: bool) -> None:
+        self.mesh = mesh
+        self.group = mesh.get_group()
+        self.size = mesh.size()
+        self.rank = mesh.get_local_rank()
+        self.styles = styles
+        self.built_whole = built_whole
+
+    def distribute(self, name: str, layer: nn.Module) -> None:
+        """Shard the model's layer ``name`` by its part of the plan (nothing where the plan names none of it)."""
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        plan = layer_plan(self.styles, name)
+        if plan is None:
+            return
+        # a meta build's values are the same on every rank: each keeps its own shard
+        parallelize_module(layer, self.mesh, plan, src_data_rank=0 if self.built_whole else None)
+
+
+    def settle(self, stages: Sequence[Stage]) -> None:
+        """A model built whole on each rank: the tensors the plan leaves whole take tp rank 0's values."""
+        if not self.built_whole or self.size == 1:
+            return
+        src = dist.get_global_rank(self.group, 0)
+        with torch.no_grad():
+            for st in stages:
+                for t in list(st.module.parameters()) + list(st.module.buffers()):
+                    if not _sharded(t) and t.numel():
+                        dist.broadcast(_local(t.data), src=src, group=self.group)
+
+    def agree(self, value: T) -> T:
+        """``value`` as tp rank 0 holds it, on every tp rank (the cut profiled on each slice's first rank)."""
+        if self.size == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, group=self.group, group_src=0)
+        return box[0]
+
+    def on_first(self, from_rank0: Callable[[Callable[[], T]], T]) -> Callable[[Callable[[], T]], T]:
+        """``from_rank0`` (the job's: its first rank's result for every rank), then tp rank 0's for every slice."""
+        return lambda fn: self.agree(from_rank0(fn))
+
+    def attach(self, stages: Sequence[Stage], groups: Dict[int, Any]) -> None:
+        """Each stage's gradients averaged over its replicas (``groups[stage index]``), its values first made the
+        group's first rank's, as DDP's construction does."""
+        for st in stages:
+            if any(p.requires_grad for p in st.module.parameters()):
+                st.grad_sync = sync = TPGradSync(st.module, groups[st.index])
+                sync.broadcast(list(st.module.parameters()) + list(st.module.buffers()))
+
+    def norm_scope(self, params: Sequence[nn.Parameter], copies: List[nn.Parameter], device: torch.device,
+                   combine: Optional[Combine]) -> Tuple[List[nn.Parameter], torch.device, Combine]:
+        """For clipping: what a tp rank leaves out (on t > 0 every tensor replicated over tp) and how the shares
+        join (the job's ``combine``, then a sum over tp)."""
+        if self.rank:
+            copies = copies + [p for p in params if not _sharded(p)]
+
+        def joined(part: torch.Tensor, is_max: bool) -> torch.Tensor:
+            part = combine(part, is_max) if combine is not None else part
+            buf = part.to(device, torch.float64, copy=True)
+            dist.all_reduce(buf, op=dist.ReduceOp.MAX if is_max else dist.ReduceOp.SUM, group=self.group)
+            return buf
+
+        return copies, device, joined
+
+    def after_backward(self, params: Sequence[nn.Parameter], device: torch.device, vote: bool) -> None:
+        """Once a step's backwards are done: every gradient laid out as its parameter; with ``vote`` (a step that
+        may be skipped), a non-finite gradient on one tp rank shared with the others (``share_nonfinite``)."""
+        for p in params:
+            _placed_like(p)
+        if vote:
+            self.share_nonfinite(params, device)
+
+    def share_nonfinite(self, params: Sequence[nn.Parameter], device: torch.device) -> None:
+        """A non-finite gradient on any tp rank of the stage makes one of this rank's non-finite too, so every
+        slice's vote (``Agreement.finish_step``) finds it and the slices skip, or scale, together."""
+        grads = [_local(p.grad) for p in params if p.grad is not None]
+        flag = torch.zeros((), dtype=torch.float64, device=device)
+        for g in grads:
+            if g.numel() and not bool(torch.isfinite(g).all()):
+                flag.fill_(1.0)
+                break
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if flag.item() and grads and all(bool(torch.isfinite(g).all()) for g in grads):
+            grads[0].view(-1)[0] = float("nan")
+
+
+class TPGradSync(GradSync):
+    """A stage's gradients (each rank's shards, and the tensors the plan leaves whole) averaged over its replicas'
+    ``group`` once the step's last weight action is done, coalesced per dtype and device; then its buffers from
+    the group's first rank, as ``DDPSync`` does."""
+
+    def __init__(self, module: nn.Module, group: Any) -> None:
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.buffers = list(module.buffers())
+        self.group = group
+
+    def finish(self) -> None:
+        n = dist.get_world_size(self.group)
+        grads = []
+        for p in self.params:
+            if p.grad is None:  # every replica reduces the same list
+                p.grad = torch.zeros_like(p)
+            grads.append(_local(p.grad))
+        with torch.no_grad():
+            for same in _by_kind(grads).values():
+                flat = _flatten_dense_tensors(same)
+                dist.all_reduce(flat, group=self.group)
+                flat.div_(n)
+                for g, value in zip(same, _unflatten_dense_tensors(flat, same)):
+                    g.copy_(value)
+        self.broadcast(self.buffers)
+
+    def broadcast(self, tensors: Sequence[torch.Tensor]) -> None:
+        """``tensors`` (this rank's shards) from the group's first rank to the others."""
+        src = dist.get_global_rank(self.group, 0)
+        with torch.no_grad():
+            for same in _by_kind([_local(t.data) for t in tensors if t.numel()]).values():
+                flat = _flatten_dense_tensors(same)
+                dist.broadcast(flat, src=src, group=self.group)
+                if dist.get_rank() != src:
+                    for t, value in zip(same, _unflatten_dense_tensors(flat, same)):
+                        t.copy_(value)
+
+
+def _by_kind(tensors: Sequence[torch.Tensor]) -> Dict[Tuple[torch.dtype, torch.device], List[torch.Tensor]]:
+    out: Dict[Tuple[torch.dtype, torch.device], List[torch.Tensor]] = {}
+    for t in tensors:
+        out.setdefault((t.dtype, t.device), []).append(t)
+    return out
+
+
+def _placed_like(p: torch.Tensor) -> None:
+    """A gradient laid out as its parameter: a vocabulary-sharded embedding's backward gives a replicated one (the
+    whole table on every rank), which the shard's optimizer state and clipping would take for a shard."""
+    from torch.distributed.tensor import DTensor
+
+    grad = p.grad
+    if isinstance(p, DTensor) and isinstance(grad, DTensor) and grad.placements != p.placements:
+        p.grad = grad.redistribute(p.device_mesh, p.placements)

@@ -1,0 +1,139 @@
+"""Jobs of ``test_tensor_parallel.py``: engines on a (dp, pp, tp) mesh, each stage sharded over tp."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Dict, List, Tuple
+
+import nccl_rules
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import pipeddp
+from pipeddp.tools.models import flatten_sequential
+
+nccl_rules.install()  # point-to-point messages follow NCCL's rules here too (see conftest)
+
+SEED, LR, MAX_NORM = 5, 0.1, 0.05
+VOCAB, T = 40, 6
+MLP_PLAN = {"block*.fc1": "colwise", "block*.fc2": "rowwise", "head": "colwise_gather_output"}
+
+
+class Block(nn.Module):
+    """A residual MLP block: the pair a tensor-parallel plan shards (fc1 by columns, fc2 by rows)."""
+
+    def __init__(self, width: int = 8, hidden: int = 16) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, hidden)
+        self.fc2 = nn.Linear(hidden, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.tanh(self.fc1(self.norm(x))))
+
+
+def mlp(meta: bool = True) -> nn.Sequential:
+    with torch.device("meta" if meta else "cpu"):
+        return nn.Sequential(OrderedDict([("embed", nn.Linear(5, 8)), ("block0", Block()), ("block1", Block()),
+                                          ("block2", Block()), ("head", nn.Linear(8, 10))])).double()
+
+
+def llama(meta: bool = True, heads: int = 4, tied: bool = False) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=8 * heads, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=heads, num_key_value_heads=heads // 2 or 1, max_position_embeddings=32,
+                         bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=tied)
+    with torch.device("meta" if meta else "cpu"):
+        return LlamaForCausalLM(config).double()
+
+
+def mlp_batches(n: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(n, 5, generator=g, dtype=torch.float64), torch.randn(n, 10, generator=g,
+                                                                              dtype=torch.float64))]
+
+
+def lm_batches(n: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(11)
+    return [(torch.randint(1, VOCAB, (n, T), generator=g), torch.randint(0, VOCAB, (n, T), generator=g))]
+
+
+def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(out, y)
+
+
+def lm_loss(out: Any, y: torch.Tensor) -> torch.Tensor:
+    out = getattr(out, "logits", out)
+    return nn.functional.cross_entropy(out.reshape(-1, VOCAB), y.reshape(-1))
+
+
+def whole(named: Any) -> Dict[str, torch.Tensor]:
+    """Every tensor whole (a DTensor gathered over tp: a collective, in one order on every tp rank)."""
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in named}
+
+
+def train_once(engine: pipeddp.HybridParallel, batch: Tuple[torch.Tensor, torch.Tensor], loss_fn: Any,
+               local: int) -> Dict[str, Any]:
+    """The engine's weights at the start, then one step: loss, gradients (clipped), norm, weights, eval output."""
+    r = engine.topology.replica
+    x, y = (t[r * local:(r + 1) * local] for t in batch)
+    out: Dict[str, Any] = {"start": whole(engine.named_parameters())}
+    opt = torch.optim.SGD(engine.parameters(), lr=LR)
+    out["loss"] = engine.train_step(x if engine.is_first else None, y if engine.is_last else None, loss_fn).item()
+    out["norm"] = engine.clip_grad_norm_(MAX_NORM).item()
+    out["grads"] = whole((k, p.grad) for k, p in engine.named_parameters())
+    opt.step()
+    out["after"] = whole(engine.named_parameters())
+    logits = engine.eval_step(x if engine.is_first else None)
+    out["logits"] = getattr(logits, "logits", logits) if engine.is_last else None
+    out["sharded"] = sorted(k for k, p in engine.named_parameters() if isinstance(p, DTensor))
+    out["local_numel"] = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in engine.parameters())
+    return out
+
+
+def tp_job(shape: Tuple[int, int, int], kinds: List[str]) -> Dict[str, Any]:
+    """Each of ``kinds`` ("mlp", "llama") meta-built, cut in ``shape[1]`` stages and sharded over ``shape[2]``."""
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "pp", "tp"))
+    out: Dict[str, Any] = {"rank": dist.get_rank(), "place": tuple(mesh.get_coordinate() or ())}
+    local = 4
+    for kind in kinds:
+        if kind == "mlp":
+            model, plan, batch, loss_fn = mlp(), MLP_PLAN, mlp_batches(local * shape[0])[0], mse
+        else:
+            batch, loss_fn = lm_batches(local * shape[0])[0], lm_loss
+            model, plan = flatten_sequential(llama(), batch[0][:1]), "auto"
+        with pipeddp.HybridParallel(model, stages=shape[1], mode="stage", chunks=2, balance="params", seed=SEED,
+                                    mesh=mesh, tp_plan=plan) as engine:
+            out[kind] = train_once(engine, batch, loss_fn, local)
+    return out
+
+
+def refusal_job(cases: List[Tuple[str, Dict[str, Any]]]) -> Dict[str, str]:
+    """What each (model kind, HybridParallel's arguments) is told, on a (1, 1, 2) mesh: nothing is built."""
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (1, 1, 2), mesh_dim_names=("dp", "pp", "tp"))
+    told = {}
+    for name, kwargs in cases:
+        model = mlp()
+        if name.startswith("llama"):
+            model = flatten_sequential(llama(heads=3 if "heads" in name else 4, tied="tied" in name),
+                                       lm_batches(1)[0][0])
+        if "dropout" in name:
+            model.block1.add_module("drop", nn.Dropout(0.1))
+        kwargs = {"stages": 1, "mode": "stage", "mesh": mesh, "tp_plan": MLP_PLAN, **kwargs}
+        if kwargs["mesh"] == "2d":
+            kwargs["mesh"] = mesh["dp", "pp"]
+        if kwargs["mesh"] == "dp2":  # replicas to shard over, one tp rank each
+            kwargs["mesh"] = init_device_mesh("cpu", (2, 1, 1), mesh_dim_names=("dp", "pp", "tp"))
+        try:
+            pipeddp.HybridParallel(model, **kwargs).close()
+            told[name] = "built"
+        except (ValueError, TypeError) as exc:
+            told[name] = str(exc)
+    return told
