@@ -85,13 +85,13 @@ def stage_job(runs: List[Tuple[str, str, str, str]], steps: int, n: int, refused
 
     dist.init_process_group("gloo")
     written: List[Tuple[str, List[str]]] = []
-    original = export._write_file
+    original = export._create_file
 
-    def recording(path, tensors):
-        written.append((os.path.basename(os.path.dirname(path)) + "/" + os.path.basename(path), sorted(tensors)))
-        return original(path, tensors)
+    def recording(path, layout):  # the file this process makes, and the tensors in it
+        written.append((os.path.basename(os.path.dirname(path)) + "/" + os.path.basename(path), sorted(layout.entries)))
+        return original(path, layout)
 
-    export._write_file = recording
+    export._create_file = recording
     out: Dict[str, Any] = {"rank": dist.get_rank(), "own": {}, "refusals": []}
     for kind, source, target, shard in runs:
         flat = _on_meta(kind, source, batches(1, n)[0][0])

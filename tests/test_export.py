@@ -156,12 +156,12 @@ def test_refusals_and_a_failed_writer_leave_no_directory_that_looks_complete(tmp
         pipe.save_pretrained(target)
         assert pretrained.is_pretrained(target)
 
-        def killed(path, tensors):  # a writer that dies half-way through its file
+        def killed(path, layout):  # a writer that dies half-way through making its file
             with open(path + ".tmp", "wb") as f:
                 f.write(b"\0" * 10)
             raise OSError("No space left on device")
 
-        monkeypatch.setattr(export, "_write_file", killed)
+        monkeypatch.setattr(export, "_create_file", killed)
         with pytest.raises(RuntimeError, match="No space left on device"):
             pipe.save_pretrained(target)
     assert not pretrained.is_pretrained(target)  # the earlier export lost its index first; the new one has none

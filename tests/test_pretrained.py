@@ -63,10 +63,10 @@ def stage_job(path: str, sample, batch, tied, targets=None):
     read = []
     original = pretrained.read_tensors
 
-    def counting(where, keys):
+    def counting(where, keys, blocks=None):
         keys = list(keys)
         read.extend(keys)
-        return original(where, keys)
+        return original(where, keys, blocks)
 
     pretrained.read_tensors = counting
     flat = flat_llama(sample, tied, meta=True)

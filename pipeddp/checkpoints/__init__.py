@@ -11,6 +11,8 @@
     optim_state    an optimizer's state by parameter name, and its class
     pretrained     a Hugging Face directory (safetensors, sharded with an index), read per stage
     export         save_pretrained: a Hugging Face directory written by every process, each its own tensors
+    peers          everyone a checkpoint involves: the job, and with tensor parallelism its tp peers' jobs
+    slices         the block of a tensor a process holds: read alone, written in place into safetensors
 
 It sits above the parallel engine (``distributed``): a checkpoint is made of the engine's shares, gathered or
 written by its ranks through the engine's agreement.

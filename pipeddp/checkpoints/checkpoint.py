@@ -190,8 +190,11 @@ def _damaged(path: str, exc: BaseException) -> DamagedCheckpointError:
     return DamagedCheckpointError(f"{path} is damaged or is not a checkpoint ({why})")
 
 
-def load(path: str) -> Dict[str, Any]:
+def load(path: str, *, mmap: bool = False) -> Dict[str, Any]:
     """Read a pipeddp checkpoint with ``torch.load(weights_only=True)``, onto the CPU.
+
+    ``mmap``: its tensors memory-mapped (copy on write), so that only the bytes
+    a caller copies out are read (a process that holds slices of the model).
 
     Raises ``UnsafeCheckpointError`` (nothing from the file was run) when the
     safe loader refused the file because it references Python objects, and
@@ -200,7 +203,7 @@ def load(path: str) -> Dict[str, Any]:
     a directory or a file without read permission raises as ``open`` would.
     """
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and zipfile.is_zipfile(path))
     except (FileNotFoundError, PermissionError, IsADirectoryError):
         raise
     except pickle.UnpicklingError as exc:

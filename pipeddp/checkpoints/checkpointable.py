@@ -50,6 +50,9 @@ class Checkpointable(nn.Module):
     key_names: Names
     #: the transformers model the layers came from (``export.source_of``): save_pretrained writes its configuration
     _export_source: Optional[export.Source] = None
+    #: the 1-D ``tp`` DeviceMesh of a tensor-parallel engine (None without): its checkpoints are written once for
+    #: every tp slice's job, and read per block (``peers``, ``slices``)
+    tp_mesh: Optional[Any] = None
 
     def local_state_dict(self) -> Dict[str, Any]:
         """This process's part of the model, with the model's keys."""

@@ -9,17 +9,22 @@
                                            where it generates), written by rank 0; none for other models
         model.safetensors.index.json       written last, by rank 0, once every file is on disk: the weight_map
 
-Every rank, together (a collective, opened by the engine's call check)::
+Every rank, together (a collective, opened by the engine's call check; with
+tensor parallelism everyone: the job and its tp peers' jobs, ``peers``)::
 
-    1. each lists what it holds (names, shapes, dtypes): gathered, so that all plan alike and raise alike
-    2. rank 0 makes the directory (refusing one that holds other files) and writes the configuration
-    3. each tensor goes to one of the processes that hold it, the bytes spread over a stage's replicas;
-       a sharded one (shard="full") is gathered whole by its stage's replicas, one tensor at a time, and
-       kept by its writer only; every writer writes and syncs its file (safetensors)
-    4. once every rank has, rank 0 writes the index atomically: the directory is complete
+    1. each lists what it holds (names, global shapes, dtypes): gathered, so that all plan alike and raise alike
+    2. the root makes the directory (refusing one that holds other files) and writes the configuration
+    3. each tensor goes to the file of one of the processes that hold it, the bytes spread over a stage's
+       replicas and tp peers; each such process makes its file at its full size (the header says where
+       every tensor lies: ``slices.Layout``)
+    4. every process writes its bytes in place: a whole tensor by its file's maker; a sharded one
+       (tensor parallelism, shard=) block by block, by every holder of a block in the maker's mesh,
+       nothing gathered; each syncs what it wrote, then each maker renames its file into place
+    5. once every rank has, the root writes the index atomically: the directory is complete
 
-So no process holds more than its own tensors (and, with ``shard="full"``, one
-gathered tensor beyond the ones it writes). transformers' ``from_pretrained``
+So no process holds more than its own tensors (one tensor on its way to the
+CPU, or, for a layout of no single block such as FSDP2's strided shards over
+``tp``, one gathered tensor). transformers' ``from_pretrained``
 and pipeddp's ``load`` open a sharded directory through its index, which comes
 last: a directory whose writer was killed has none and does not look complete.
 An earlier export in the directory loses its index (or its single file) first.
@@ -33,8 +38,8 @@ Why not DCP's ``HuggingFaceStorageWriter`` (torch 2.14): distributed
 ``shard-*`` files and no index, which ``from_pretrained`` does not open; with
 ``enable_consolidation`` DCP's finish step makes ``from_pretrained``'s shards,
 but on rank 0 alone, reading every rank's files and writing every tensor again
-(beside a ``sharded/`` copy). Writing each whole tensor once, from a process
-that holds it, with safetensors' own writer needs no second pass.
+(beside a ``sharded/`` copy). Writing each tensor's bytes once, in place, from
+the processes that hold them, needs no second pass and no gather.
 """
 
 from __future__ import annotations
@@ -55,8 +60,9 @@ from ..distributed.shard import is_sharded
 from ..distributed.topology import Topology
 from ..runtime.materialize import recorded_init
 from ..runtime.names import recorded_source
-from . import catalog
+from . import catalog, slices
 from .checkpoint import first_line
+from .peers import peers_of
 from .pretrained import INDEX, SINGLE
 from .saving import Saver
 
@@ -133,11 +139,15 @@ def _held(engine: Exporter, source: Optional[Source]) -> Tuple[Dict[str, torch.T
     out: Dict[str, torch.Tensor] = {}
     first: Dict[Tuple[Any, ...], str] = {}
     bad: List[str] = []
+    odd: List[str] = []
     for key, value in engine.local_state_dict().items():
         if key in later or key in ignore:
             continue
         if not isinstance(value, torch.Tensor):
             bad.append(key)
+            continue
+        if value.dtype not in slices.CODES:
+            odd.append(f"{key} ({value.dtype})")
             continue
         if first.setdefault(_identity(key, value), key) == key:
             out[key] = value
@@ -145,6 +155,9 @@ def _held(engine: Exporter, source: Optional[Source]) -> Tuple[Dict[str, torch.T
             later.add(key)
     error = (f"rank {engine.topology.rank}: {bad[:5]} are not tensors, which safetensors cannot hold; drop them from "
              "the model's state dict, or save with save()") if bad else ""
+    if odd and not error:
+        error = (f"rank {engine.topology.rank}: {odd[:5]} have dtypes safetensors has no code for; convert them, or "
+                 "save with save()")
     return out, sorted(later), error
 
 
@@ -164,6 +177,14 @@ class _Plan:
 
     def weight_map(self) -> Dict[str, str]:
         return {self.names.get(k, k): self.files[r] for k, r in sorted(self.writer.items())}
+
+    def layouts(self) -> Dict[str, slices.Layout]:
+        """Each file's layout (its tensors under the names written, their places in it), alike on every rank."""
+        specs: Dict[str, Dict[str, Tuple[torch.dtype, Tuple[int, ...]]]] = {name: {} for name in self.files.values()}
+        for key, rank in self.writer.items():
+            shape, dtype, _ = self.specs[key]
+            specs[self.files[rank]][self.names.get(key, key)] = (getattr(torch, dtype), shape)
+        return {name: slices.Layout.of(tensors) for name, tensors in specs.items()}
 
 
 def _plan(parts: List[Tuple[int, Dict[str, Spec], List[str]]], tied: Dict[str, str]) -> _Plan:
@@ -218,17 +239,58 @@ def _prepare(directory: str, source: Optional[Source], dtype: Optional[str]) -> 
             source.generation_config.save_pretrained(directory)
 
 
-def _write_file(path: str, tensors: Dict[str, torch.Tensor]) -> None:
-    """``tensors`` as one safetensors file at ``path``, synced to disk."""
+def _create_file(path: str, layout: slices.Layout) -> None:
+    """``path.tmp`` with the header of ``layout`` and room for its tensors, which their holders write in place."""
+    slices.create_file(path + ".tmp", layout)
+
+
+def _write_blocks(directory: str, plan: _Plan, held: Dict[str, torch.Tensor], rank: int) -> str:
+    """This process's bytes of every file: the whole tensors it writes (``plan.writer``), and its block of every
+    sharded tensor written by a rank in its mesh; synced. Returns its error ("" when none). A sharded tensor
+    with no block (strided shards) is gathered by all its holders, in the same order on each, for its writer."""
+    layouts = plan.layouts()
+    fds: Dict[str, int] = {}
+    error = ""
     try:
-        from safetensors.torch import save_file
-    except ImportError as exc:
-        raise ImportError("writing Hugging Face weights needs safetensors: pip install 'pipeddp[hf]'") from exc
-    tmp = path + ".tmp"
-    save_file(tensors, tmp, metadata={"format": "pt"})
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+        for key in sorted(held):
+            value, owner = held[key], plan.writer[key]
+            block = slices.block(value)
+            if is_sharded(value) and block is None:
+                value = value.full_tensor()  # type: ignore[attr-defined]  # a DTensor (is_sharded)
+                mine = owner == rank
+            elif is_sharded(value):
+                mine = slices.writes_block(value, owner)
+                value = value.to_local()  # type: ignore[attr-defined]  # a DTensor (is_sharded)
+            else:
+                mine = owner == rank
+            if not mine or error:
+                continue
+            name = plan.files[owner]
+            try:
+                if name not in fds:
+                    fds[name] = os.open(os.path.join(directory, name + ".tmp"), os.O_WRONLY)
+                slices.write_block(fds[name], layouts[name], plan.names.get(key, key), value, block)
+            except Exception as exc:  # noqa: BLE001 - every rank raises after the others are told
+                error = f"rank {rank}: writing {name} failed: {first_line(exc)}"
+        for fd in fds.values():
+            if not error:
+                os.fsync(fd)
+    except Exception as exc:  # noqa: BLE001 - every rank raises after the others are told
+        error = error or f"rank {rank}: writing failed: {first_line(exc)}"
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return error
+
+
+def _finish_file(path: str) -> None:
+    """``path.tmp``, every block in it, synced and renamed into place."""
+    fd = os.open(path + ".tmp", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(path + ".tmp", path)
 
 
 def _write_index(directory: str, plan: _Plan) -> None:
@@ -270,26 +332,28 @@ def save_pretrained(engine: Exporter, directory: str, source: Optional[Source], 
     directory = os.fspath(directory)
     if saver is not None:
         saver.wait()
-    topo = engine.topology
+    peers = saver.peers(engine) if saver is not None else peers_of(engine, None)
+    rank = engine.topology.rank
     held, places, error = _held(engine, source)
-    parts = engine.agreement.gather_to_all((topo.rank, {k: _spec(v) for k, v in held.items()}, places, error))
-    _raise_any(topo.rank, error, [p[3] for p in parts])
+    parts = peers.gather((rank, {k: _spec(v) for k, v in held.items()}, places, error))
+    _raise_any(rank, error, [p[3] for p in parts])
     plan = _plan([p[:3] for p in parts], source.tied if source is not None else {})
     dtype = _dtype(engine, plan.specs)
-    engine.agreement.from_rank0(lambda: _prepare(directory, source, dtype))
-    mine: Dict[str, torch.Tensor] = {}
-    for key in sorted(held):  # the same order on every holder: a sharded tensor is gathered by all of them
-        value = held[key]
-        if is_sharded(value):
-            value = value.full_tensor()  # type: ignore[attr-defined]  # a DTensor (is_sharded)
-        if plan.writer[key] == topo.rank:
-            mine[plan.names.get(key, key)] = value.detach().to("cpu").contiguous()
+    peers.from_root(lambda: _prepare(directory, source, dtype))
+    mine = plan.files.get(rank)
     error = ""
-    if mine:
+    if mine is not None:  # this process's file, at its full size, before anyone writes into it
         try:
-            _write_file(os.path.join(directory, plan.files[topo.rank]), mine)
+            _create_file(os.path.join(directory, mine), plan.layouts()[mine])
         except Exception as exc:  # noqa: BLE001 - every rank raises below, and none writes the index
-            error = f"rank {topo.rank}: writing {plan.files[topo.rank]} failed: {first_line(exc)}"
-    del mine
-    _raise_any(topo.rank, error, engine.agreement.gather_to_all(error))
-    engine.agreement.from_rank0(lambda: _write_index(directory, plan))
+            error = f"rank {rank}: writing {mine} failed: {first_line(exc)}"
+    _raise_any(rank, error, peers.gather(error))
+    error = _write_blocks(directory, plan, held, rank)
+    _raise_any(rank, error, peers.gather(error))
+    if mine is not None:
+        try:
+            _finish_file(os.path.join(directory, mine))
+        except Exception as exc:  # noqa: BLE001 - every rank raises below, and none writes the index
+            error = f"rank {rank}: writing {mine} failed: {first_line(exc)}"
+    _raise_any(rank, error, peers.gather(error))
+    peers.from_root(lambda: _write_index(directory, plan))

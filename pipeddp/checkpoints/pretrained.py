@@ -11,6 +11,9 @@ the whole model::
                   (the same error on every rank, before anything changes)
     every rank:   its own tensors read from their files, then copied into its stages
 
+With tensor parallelism a process holds a block of a tensor (``slices``):
+it reads that block alone (safetensors' ``get_slice``), never the whole.
+
 The names are the model's own: a model opened by ``flatten_sequential`` keeps
 them. Hugging Face leaves out the later uses of a tied weight (the output
 head tied to the embedding); those places take the first use's value at every
@@ -24,21 +27,20 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Dict, Iterable, List
+from typing import Dict, Iterable, List, Optional
 
 import torch
 
 from ..runtime.progress import shown
 from .checkpoint import Spec
+from .slices import CODES, Block
 
 __all__ = ["is_pretrained", "tensor_files", "read_specs", "read_tensors", "SINGLE", "INDEX"]
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
+_DTYPES = {code: dtype for dtype, code in CODES.items()}
 
 
 def is_pretrained(path: str) -> bool:
@@ -87,8 +89,10 @@ def read_specs(where: Dict[str, str]) -> Dict[str, Spec]:
     return out
 
 
-def read_tensors(where: Dict[str, str], keys: Iterable[str]) -> Dict[str, torch.Tensor]:
-    """The tensors ``keys`` (and nothing else), each file opened once; a bar on rank 0's terminal meanwhile."""
+def read_tensors(where: Dict[str, str], keys: Iterable[str],
+                 blocks: Optional[Dict[str, Block]] = None) -> Dict[str, torch.Tensor]:
+    """The tensors ``keys`` (and nothing else), each file opened once; a bar on rank 0's terminal meanwhile.
+    ``blocks``: of the keys this process holds a block of (tensor parallelism), that block alone is read."""
     by_file: Dict[str, List[str]] = {}
     for key in keys:
         by_file.setdefault(where[key], []).append(key)
@@ -98,6 +102,10 @@ def read_tensors(where: Dict[str, str], keys: Iterable[str]) -> Dict[str, torch.
         for file, names in sorted(by_file.items()):
             with _safe_open(file) as f:
                 for key in names:
-                    out[key] = f.get_tensor(key)
+                    part = (blocks or {}).get(key)
+                    if part is None:
+                        out[key] = f.get_tensor(key)
+                    else:
+                        out[key] = f.get_slice(key)[tuple(slice(o, o + n) for o, n in zip(*part))]
                     report(len(out), total)
     return out

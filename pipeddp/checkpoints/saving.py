@@ -6,6 +6,12 @@
     sharded (sharded.py)          every process writes its own share, in parallel, with DCP;
                                   nothing is gathered; async_save writes in the background
 
+With tensor parallelism (a ``tp`` mesh dimension) every tp coordinate runs
+a job of its own, and a checkpoint is still written once: the one file by
+job t=0's root (the others take part in gathering the sharded tensors), the
+sharded one by everyone through one DCP group, each its own blocks
+(``peers.py``).
+
 Every function here is a collective where the job has several processes:
 call it on every rank. The arguments are checked on every rank before any
 collective, so that all ranks raise alike. ``state.py`` loads what these write;
@@ -25,10 +31,11 @@ import torch.distributed as dist
 
 from ..distributed.agreement import Agreement
 from ..distributed.groups import subgroup
-from ..distributed.shard import whole_tensors
+from ..distributed.shard import is_sharded
 from ..distributed.topology import Topology
 from . import catalog, optim_state, sharded
 from . import checkpoint as files
+from .peers import Peers, peers_of
 
 __all__ = ["Engine", "Saver", "save", "save_checkpoint"]
 
@@ -64,6 +71,7 @@ class _Pending:
     path: str
     directory: Optional[str]
     keep: int
+    root: bool  # whether this process finishes it (makes its name durable, prunes the directory)
 
 
 class Saver:
@@ -71,23 +79,32 @@ class Saver:
 
     DCP's background thread runs collectives of its own while training runs
     those of the step, so sharded saves use a gloo group of their own (made
-    on first use, on every rank alike). ``wait`` finishes the save in flight:
-    the next save, a load, ``resume`` and ``close`` call it first.
+    on first use, on every rank alike: the job's, or with tensor parallelism
+    everyone's, ``peers``). ``wait`` finishes the save in flight: the next
+    save, a load, ``resume`` and ``close`` call it first.
     """
 
     def __init__(self, topology: Topology, timeout: timedelta) -> None:
         self.topology, self.timeout = topology, timeout
         self._group: Any = None
         self._pending: Optional[_Pending] = None
+        self._peers: Optional[Peers] = None
 
-    def group(self) -> Any:
-        """The saving group (None in a one-process job): a collective the first time."""
-        if self.topology.world_size > 1 and self._group is None:
-            self._group = subgroup(self.topology, None, "gloo", self.timeout)
+    def group(self, ranks: Optional[List[int]] = None) -> Any:
+        """The saving group of ``ranks`` (None: the job's; None in a one-process job): a collective of its
+        members the first time; later calls return it, whatever ``ranks``."""
+        if self._group is None and (self.topology.world_size > 1 or (ranks is not None and len(ranks) > 1)):
+            self._group = subgroup(self.topology, ranks, "gloo", self.timeout)
         return self._group
 
-    def track(self, future: Future, path: str, directory: Optional[str], keep: int) -> None:
-        self._pending = _Pending(future, path, directory, keep)
+    def peers(self, engine: Any) -> Peers:
+        """Everyone ``engine``'s checkpoints involve (``peers.py``), found once."""
+        if self._peers is None:
+            self._peers = peers_of(engine, self)
+        return self._peers
+
+    def track(self, future: Future, path: str, directory: Optional[str], keep: int, root: bool) -> None:
+        self._pending = _Pending(future, path, directory, keep, root)
 
     def wait(self) -> Optional[str]:
         """Wait for the save in flight; returns its (now complete) path, or None when there was none."""
@@ -99,7 +116,7 @@ class Saver:
         except BaseException as exc:  # DCP raises CheckpointException, a BaseException
             raise RuntimeError(f"rank {self.topology.rank}: the asynchronous save of {pending.path} failed: "
                                f"{files.first_line(exc)}") from exc
-        if self.topology.is_root:
+        if pending.root:
             _finished(pending.path, pending.directory, pending.keep)
         return pending.path
 
@@ -123,10 +140,11 @@ def _finished(path: str, directory: Optional[str], keep: int) -> None:
 # -- saving ----------------------------------------------------------------------------------------------------
 
 
-def _meta(engine: Engine, optimizer: Optional[torch.optim.Optimizer]) -> Dict[str, Any]:
+def _meta(engine: Engine, optimizer: Optional[torch.optim.Optimizer], peers: Peers) -> Dict[str, Any]:
     topo = engine.topology
     return {"stages": topo.stages, "replicas": topo.replicas, "world_size": topo.world_size,
-            "balance": list(engine.balance), "mode": topo.mode, "optimizer": optim_state.optimizer_class(optimizer)}
+            "balance": list(engine.balance), "mode": topo.mode, "optimizer": optim_state.optimizer_class(optimizer),
+            "tp": peers.tp_size}
 
 
 def _whole_on_rank0(engine: Engine, local: Any, merge: Callable[[List[Any]], Any]) -> Any:
@@ -146,22 +164,41 @@ def _merge_dicts(parts: List[Dict[str, Any]]) -> Dict[str, Any]:
     return whole
 
 
-def _payload(engine: Engine, optimizer: Optional[torch.optim.Optimizer],
-             extra: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-    """Everything a one-file checkpoint holds, on rank 0 (None on the other ranks)."""
-    local = {k: v.detach().cpu() for k, v in whole_tensors(engine.local_state_dict()).items()}  # shards gathered
-    model = _whole_on_rank0(engine, local, _merge_dicts)
-    del local
-    opt = None
+def _whole_share(engine: Engine, keep: bool) -> Dict[str, Any]:
+    """This process's share of the model, whole tensors on CPU, where it is one the file takes (``keep``), else
+    empty. A sharded tensor (a ``DTensor``: over ``tp``, or the replicas with ``shard=``) is gathered by every
+    process that holds part of it, one tensor at a time in the share's order, and dropped where not kept."""
+    local: Dict[str, Any] = {}
+    for key, value in engine.local_state_dict().items():
+        whole = value.full_tensor() if is_sharded(value) else value  # a collective over the tensor's mesh
+        if keep:
+            local[key] = whole.detach().cpu()
+        del whole
+    return local
+
+
+def _payload(engine: Engine, optimizer: Optional[torch.optim.Optimizer], extra: Dict[str, Any],
+             peers: Peers) -> Optional[Dict[str, Any]]:
+    """Everything a one-file checkpoint holds, on the root (None elsewhere). The jobs of tp > 0 take part in
+    gathering the sharded tensors (and optimizer state) and keep nothing: job t=0 holds the same model whole.
+    Their random states are not kept: a resumed job gives each tp peer its t=0 peer's (``state``)."""
+    topo = engine.topology
+    keep = peers.tp_rank == 0 and (topo.replica == 0 if topo.mode == "stage" else topo.is_root)
+    local = _whole_share(engine, keep)
+    opt_local = None
     if optimizer is not None:
         # mypy: an Engine is an nn.Module at run time; the protocol cannot say so without a base class
-        opt = _whole_on_rank0(engine, optim_state.named_optimizer_state(engine, optimizer),  # type: ignore[arg-type]
-                              optim_state.merge_optimizer_states)
+        opt_local = optim_state.named_optimizer_state(engine, optimizer)  # type: ignore[arg-type]
+    if peers.tp_rank != 0:
+        return None
+    model = _whole_on_rank0(engine, local, _merge_dicts)
+    del local
+    opt = _whole_on_rank0(engine, opt_local, optim_state.merge_optimizer_states) if optimizer is not None else None
     rngs = engine.agreement.gather_to_all(files.rng_state())
-    if not engine.topology.is_root:
+    if not peers.is_root:
         return None
     return {"format": files.FORMAT, "model": model, "optimizer": opt, "extra": extra, "rng": rngs,
-            "meta": _meta(engine, optimizer)}
+            "meta": _meta(engine, optimizer, peers)}
 
 
 def _check_save(engine: Engine, extra: Optional[Dict[str, Any]], sharded_format: bool, async_save: bool,
@@ -184,19 +221,24 @@ def _save_sharded(engine: Engine, path: str, optimizer: Optional[torch.optim.Opt
     topo = engine.topology
     if topo.world_size > 1 and saver is None:
         raise ValueError("a sharded save of a multi-process job needs the engine's Saver")
-    group = saver.group() if saver is not None else None
-    engine.agreement.from_rank0(lambda: sharded.clear(path))  # every rank waits, and raises if rank 0 did
+    peers = _peers(engine, saver)
+    group = saver.group(None if peers.tp_size == 1 else peers.ranks) if saver is not None else None
+    peers.from_root(lambda: sharded.clear(path))  # everyone waits, and raises if the root did
     state: Dict[str, Any] = {"model": engine.local_state_dict(), "rng": {str(topo.rank): (files.rng_state(),)}}
     if optimizer is not None:
         # mypy: an Engine is an nn.Module at run time; the protocol cannot say so without a base class
         state["optimizer"] = optim_state.flat_optimizer_state(engine, optimizer)  # type: ignore[arg-type]
-    if topo.is_root:
-        state["pipeddp"] = ({"format": files.FORMAT, "extra": extra, "meta": _meta(engine, optimizer)},)
+    if peers.is_root:
+        state["pipeddp"] = ({"format": files.FORMAT, "extra": extra, "meta": _meta(engine, optimizer, peers)},)
     future = sharded.write(state, path, group=group, async_save=async_save)
     if future is not None and saver is not None:
-        saver.track(future, path, directory, keep)
-    elif topo.is_root:
+        saver.track(future, path, directory, keep, peers.is_root)
+    elif peers.is_root:
         _finished(path, directory, keep)
+
+
+def _peers(engine: Engine, saver: Optional[Saver]) -> Peers:
+    return saver.peers(engine) if saver is not None else peers_of(engine, None)
 
 
 def save(engine: Engine, path: str, optimizer: Optional[torch.optim.Optimizer] = None,
@@ -208,9 +250,10 @@ def save(engine: Engine, path: str, optimizer: Optional[torch.optim.Optimizer] =
     if sharded:
         _save_sharded(engine, path, optimizer, extra, async_save=async_save, saver=saver, directory=None, keep=0)
         return
-    payload = _payload(engine, optimizer, extra)
-    # written on rank 0; every rank returns once it is, or raises with rank 0's error at once (not at the timeout)
-    engine.agreement.from_rank0(lambda: files.atomic_save(payload, path) if payload is not None else None)
+    peers = _peers(engine, saver)
+    payload = _payload(engine, optimizer, extra, peers)
+    # written on the root; everyone returns once it is, or raises with the root's error at once (not at the timeout)
+    peers.from_root(lambda: files.atomic_save(payload, path) if payload is not None else None)
 
 
 def save_checkpoint(engine: Engine, directory: str, step: int, optimizer: Optional[torch.optim.Optimizer] = None,
@@ -230,13 +273,14 @@ def save_checkpoint(engine: Engine, directory: str, step: int, optimizer: Option
         _save_sharded(engine, path, optimizer, extra, async_save=async_save, saver=saver, directory=directory,
                       keep=keep)
         return path
-    payload = _payload(engine, optimizer, extra)
+    peers = _peers(engine, saver)
+    payload = _payload(engine, optimizer, extra, peers)
 
-    def write() -> None:  # on rank 0; the others wait for it and raise with its error, if any
+    def write() -> None:  # on the root; the others wait for it and raise with its error, if any
         if payload is not None:
             os.makedirs(directory, exist_ok=True)
             files.atomic_save(payload, path)
             catalog.prune(directory, keep)
 
-    engine.agreement.from_rank0(write)
+    peers.from_root(write)
     return path

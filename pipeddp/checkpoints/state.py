@@ -17,7 +17,10 @@ tensor's shape and dtype, the optimizer's class and parameter groups) is
 checked before anything changes, alike on every rank, so that all ranks
 raise the same error instead of some waiting; a sharded checkpoint is read
 into buffers of its own first, so a damaged shard leaves the model as it
-was. Only then are the optimizer state and the weights copied in.
+was. Only then are the optimizer state and the weights copied in. With
+tensor parallelism a process reads only its blocks of each tensor (a
+memory-mapped file, safetensors' ``get_slice``: ``slices``), and a refusal
+anywhere is everyone's, every tp slice's job alike (``peers``).
 Every function here is a collective where the job has several processes:
 call it on every rank.
 """
@@ -35,8 +38,9 @@ from ..distributed.agreement import Agreement
 from ..distributed.shard import is_sharded
 from ..distributed.topology import Topology
 from ..runtime.warn import warn
-from . import catalog, optim_state, pretrained, sharded
+from . import catalog, optim_state, pretrained, sharded, slices
 from . import checkpoint as files
+from .peers import Peers, peers_of
 from .saving import Engine, Saver
 
 __all__ = ["gather_state_dict", "own_entries", "load", "resume"]
@@ -79,9 +83,11 @@ class _Scope:
     load: Callable[..., Any]                         # loads entries of this share (load_state_dict)
     rank: int
     world_size: int
+    position: int                                    # this process's place in the job's order (its RNG state's)
+    tp: int                                          # the tp dimension's size (1 without tensor parallelism)
 
 
-def _scope(engine: Engine) -> _Scope:
+def _scope(engine: Engine, peers: Peers) -> _Scope:
     """What this process loads into, and the whole model's entries (gathered in stage mode), so that a refused
     load names the same misfits, counted over the whole model, on every rank."""
     own = engine.local_state_dict()
@@ -95,13 +101,20 @@ def _scope(engine: Engine) -> _Scope:
     whole = {k: torch.empty(spec[0], dtype=spec[1], device="meta") for k, spec in specs.items() if spec is not None}
     keys: Set[str] = set(specs)
     # mypy: an Engine is an nn.Module at run time; the protocol cannot say so without a base class
-    return _Scope(engine, own, keys, whole, tied, engine.load_state_dict, engine.topology.rank,  # type: ignore[arg-type]
-                  engine.topology.world_size)
+    topo = engine.topology
+    return _Scope(engine, own, keys, whole, tied, engine.load_state_dict, topo.rank,  # type: ignore[arg-type]
+                  topo.world_size, topo.job_ranks.index(topo.rank), peers.tp_size)
 
 
-def _together(engine: Optional[Engine], fn: Callable[[], Any]) -> Any:
-    """``fn()`` on every rank; if it raised anywhere, every rank raises (the first error), none waits."""
-    if engine is None or engine.topology.world_size == 1:
+def _same_layout(scope: _Scope, meta: Dict[str, Any]) -> bool:
+    """Whether the checkpoint was saved by a job like this one (its RNG states then restore, place by place)."""
+    return int(meta.get("world_size", -1)) == scope.world_size and int(meta.get("tp", 1)) == scope.tp
+
+
+def _together(peers: Peers, fn: Callable[[], Any]) -> Any:
+    """``fn()`` on everyone (the job, and with tensor parallelism its tp peers' jobs); if it raised anywhere,
+    everyone raises (the first error), none waits."""
+    if not peers.distributed:
         return fn()
     error: Optional[BaseException] = None
     result = None
@@ -109,12 +122,12 @@ def _together(engine: Optional[Engine], fn: Callable[[], Any]) -> Any:
         result = fn()
     except Exception as exc:  # noqa: BLE001 - re-raised below, after the others are told
         error = exc
-    errors = engine.agreement.gather_to_all(f"{type(error).__name__}: {error}" if error is not None else "")
+    errors = peers.gather(f"{type(error).__name__}: {error}" if error is not None else "")
     if error is not None:
         raise error
-    first = next(((r, e) for r, e in enumerate(errors) if e), None)
+    first = next(((r, e) for r, e in zip(peers.ranks, errors) if e), None)
     if first is not None:
-        raise RuntimeError(f"rank {engine.topology.rank}: loading failed on rank {first[0]}: {first[1]}")
+        raise RuntimeError(f"rank {peers.rank}: loading failed on rank {first[0]}: {first[1]}")
     return result
 
 
@@ -128,12 +141,34 @@ def _load_file(scope: _Scope, payload: Dict[str, Any], path: str,
                                     payload.get("optimizer") is not None, optimizer)
         optim_state.check_named_state(path, payload["optimizer"], scope.module, optimizer)
 
+    # this process's values, read now (from a memory-mapped file only its blocks' bytes), so that apply only copies
+    values = {k: _own_value(v, scope.own[k]) for k, v in payload["model"].items() if k in scope.own}
+    named = None
+    if optimizer is not None:
+        named = dict(payload["optimizer"], state={k: _cloned(v) for k, v in payload["optimizer"]["state"].items()
+                                                  if k in scope.own})
+
     def apply() -> None:
-        if optimizer is not None:
-            optim_state.load_named_optimizer_state(scope.module, optimizer, payload["optimizer"])
-        scope.load({k: v for k, v in payload["model"].items() if k in scope.own})
+        if named is not None:
+            optim_state.load_named_optimizer_state(scope.module, optimizer, named)  # type: ignore[arg-type]
+        scope.load(values)
 
     return apply
+
+
+def _own_value(whole: Any, own: Any) -> Any:
+    """A saved whole tensor as this process holds it: its block (a ``DTensor``), or a copy of the whole."""
+    if not isinstance(whole, torch.Tensor) or not isinstance(own, torch.Tensor):
+        return whole
+    return slices.local_part(whole, own) if is_sharded(own) else whole.clone()
+
+
+def _cloned(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: _cloned(v) for k, v in value.items()}
+    return value
 
 
 def _load_pretrained(scope: _Scope, path: str, optimizer: Optional[torch.optim.Optimizer]) -> Callable[[], None]:
@@ -147,13 +182,25 @@ def _load_pretrained(scope: _Scope, path: str, optimizer: Optional[torch.optim.O
     files.check_model_keys(path, set(where) | set(scope.tied) | set(named), scope.keys)
     files.check_model_tensors(path, pretrained.read_specs(where), scope.whole)
     wanted = {k: k if k in where else named[k] for k in scope.own if k in where or k in named}
-    read = pretrained.read_tensors(where, sorted(set(wanted.values())))
-    values = {k: read[source] for k, source in wanted.items()}
+    blocks = _blocks(wanted, scope.own)
+    read = pretrained.read_tensors(where, sorted(set(wanted.values())), blocks)
+    values = {k: slices.from_block(read[source], scope.own[k]) if source in blocks else read[source]
+              for k, source in wanted.items()}
 
     def apply() -> None:
         scope.load(values, strict=False)  # every key was checked above; tied places take their first use's value
 
     return apply
+
+
+def _blocks(wanted: Dict[str, str], own: Dict[str, Any]) -> Dict[str, slices.Block]:
+    """The block of each tensor to read that this process holds a block of (tensor parallelism); a tensor two
+    places read with different blocks (tied, laid out apart) is read whole."""
+    found: Dict[str, Optional[slices.Block]] = {}
+    for key, source in wanted.items():
+        b = slices.block(own[key])
+        found[source] = b if found.get(source, b) == b else None
+    return {source: b for source, b in found.items() if b is not None}
 
 
 def _first_places(where: Dict[str, str], tied: Dict[str, str]) -> Dict[str, str]:
@@ -200,7 +247,7 @@ def _load_sharded(scope: _Scope, path: str, optimizer: Optional[torch.optim.Opti
         files.check_model_tensors(f"{path} (its optimizer state)", saved_opt, flat)
         target["optimizer"] = {k: _buffer(v, saved_opt[k]) if isinstance(v, torch.Tensor) else v
                                for k, v in flat.items()}
-    rng = rng and int(head["meta"].get("world_size", -1)) == scope.world_size
+    rng = rng and _same_layout(scope, head["meta"])
     if rng:
         target["rng"] = {str(scope.rank): None}
     sharded.read(path, target)
@@ -215,7 +262,7 @@ def _load_sharded(scope: _Scope, path: str, optimizer: Optional[torch.optim.Opti
     return apply, head["extra"]
 
 
-def _load_any(engine: Optional[Engine], scope: _Scope, path: str, optimizer: Optional[torch.optim.Optimizer], *,
+def _load_any(peers: Peers, scope: _Scope, path: str, optimizer: Optional[torch.optim.Optimizer], *,
               rng: bool, payload: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Load ``path`` (either format) into ``scope`` on every rank; any rank's failure is every rank's.
 
@@ -228,19 +275,20 @@ def _load_any(engine: Optional[Engine], scope: _Scope, path: str, optimizer: Opt
             return _load_pretrained(scope, path, optimizer), {}
         if os.path.isdir(path):
             return _load_sharded(scope, path, optimizer, rng)
-        contents = payload if payload is not None else files.load(path)
+        contents = payload if payload is not None else files.load(path, mmap=True)
         load_model = _load_file(scope, contents, path, optimizer)
         rngs = contents.get("rng") or []
+        restore = rng and len(rngs) == scope.world_size and _same_layout(scope, contents.get("meta", {}))
 
         def apply() -> None:
             load_model()
-            if rng and len(rngs) == scope.world_size:
-                files.set_rng_state(rngs[scope.rank])
+            if restore:  # a tp peer takes its t=0 peer's (saved alone): the peers draw alike, as tensor parallelism
+                files.set_rng_state(rngs[scope.position])  # needs of them
 
         return apply, contents.get("extra", {})
 
-    apply, extra = _together(engine, prepare)
-    _together(engine, apply)
+    apply, extra = _together(peers, prepare)
+    _together(peers, apply)
     return extra
 
 
@@ -250,7 +298,12 @@ def load(engine: Engine, path: str, optimizer: Optional[torch.optim.Optimizer] =
     engine.agreement.enter("load")
     if saver is not None:
         saver.wait()
-    return _load_any(engine, _scope(engine), path, optimizer, rng=False)
+    peers = _peers(engine, saver)
+    return _load_any(peers, _scope(engine, peers), path, optimizer, rng=False)
+
+
+def _peers(engine: Engine, saver: Optional[Saver]) -> Peers:
+    return saver.peers(engine) if saver is not None else peers_of(engine, None)
 
 
 def _warn(message: str) -> None:
@@ -268,12 +321,14 @@ def resume(engine: Engine, directory: str, optimizer: Optional[torch.optim.Optim
     from scratch: it may be the wrong directory, or its checkpoints were lost.
     A file the safe loader refuses as unsafe raises on every rank. Every rank
     then loads the chosen one. Random generator states are restored when the
-    job has as many ranks as the one that saved.
+    job has as many ranks (and as many tensor-parallel peers) as the one that
+    saved. With tensor parallelism the root of job t=0 chooses for everyone.
     """
     engine.agreement.enter("resume")
     if saver is not None:
         saver.wait()
     topo = engine.topology
+    peers = _peers(engine, saver)
     read: Dict[str, Any] = {}  # rank 0 has read a file while choosing it: no second read there
 
     def choose() -> List[Any]:
@@ -303,9 +358,9 @@ def resume(engine: Engine, directory: str, optimizer: Optional[torch.optim.Optim
             read[found[0]] = found[1]
         return [found[0], ""]
 
-    path, error = engine.agreement.from_rank0(choose)
+    path, error = peers.from_root(choose)
     if error:
         raise files.UnsafeCheckpointError(f"rank {topo.rank}: {error}")
     if path is None:
         return None
-    return _load_any(engine, _scope(engine), path, optimizer, rng=True, payload=read.get(path))
+    return _load_any(peers, _scope(engine, peers), path, optimizer, rng=True, payload=read.get(path))
