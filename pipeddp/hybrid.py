@@ -127,6 +127,7 @@ class HybridParallel(Checkpointable, StepModule):
         log_every = check_log_every(log_every)
         self.topology, tp_mesh = mesh_parts(mesh, stages, mode, tp_plan,
                                             partial(current_topology, stages, mode, layout))
+        self.tp_mesh = tp_mesh  # checkpoints are written once for every tp slice's job, and read per block
         topo = self.topology
         self.global_batch_plan: Optional[GlobalBatch] = plan_global_batch(global_batch, batch_size, topo.replicas)
         #: the epoch and samples of it consumed; checkpoints record it, resume restores it, loaders follow it
