@@ -235,6 +235,8 @@ class Stage:
 
     def _pairs(self, roots: Any, grads: Optional[Grads]) -> List[Pair]:
         """(root tensor, its gradient) for every root that backward must start from."""
+        if grads is None and type(roots) is torch.Tensor:  # a loss, or one output: no tree to walk
+            return [(roots, None)] if roots.requires_grad else []
         tensors = tree_tensors(roots)
         if grads is None:
             return [(t, None) for t in tensors if t.requires_grad]
@@ -251,7 +253,10 @@ class Stage:
 
     @staticmethod
     def _input_grads(saved: Saved) -> Grads:
-        return [t.grad if t.requires_grad else None for t in tree_tensors(saved.inputs)]
+        inputs = saved.inputs
+        if type(inputs) is torch.Tensor:  # one input: no tree to walk
+            return [inputs.grad if inputs.requires_grad else None]
+        return [t.grad if t.requires_grad else None for t in tree_tensors(inputs)]
 
     def backward(self, mb: int, grads: Optional[Grads], spec: StepSpec, *, sync: bool = False) -> Grads:
         """The whole backward (B) of micro-batch ``mb`` given the gradients of its outputs.
