@@ -166,12 +166,12 @@ SPLIT = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "ga
          "down_proj.weight", "embed_tokens.weight", "lm_head.weight")
 
 
-def tiny_llama(heads=4, kv_heads=2):
+def tiny_llama(heads=4, kv_heads=2, tied=False):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=heads, num_key_value_heads=kv_heads, tie_word_embeddings=False)
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, tie_word_embeddings=tied)
     return LlamaForCausalLM(config)
 
 
@@ -187,13 +187,13 @@ def flat_llama():
 def llama_layers(compute: float):
     """The flat Llama, its layers as plan sees them (``compute`` seconds per sample forward, twice that backward,
     no fixed cost; each layer's own parameter bytes and output size), and what its own plan splits in them."""
-    from pipeddp.tools.tp_costs import model_tp_plan, sharded_layers
+    from pipeddp.tools.tp_costs import sharded_layers
 
     flat, ids = flat_llama()
     layers = [LayerModel(name, 0.0, compute, 0.0, 2 * compute, 4096,
                          sum(p.numel() * p.element_size() for p in layer.parameters()))
               for name, layer in flat.named_children()]
-    return flat, layers, sharded_layers(flat, model_tp_plan(flat), ids)
+    return flat, layers, sharded_layers(flat, "auto", ids)
 
 
 def test_tensor_parallel_memory_is_the_plain_llamas_parameters_with_the_split_ones_divided():
@@ -253,14 +253,19 @@ def test_tensor_parallel_time_is_the_split_work_and_the_all_reduces_of_a_llama_b
 
 
 def test_plan_answers_pp_x_tp_x_dp_and_refuses_a_tp_the_heads_do_not_allow():
+    from pipeddp.tools.flatten import flatten_sequential
     from pipeddp.tools.tp_costs import sharded_layers
 
     flat, layers, sharded = llama_layers(1e-4)
     ids = torch.randint(0, VOCAB, (2, SEQ))
-    with pytest.raises(ValueError, match="'packed_colwise', which pipeddp does not translate"):
-        sharded_layers(flat, {"lm_head": "packed_colwise"}, ids)  # as HybridParallel(tp_plan=) refuses it
-    with pytest.raises(ValueError, match=r"\['model.layers.\*.mlp.fc1'\] match no module"):
+    # what HybridParallel(tp_plan=) refuses before building, plan refuses alike
+    with pytest.raises(ValueError, match="'packed_colwise': a style is one of"):
+        sharded_layers(flat, {"lm_head": "packed_colwise"}, ids)
+    with pytest.raises(ValueError, match=r"pattern 'model.layers.\*.mlp.fc1' matches no module"):
         sharded_layers(flat, {"lm_head": "colwise", "model.layers.*.mlp.fc1": "colwise"}, ids)
+    tied = tiny_llama(tied=True)
+    with pytest.raises(ValueError, match="whose weight is tied to another place"):
+        sharded_layers(flatten_sequential(tied, ids), "auto", ids)
     # 2 key-value heads: tp=4 would leave a rank half a head; 4 attention heads: tp=3 cannot split them
     with pytest.raises(ValueError, match=r"tp=4 does not divide the model's key-value heads \(2\).*choose tp from "
                                          r"\[1, 2\]"):

@@ -9,7 +9,7 @@ first. The sweep shows a bar on rank 0's terminal and nothing in a log.
 from __future__ import annotations
 
 import argparse
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple, Union
 
 from rich.console import Console
 from rich.markup import escape
@@ -64,14 +64,15 @@ def tp_degrees(text: str) -> List[int]:
     return degrees
 
 
-def _tp_plan(args: argparse.Namespace, model: Any) -> Tuple[Optional[Dict[str, Any]], str]:
-    """``--tp-plan``: the model's own plan ("auto") or a JSON object; with the text the engine's call takes."""
+def _tp_plan(args: argparse.Namespace, model: Any) -> Tuple[Union[None, str, Dict[str, Any]], str]:
+    """``--tp-plan``: "auto" where the model carries a plan (else None) or a JSON object; with the text the
+    engine's call takes."""
     import json
 
     from .tp_costs import model_tp_plan
 
     if args.tp_plan == "auto":
-        return model_tp_plan(model), "'auto'"
+        return ("auto" if model_tp_plan(model) is not None else None), "'auto'"
     try:
         given = json.loads(args.tp_plan)
     except json.JSONDecodeError:
@@ -97,7 +98,13 @@ def _tensor_parallel(args: argparse.Namespace, console: Console, model: Any,
                              "has one in its config); give --tp-plan as a JSON object of module patterns to styles")
         console.print(f"{args.model} carries no tensor-parallel plan: tp=1 only (--tp-plan gives one)")
         return [1], None, ""
-    sharded = sharded_layers(model, tp_plan, make_sample(2))
+    try:
+        sharded = sharded_layers(model, tp_plan, make_sample(2))  # refused as HybridParallel(tp_plan=) refuses
+    except ValueError as exc:
+        if asked:
+            raise
+        console.print(escape(f"tp=1 only: {exc}"))
+        return [1], None, ""
     if asked:
         return asked, sharded, text
     node = args.devices_per_node or args.devices

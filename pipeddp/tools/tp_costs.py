@@ -12,7 +12,8 @@ splits some modules of each layer over ``tp`` ranks, as torch's
     rowwise_split_input     weight (in dim)            all-reduce of the output   all-gather of the input's grad
 
 (the last: torch's ``RowwiseParallel(input_layouts=Replicate())`` on a
-Linear; by name a plan gives the first four, as ``HybridParallel``'s does).
+Linear; by name a plan gives the first four, as ``HybridParallel``'s does,
+whose reading of the plan, ``resolve_plan``, this one is).
 A Llama or Qwen2 block (q, k, v, gate, up colwise; o, down rowwise) thus
 all-reduces its hidden state twice forward and five times backward: torch
 reduces each colwise module's input gradient itself, where Megatron's fused
@@ -31,7 +32,6 @@ crosses a cut and what the schedule keeps) stay as they are.
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import math
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
@@ -39,6 +39,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ..distributed.tensor_parallel import PlanArg, check_tp_plan_arg, resolve_plan
 from ..runtime.names import Names, recorded, recorded_source
 from .costs import Link
 
@@ -104,32 +105,23 @@ def model_tp_plan(model: nn.Module) -> Optional[Dict[str, Any]]:
     return dict(found) if isinstance(found, Mapping) and found else None
 
 
-def _matches(pattern: str, name: str) -> bool:
-    """``layers.*.mlp.up_proj`` against a module's name, one component per atom (as ``parallelize_module``)."""
-    atoms, parts = pattern.split("."), name.split(".")
-    return len(atoms) == len(parts) and all(fnmatch.fnmatchcase(p, a) for p, a in zip(parts, atoms))
+def _generic(name: str) -> str:
+    """A module's name with its numbered parts as ``*`` (``model.layers.*.mlp.up_proj``): one line for every block."""
+    return ".".join("*" if part.isdigit() else part for part in name.split("."))
 
 
-#: the styles a plan may name by string: those ``HybridParallel(tp_plan=)`` translates
-NAMED = ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise")
-
-
-def style_name(style: Any) -> str:
-    """A plan's style as one of ``STYLES``: its string, or what torch's Colwise/RowwiseParallel amounts to."""
+def style_name(style: Any, module: nn.Module) -> str:
+    """What torch's ``ParallelStyle`` ``style`` amounts to on ``module``, as one of ``STYLES``."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    if isinstance(style, str):
-        if style not in NAMED:
-            raise ValueError(f"the tensor-parallel plan names the style {style!r}, which pipeddp does not translate "
-                             f"(it knows {', '.join(NAMED)}); give the plan as patterns to torch's ColwiseParallel "
-                             "or RowwiseParallel instead")
-        return style
     outputs = tuple(getattr(style, "output_layouts", ()) or ())
     inputs = tuple(getattr(style, "input_layouts", ()) or ())
     if isinstance(style, ColwiseParallel):
         return "colwise_gather_output" if outputs and isinstance(outputs[0], Replicate) else "colwise"
     if isinstance(style, RowwiseParallel) and outputs and isinstance(outputs[0], Replicate):
+        if isinstance(module, nn.Embedding):  # its input is token ids: nothing to reduce or gather backward
+            return "embedding_rowwise"
         return "rowwise_split_input" if inputs and isinstance(inputs[0], Replicate) else "rowwise"
     raise ValueError(f"plan cannot cost the tensor-parallel style {style!r}; it costs {', '.join(STYLES)} and "
                      "torch's ColwiseParallel and RowwiseParallel with a replicated output")
@@ -188,29 +180,20 @@ def _watched(modules: Mapping[str, nn.Module], seen: Dict[str, List[Tuple[float,
             handle.remove()
 
 
-def sharded_layers(model: nn.Sequential, tp_plan: Mapping[str, Any], sample: torch.Tensor) -> List[ShardedLayer]:
-    """What ``tp_plan`` does to each layer of ``model`` (see module docstring), measured on ``sample``.
+def sharded_layers(model: nn.Sequential, tp_plan: PlanArg, sample: torch.Tensor) -> List[ShardedLayer]:
+    """What ``tp_plan`` (``"auto"`` or ``{pattern: style}``, as ``HybridParallel`` takes it) does to each layer of
+    ``model`` (see module docstring), measured on ``sample``.
 
-    Patterns name the user's modules: a flattened model's original names (``model.layers.*.mlp.up_proj``), a
-    plain ``nn.Sequential``'s own (``3.fc1``). A pattern that matches no module is refused, as the engine does.
+    The plan is read by the engine's own ``resolve_plan``, so whatever ``HybridParallel`` would refuse before
+    building (a pattern that matches no module, a style it does not know or on a module it cannot split, a split
+    weight tied to another place, dropout) is refused here alike; what ``tp`` must divide is ``tp_refusals``'.
     """
+    check_tp_plan_arg(tp_plan, has_tp=True, mode="stage")
     names = Names(recorded(model))
     planned: Dict[str, Tuple[nn.Module, str, str]] = {}
-    used = set()
-    for path, module in model.named_modules():
-        original = names.original(path) if path else path
-        for pattern, style in tp_plan.items():
-            if path and _matches(pattern, original):
-                name = style_name(style)
-                if isinstance(module, nn.Embedding) and name.startswith("rowwise"):
-                    name = "embedding_rowwise"  # its input is token ids: nothing to reduce or gather backward
-                planned[path] = (module, pattern, name)
-                used.add(pattern)
-                break
-    unused = [p for p in tp_plan if p not in used]
-    if unused:
-        raise ValueError(f"the tensor-parallel plan's patterns {unused} match no module of the model; patterns name "
-                         "the model's own modules, one name per dot ('layers.*.mlp.up_proj')")
+    for path, style in resolve_plan(model, tp_plan, 1).items():
+        module = model.get_submodule(path)
+        planned[path] = (module, _generic(names.original(path)), style_name(style, module))
     seen: Dict[str, List[Tuple[float, float]]] = {}
     with _watched({p: m for p, (m, _, _) in planned.items()}, seen), torch.no_grad():
         model(sample)
