@@ -50,7 +50,7 @@ def mesh_parts(mesh: Any, stages: int, mode: str, tp_plan: PlanArg,
     from torch.distributed.device_mesh import DeviceMesh
 
     names = tuple(mesh.mesh_dim_names or ()) if isinstance(mesh, DeviceMesh) else ()
-    has_tp = mesh is not None and mesh.ndim == 3 and sorted(names) == sorted(_NAMES + ("tp",))
+    has_tp = len(names) == 3 and sorted(names) == sorted(_NAMES + ("tp",))
     check_tp_plan_arg(tp_plan, has_tp=has_tp, mode=mode)
     if mesh is None:
         return default(), None
