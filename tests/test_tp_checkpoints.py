@@ -1,22 +1,20 @@
-"""Checkpoints of tensor-parallel stages: saved whole with the plain model's keys (one file, a Hugging Face
-export), loaded per block, and a sharded checkpoint of one layout resumed in another (tp=2 -> tp=1 and back),
-each compared with the plain model."""
+"""Checkpoints of tensor-parallel stages (``DTensor`` parameters over ``tp``): saved whole with the original model's
+keys (one file, a Hugging Face export), loaded block by block, and a sharded checkpoint of one layout resumed in
+another (tp=2 -> tp=1 and back), each compared with transformers' own model."""
 
 from __future__ import annotations
 
-import json
 import os
-import re
 
 import pytest
 import torch
 
 import pipeddp
-from pipeddp.checkpoints import pretrained
 
 pytest.importorskip("safetensors")
+pytest.importorskip("transformers", reason="transformers is not installed (pip install 'pipeddp[test]')")
 
-from tp_checkpoint_jobs import model, round_trips_job, stepped, write_inputs  # noqa: E402
+from tp_checkpoint_jobs import LR, llama_config, llama_round_trips_job, lm_batch, lm_loss, save_downloaded  # noqa: E402
 
 TOL = 1e-12
 
@@ -25,77 +23,6 @@ def close(got, want) -> None:
     assert sorted(got) == sorted(want)
     for k in want:
         assert got[k].shape == want[k].shape and (got[k] - want[k]).abs().max().item() <= TOL, k
-
-
-def close_share(got, want) -> None:
-    """``got``: one stage's entries (a process's optimizer state), each equal to ``want``'s."""
-    assert got and set(got) <= set(want)
-    close(got, {k: want[k] for k in got})
-
-
-def check_blocks(parts, want, t: int) -> None:
-    """Each process holds its block of ``want`` (column-parallel: rows; row-parallel: columns), the rest whole."""
-    for k, (placements, local) in parts.items():
-        found = re.search(r"Shard\(dim=(\d)\)", placements)
-        expected = torch.chunk(want[k], 2, int(found.group(1)))[t] if found else want[k]
-        assert torch.equal(local, expected), (k, placements)
-
-
-@pytest.mark.timeout(240)
-def test_tensor_parallel_checkpoints_round_trip_between_layouts(tmp_path):
-    tmp = str(tmp_path)
-    write_inputs(tmp)
-    results = pipeddp.spawn(round_trips_job, 4, args=(tmp,), timeout=200)
-    ref = stepped(0, grads=1)
-    want = ref.state_dict()
-    grads = {k: p.grad for k, p in ref.named_parameters()}  # the first step's momentum buffer is the gradient
-
-    for res in results:
-        check_blocks(res["parts"], want, res["tp"])  # the step each process took on its blocks is the plain one's
-
-    # one file, written once: the plain model's keys, whole tensors, loaded strictly by the plain model
-    ck = torch.load(os.path.join(tmp, "one.pt"), weights_only=True)
-    close(ck["model"], want)
-    close({k: v["momentum_buffer"] for k, v in ck["optimizer"]["state"].items()}, grads)
-    assert ck["meta"]["tp"] == 2 and len(ck["rng"]) == 2
-    plain = model(9)
-    plain.load_state_dict(ck["model"])
-
-    # the Hugging Face export: one file per process, an index, every tensor once and whole
-    hf = os.path.join(tmp, "hf")
-    names = [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]
-    assert results[0]["written"] == sorted(names + [pretrained.INDEX])
-    index = json.loads(open(os.path.join(hf, pretrained.INDEX)).read())["weight_map"]
-    assert sorted(index) == sorted(want) and sorted(set(index.values())) == names
-    from safetensors.torch import load_file
-
-    exported = {}
-    for name in names:
-        exported.update(load_file(os.path.join(hf, name)))
-    close(exported, want)
-
-    # loaded per block: a pipeddp file and a Hugging Face directory of other weights; a wrong model refused
-    for res in results:
-        for what, seed in (("from_file", 3), ("from_hf", 4)):
-            parts, whole = res[what]
-            check_blocks(parts, model(seed).state_dict(), res["tp"])
-            close(whole, model(seed).state_dict())
-        assert "6.weight" in res["refused"] and "Nothing was loaded" in res["refused"]
-        close(res["after_refusal"], model(4).state_dict())
-
-    # tp2 -> tp1 (2 replicas x 2 stages): the sharded checkpoint and the file, weights and optimizer state
-    for res in results:
-        assert res["tp1_extra"] == {"step": 1}
-        for what in ("tp1_sharded", "tp1_file"):
-            state, buffers = res[what]
-            close(state, want)
-            close_share(buffers, grads)
-        # and back: tp1's sharded checkpoint resumed at tp2
-        assert res["back_extra"] == {"step": 2}
-        parts, state, buffers = res["back"]
-        check_blocks(parts, want, res["tp"])
-        close(state, want)
-        close_share(buffers, grads)
 
 
 def test_a_file_written_block_by_block_reads_back_whole_with_safetensors(tmp_path):
@@ -128,3 +55,63 @@ def test_a_file_written_block_by_block_reads_back_whole_with_safetensors(tmp_pat
     assert sorted(back) == sorted(tensors)
     for k, v in tensors.items():
         assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
+
+
+@pytest.mark.timeout(240)
+def test_a_tensor_parallel_llama_round_trips_through_every_format_and_layout(tmp_path):
+    """HybridParallel(mesh=(dp, pp, tp), tp_plan="auto") on a transformers Llama: the downloaded directory read block
+    by block; after one step saved at pp2 x tp2 as one file (loads strictly into LlamaForCausalLM), a Hugging Face
+    export (from_pretrained opens it) and a sharded checkpoint; pp2 x tp1 loads the file and the sharded one, and a
+    fresh pp2 x tp2 loads what tp1 saved. Weights, momentum and logits equal transformers' model after the same
+    step; a wrong file is refused on every rank and changes nothing."""
+    from transformers import LlamaForCausalLM
+
+    from pipeddp.checkpoints import checkpoint as files
+
+    tmp = str(tmp_path)
+    save_downloaded(os.path.join(tmp, "downloaded"))
+    ref = LlamaForCausalLM.from_pretrained(os.path.join(tmp, "downloaded"), dtype=torch.float64)
+    probe, (x, y) = lm_batch(3, 2)[0], lm_batch(4, 1)
+    with torch.no_grad():
+        before = ref(input_ids=probe).logits
+    lm_loss(ref(input_ids=x, use_cache=False), y).backward()
+    torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9).step()
+    with torch.no_grad():
+        after = ref(input_ids=probe).logits
+    want = ref.state_dict()
+    grads = {k: p.grad for k, p in ref.named_parameters()}  # a first step's momentum buffer
+    wrong = dict(want, **{"model.norm.weight": torch.zeros(33, dtype=torch.float64)})
+    files.atomic_save({"format": files.FORMAT, "model": wrong, "optimizer": None, "extra": {}, "rng": [], "meta": {}},
+                      os.path.join(tmp, "wrong.pt"))
+
+    results = pipeddp.spawn(llama_round_trips_job, 4, args=(tmp,), timeout=200)
+
+    for res in results:
+        # each process read only its blocks of the sharded tensors
+        blocks = dict(res["read"])
+        assert res["shapes"] and set(res["shapes"]) <= set(blocks)
+        for k, shape in res["shapes"].items():
+            assert blocks[k] is not None and tuple(blocks[k][1]) == shape, k
+        assert any(shape != tuple(want[k].shape) for k, shape in res["shapes"].items())
+        # every load's logits are transformers' (the last stage's processes hold them)
+        for what, got in res["logits"].items():
+            if got is not None:
+                expected = before if what == "tp2 from the directory" else after
+                assert (got - expected).abs().max().item() < 1e-10, what
+        assert "model.norm.weight" in res["refused"] and "Nothing was loaded" in res["refused"]
+    assert sum(got is not None for res in results for got in res["logits"].values()) == 2 * 6
+
+    # each one-file checkpoint: tp2's own, tp1's of the tp2 sharded one, tp2's of the tp1 sharded one
+    for name in ("tp2.pt", "tp1.pt", "back.pt"):
+        ck = torch.load(os.path.join(tmp, name), weights_only=True)
+        close(ck["model"], want)
+        close({k: v["momentum_buffer"] for k, v in ck["optimizer"]["state"].items()}, grads)
+        plain = LlamaForCausalLM(llama_config()).double()
+        plain.load_state_dict(ck["model"], strict=True)
+        with torch.no_grad():
+            assert (plain(input_ids=probe).logits - after).abs().max().item() < 1e-10, name
+    # the export opens with from_pretrained
+    tuned = LlamaForCausalLM.from_pretrained(os.path.join(tmp, "export"), dtype=torch.float64)
+    close(tuned.state_dict(), want)
+    with torch.no_grad():
+        assert (tuned(input_ids=probe).logits - after).abs().max().item() < 1e-10

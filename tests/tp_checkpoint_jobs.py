@@ -1,6 +1,5 @@
-"""Checkpoints of stages whose layers are tensor-parallel (``DTensor`` parameters over a ``tp`` mesh), run by
-``test_tp_checkpoints.py``: 4 processes as (dp=1, pp=2, tp=2), each tp slice an engine on ``mesh['dp', 'pp']``
-whose stage modules are parallelised here with torch's own styles."""
+"""The job of ``test_tp_checkpoints.py``: a transformers Llama in a tensor-parallel engine (``mesh`` with ``tp``,
+``tp_plan="auto"``: ``DTensor`` parameters), its checkpoints saved and loaded in other layouts by 4 processes."""
 
 from __future__ import annotations
 
@@ -14,143 +13,120 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import pipeddp
-from pipeddp.checkpoints import checkpoint as files
 
 nccl_rules.install()  # point-to-point messages follow NCCL's rules here too (see conftest)
 
-WIDTH = 8
+VOCAB, T, LR = 40, 6, 0.5
 
 
-def model(seed: int) -> nn.Sequential:
-    """Two column-then-row parallel pairs with a LayerNorm (left whole) between them, float64."""
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.ReLU(), nn.Linear(2 * WIDTH, WIDTH), nn.LayerNorm(WIDTH),
-                         nn.Linear(WIDTH, 3 * WIDTH), nn.Tanh(), nn.Linear(3 * WIDTH, WIDTH)).double()
+def llama_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, bos_token_id=0,
+                       eos_token_id=0, pad_token_id=0, tie_word_embeddings=False, attention_bias=True,
+                       mlp_bias=True)  # biases: a row-parallel layer's is replicated over tp
 
 
-def gradients(seed: int) -> Dict[str, torch.Tensor]:
-    """A gradient for every parameter of ``model``, drawn from ``seed`` (what one optimizer step takes)."""
+def save_downloaded(path: str) -> None:
+    """The 'pretrained' Llama: weights of its own, float64, written by transformers in several shards."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(7)
+    LlamaForCausalLM(llama_config()).double().save_pretrained(path, max_shard_size="40KB")
+
+
+def lm_batch(n: int, seed: int):
     g = torch.Generator().manual_seed(seed)
-    return {k: torch.randn(v.shape, generator=g, dtype=torch.float64) for k, v in model(0).named_parameters()}
+    return torch.randint(1, VOCAB, (n, T), generator=g), torch.randint(0, VOCAB, (n, T), generator=g)
 
 
-def stepped(seed: int, grads: int) -> nn.Sequential:
-    """The plain model after one SGD step with momentum on ``gradients(grads)`` (the reference)."""
-    plain = model(seed)
-    opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
-    for k, p in plain.named_parameters():
-        p.grad = gradients(grads)[k]
-    opt.step()
-    return plain
+def lm_loss(out: Any, y: torch.Tensor) -> torch.Tensor:
+    logits = getattr(out, "logits", out)
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
 
 
-def engine_on(mesh: Any, seed: int, tp: bool) -> pipeddp.HybridParallel:
-    """``model(seed)`` in 2 stages on ``mesh['dp', 'pp']``; ``tp``: its Linear layers column/row-parallel over
-    ``mesh['tp']`` (the layer after a column-parallel one row-parallel), as the engine's tp_plan would."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    engine = pipeddp.HybridParallel(model(seed), stages=2, mode="stage", chunks=2, balance=[3, 4],
-                                    mesh=mesh["dp", "pp"])
-    if tp:
-        held = {name for name, _ in engine.named_children()}
-        plan = {k: v for k, v in {"0": ColwiseParallel(), "2": RowwiseParallel(), "4": ColwiseParallel(),
-                                  "6": RowwiseParallel()}.items() if k in held}
-        parallelize_module(engine, mesh["tp"], plan)
-        engine.tp_mesh = mesh["tp"]
-    return engine
+def sgd(engine: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(engine.parameters(), lr=LR, momentum=0.9)
 
 
-def step(engine: nn.Module, grads: int) -> torch.optim.Optimizer:
-    """One SGD step with momentum on ``gradients(grads)``, each process taking its part of every gradient."""
-    from pipeddp.distributed.shard import shard_like
+def llama_engine(mesh: Any, tp: bool) -> pipeddp.HybridParallel:
+    """The Llama built on the meta device, in 2 stages; ``tp``: ``mesh`` has a tp dimension and the model's own plan
+    shards it."""
+    from transformers import LlamaForCausalLM
 
-    opt = torch.optim.SGD(engine.parameters(), lr=0.1, momentum=0.9)
-    whole = gradients(grads)
-    for k, p in engine.named_parameters():
-        p.grad = shard_like(whole[k], p)
-    opt.step()
-    return opt
+    from pipeddp.tools.models import flatten_sequential
 
-
-def local_parts(engine: nn.Module) -> Dict[str, Any]:
-    """This process's parameters as it holds them: (placements, its local tensor)."""
-    out = {}
-    for k, v in engine.local_state_dict().items():
-        out[k] = (str(getattr(v, "placements", "whole")), (v.to_local() if hasattr(v, "to_local") else v).clone())
-    return out
+    with torch.device("meta"):
+        model = LlamaForCausalLM(llama_config()).double()
+    flat = flatten_sequential(model, lm_batch(1, 0)[0])
+    kwargs = {"tp_plan": "auto"} if tp else {}
+    return pipeddp.HybridParallel(flat, stages=2, mode="stage", chunks=2, mesh=mesh, **kwargs)
 
 
-def momentum(engine: nn.Module, opt: torch.optim.Optimizer) -> Dict[str, torch.Tensor]:
-    names = {id(p): k for k, p in engine.named_parameters()}
-    return {names[id(p)]: s["momentum_buffer"].full_tensor() if hasattr(s["momentum_buffer"], "full_tensor")
-            else s["momentum_buffer"] for p, s in opt.state.items()}
+def logits(engine: pipeddp.HybridParallel, probe: torch.Tensor) -> Any:
+    out = engine.eval_step(probe if engine.is_first else None)
+    return getattr(out, "logits", out).detach().clone() if engine.is_last else None
 
 
-def round_trips_job(tmp: str) -> Dict[str, Any]:
-    """pp2 x tp2: save (one file, sharded, a Hugging Face export) after one optimizer step; load a pipeddp file
-    and a Hugging Face directory of other weights; then pp2 x dp2 (tp1) loads the tp2 sharded checkpoint and
-    saves its own, which pp2 x tp2 resumes."""
+def llama_round_trips_job(tmp: str) -> Dict[str, Any]:
+    """pp2 x tp2 loads the downloaded directory (its blocks alone), trains a step, saves the three formats;
+    pp2 x tp1 (as 2 replicas) loads the one file and the tp2 sharded checkpoint and saves both again, which a fresh
+    pp2 x tp2 loads in turn (the directory between them); a wrong file is refused there. Returns the logits on a
+    probe after each load, and what was read."""
+    from pipeddp.checkpoints import pretrained
+
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    torch.set_num_threads(1)
+    read: list = []
+    original = pretrained.read_tensors
+
+    def recording(where, keys, blocks=None):
+        keys = list(keys)
+        read.extend((k, (blocks or {}).get(k)) for k in keys)
+        return original(where, keys, blocks) if blocks else original(where, keys)
+
+    pretrained.read_tensors = recording
     mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp", "pp", "tp"))
-    out: Dict[str, Any] = {"rank": rank, "tp": mesh.get_local_rank("tp")}
-
-    engine = engine_on(mesh, 0, tp=True)
-    opt = step(engine, grads=1)
-    out["parts"] = local_parts(engine)
-    engine.save(os.path.join(tmp, "one.pt"), optimizer=opt, extra={"step": 1})
-    engine.save(os.path.join(tmp, "sharded"), optimizer=opt, extra={"step": 1}, sharded=True)
-    engine.save_pretrained(os.path.join(tmp, "hf"))
-    out["written"] = sorted(os.listdir(os.path.join(tmp, "hf")))
-
-    # other weights, as a pipeddp file and as a Hugging Face directory, loaded into this layout
-    engine.load(os.path.join(tmp, "other.pt"))
-    out["from_file"] = (local_parts(engine), engine.state_dict())
-    engine.load(os.path.join(tmp, "other-hf"))
-    out["from_hf"] = (local_parts(engine), engine.state_dict())
-    # refused, all or nothing on every process: a checkpoint of another model (shapes) changes nothing
-    try:
-        engine.load(os.path.join(tmp, "wrong.pt"))
-        out["refused"] = None
-    except (ValueError, RuntimeError) as exc:
-        out["refused"] = str(exc)
-    out["after_refusal"] = engine.state_dict()
-    engine.close()
-
-    # tp1: the four processes as 2 replicas x 2 stages, loading the tp2 sharded checkpoint (and the one file)
-    flat = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
-    plain = pipeddp.HybridParallel(model(5), stages=2, mode="stage", chunks=2, balance=[3, 4], mesh=flat)
-    opt1 = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
-    out["tp1_extra"] = plain.load(os.path.join(tmp, "sharded"), optimizer=opt1)
-    out["tp1_sharded"] = (plain.state_dict(), momentum(plain, opt1))
-    opt1 = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
-    plain.load(os.path.join(tmp, "one.pt"), optimizer=opt1)
-    out["tp1_file"] = (plain.state_dict(), momentum(plain, opt1))
-    plain.save(os.path.join(tmp, "tp1-sharded"), optimizer=opt1, extra={"step": 2}, sharded=True)
-    plain.close()
-
-    # and back: tp2 resumes the tp1 sharded checkpoint
-    engine = engine_on(mesh, 7, tp=True)
-    opt2 = torch.optim.SGD(engine.parameters(), lr=0.1, momentum=0.9)
-    out["back_extra"] = engine.load(os.path.join(tmp, "tp1-sharded"), optimizer=opt2)
-    out["back"] = (local_parts(engine), engine.state_dict(), momentum(engine, opt2))
-    engine.close()
+    x, y = lm_batch(4, 1)
+    probe = lm_batch(3, 2)[0]
+    out: Dict[str, Any] = {"rank": dist.get_rank(), "logits": {}}
+    with llama_engine(mesh, tp=True) as engine:
+        engine.load(os.path.join(tmp, "downloaded"))
+        out["read"] = read
+        out["shapes"] = {k: tuple(v.to_local().shape) for k, v in engine.local_state_dict().items()
+                         if hasattr(v, "to_local")}
+        opt = sgd(engine)
+        engine.train_step(x if engine.is_first else None, y if engine.is_last else None, lm_loss)
+        opt.step()
+        engine.save(os.path.join(tmp, "tp2.pt"), optimizer=opt)
+        engine.save(os.path.join(tmp, "tp2-sharded"), optimizer=opt, sharded=True)
+        engine.save_pretrained(os.path.join(tmp, "export"))
+    with llama_engine(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp")), tp=False) as engine:
+        opt = sgd(engine)
+        engine.load(os.path.join(tmp, "tp2.pt"), optimizer=opt)
+        out["logits"]["tp1 from the file"] = logits(engine, probe)
+        engine.load(os.path.join(tmp, "downloaded"))  # other weights between the two
+        opt = sgd(engine)
+        engine.load(os.path.join(tmp, "tp2-sharded"), optimizer=opt)
+        out["logits"]["tp1 from the sharded"] = logits(engine, probe)
+        engine.save(os.path.join(tmp, "tp1.pt"), optimizer=opt)
+        engine.save(os.path.join(tmp, "tp1-sharded"), optimizer=opt, sharded=True)
+    with llama_engine(mesh, tp=True) as engine:  # fresh weights (the meta build's), then each load in turn
+        opt = sgd(engine)
+        engine.load(os.path.join(tmp, "tp1.pt"), optimizer=opt)
+        out["logits"]["tp2 from the tp1 file"] = logits(engine, probe)
+        engine.load(os.path.join(tmp, "downloaded"))
+        out["logits"]["tp2 from the directory"] = logits(engine, probe)
+        opt = sgd(engine)
+        engine.load(os.path.join(tmp, "tp1-sharded"), optimizer=opt)
+        out["logits"]["tp2 from the tp1 sharded"] = logits(engine, probe)
+        try:
+            engine.load(os.path.join(tmp, "wrong.pt"), optimizer=opt)
+            out["refused"] = ""
+        except (ValueError, RuntimeError) as exc:
+            out["refused"] = str(exc)
+        out["logits"]["tp2 after the refusal"] = logits(engine, probe)
+        engine.save(os.path.join(tmp, "back.pt"), optimizer=opt)
     dist.destroy_process_group()
     return out
-
-
-def write_inputs(tmp: str) -> None:
-    """What the job loads: other weights as a pipeddp file and as a Hugging Face directory; a wrong model."""
-    from safetensors.torch import save_file
-
-    def payload(state: Dict[str, torch.Tensor]) -> Dict[str, Any]:
-        return {"format": files.FORMAT, "model": state, "optimizer": None, "extra": {}, "rng": [], "meta": {}}
-
-    files.atomic_save(payload(model(3).state_dict()), os.path.join(tmp, "other.pt"))
-    os.makedirs(os.path.join(tmp, "other-hf"))
-    save_file({k: v.contiguous() for k, v in model(4).state_dict().items()},
-              os.path.join(tmp, "other-hf", "model.safetensors"))
-    wrong = model(6).state_dict()
-    wrong["6.weight"] = torch.zeros(WIDTH, 3 * WIDTH + 1, dtype=torch.float64)
-    files.atomic_save(payload(wrong), os.path.join(tmp, "wrong.pt"))
-
