@@ -254,10 +254,12 @@ def test_tensor_parallel_time_is_the_split_work_and_the_all_reduces_of_a_llama_b
 
 def test_plan_answers_pp_x_tp_x_dp_and_refuses_a_tp_the_heads_do_not_allow():
     from pipeddp.tools.flatten import flatten_sequential
-    from pipeddp.tools.tp_costs import sharded_layers
+    from pipeddp.tools.tp_costs import sharded_layers, tp_refusals
 
     flat, layers, sharded = llama_layers(1e-4)
     ids = torch.randint(0, VOCAB, (2, SEQ))
+    # the heads bind only where the attention is split: the MLPs alone split 4 ways (intermediate 64)
+    assert tp_refusals(sharded_layers(flat, MLP_PLAN, ids), 4) == [] and tp_refusals(sharded, 4)
     # what HybridParallel(tp_plan=) refuses before building, plan refuses alike
     with pytest.raises(ValueError, match="'packed_colwise': a style is one of"):
         sharded_layers(flat, {"lm_head": "packed_colwise"}, ids)

@@ -217,9 +217,11 @@ def sharded_layers(model: nn.Sequential, tp_plan: PlanArg, sample: torch.Tensor)
                     if spec is not None:
                         kind, _, whose = spec.partition(":")
                         into.append(Collective(kind, (size_in if whose == "in" else size_out) / batch))
-        attention = heads if split else ()
+        # its attention split (a planned module named so, as the engine reads it): whole heads on each rank
+        mine = [pattern for path, (_, pattern, _) in planned.items() if path.split(".")[0] == layer_name]
+        attention = heads if any("attn" in n or "attention" in n for n in mine) else ()
         out.append(ShardedLayer(layer_name, param_bytes, split, tuple(fwd), tuple(bwd),
-                                tuple(dict.fromkeys(divides + list(attention)))))
+                                tuple(dict.fromkeys(list(attention) + divides))))
     return out
 
 
