@@ -51,6 +51,17 @@ def llama(meta: bool = True, heads: int = 4, tied: bool = False) -> nn.Module:
         return LlamaForCausalLM(config).double()
 
 
+def qwen2(meta: bool = True) -> nn.Module:
+    """Qwen2: biases on q, k and v (sharded with their columns)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                         bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False)
+    with torch.device("meta" if meta else "cpu"):
+        return Qwen2ForCausalLM(config).double()
+
+
 def mlp_batches(n: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(3)
     return [(torch.randn(n, 5, generator=g, dtype=torch.float64), torch.randn(n, 10, generator=g,
@@ -103,13 +114,17 @@ def tp_job(shape: Tuple[int, int, int], kinds: List[str]) -> Dict[str, Any]:
     out: Dict[str, Any] = {"rank": dist.get_rank(), "place": tuple(mesh.get_coordinate() or ())}
     local = 4
     for kind in kinds:
-        if kind == "mlp":
+        extra: Dict[str, Any] = {}
+        if kind.startswith("mlp"):
             model, plan, batch, loss_fn = mlp(), MLP_PLAN, mlp_batches(local * shape[0])[0], mse
+            if kind == "mlp-v2":  # two stages per process, each forward replayed in backward
+                extra = {"virtual_stages": 2, "schedule": "interleaved", "checkpoint": "always", "balance": "uniform"}
         else:
             batch, loss_fn = lm_batches(local * shape[0])[0], lm_loss
-            model, plan = flatten_sequential(llama(), batch[0][:1]), "auto"
-        with pipeddp.HybridParallel(model, stages=shape[1], mode="stage", chunks=2, balance="params", seed=SEED,
-                                    mesh=mesh, tp_plan=plan) as engine:
+            model, plan = flatten_sequential(qwen2() if kind == "qwen2" else llama(), batch[0][:1]), "auto"
+        kwargs = {"chunks": 2, "balance": "params", **extra}
+        with pipeddp.HybridParallel(model, stages=shape[1], mode="stage", seed=SEED, mesh=mesh, tp_plan=plan,
+                                    **kwargs) as engine:
             out[kind] = train_once(engine, batch, loss_fn, local)
     return out
 
