@@ -3,7 +3,7 @@
 Inside a step the ranks are not in step: a rank whose ``loss_fn`` raises (or its batch, or its stage's forward or
 backward) leaves its peers waiting for messages that never come, until the process group's timeout (30 minutes by
 default), and then with a transport error (gloo's "Connection closed by peer") that names neither the rank that
-failed nor its error. So a rank that fails inside a step (``Notices.guard``)::
+failed nor its error. So a rank that fails inside a step or an evaluation (``Notices.guard``)::
 
     1. posts a notice to the job's store (the rendezvous store its process groups were built on): its rank, stage,
        call and error (type and message, and the note naming the action); the engine's first notice stays
@@ -107,6 +107,7 @@ class Notices:
         n = Notices._made[ranks] = Notices._made.get(ranks, 0) + 1
         self.key = f"pipeddp/failed/{'-'.join(map(str, ranks))}/{n}"
         self._store: Any = None
+        self._raised: Optional[BaseException] = None  # what a guard raised last: an enclosing guard lets it pass
 
     @property
     def store(self) -> Any:
@@ -151,11 +152,12 @@ class Notices:
 
     @contextlib.contextmanager
     def guard(self, call: str) -> Iterator[None]:
-        """Run a part of ``call`` where the ranks are not in step: a failure here reaches every rank at once."""
+        """Run a part of ``call`` where the ranks are not in step: a failure here reaches every rank at once. Guards
+        may nest (an evaluation's forwards): a failure is told, and its connections cut, once, by the innermost."""
         try:
             yield
         except BaseException as exc:
-            if self.topology.world_size == 1:
+            if self.topology.world_size == 1 or exc is self._raised:
                 raise
             notice = self.read() if from_transport(exc) else None
             if notice is None:
@@ -167,6 +169,7 @@ class Notices:
             cut(self.groups, self.topology.rank)
             self.linger()
             if notice is None:
+                self._raised = exc
                 raise
             failed = PeerFailed(
                 f"{self.where()} stopped its {call}: {notice['where']} failed in its {notice['call']} with "
@@ -175,4 +178,5 @@ class Notices:
                 "newest)")
             for note in [f"on {notice['where']}: {n}" for n in notice["notes"]] + getattr(exc, "__notes__", []):
                 _note(failed, note)
+            self._raised = failed
             raise failed from None

@@ -160,28 +160,29 @@ class Replica:
         count = 0
         last = self.step.last.device if self.step.last is not None else None
         gathered = contextlib.ExitStack()
-        try:
-            for sh in self.shards:  # with shard=: parameters gathered once, no collective per forward, since
-                if sh is not None:  # replicas may hold different numbers of batches
-                    gathered.enter_context(sh.gathered())
-            self._gathered = any(sh is not None for sh in self.shards)
-            for x, y in loader:
-                with torch.no_grad():
-                    out = model(x)
-                if last is not None:
-                    n = samples_of(y, name="y")
-                    for k, v in metric_fn(out, tree_map(partial(torch.Tensor.to, device=last), y)).items():
-                        if isinstance(v, tuple):  # (total, count): a mean over what was counted, not over samples
-                            sums[k] = sums.get(k, 0.0) + float(v[0])
-                            counts[k] = counts.get(k, 0.0) + float(v[1])
-                        else:
-                            sums[k] = sums.get(k, 0.0) + float(v) * n
-                    count += n
-        finally:
-            model.train(was_training)
-            self._gathered = False
-            gathered.close()
-        return self.agreement.mean_metrics(count, sums, counts)
+        with self.notices.guard("evaluate"):  # the ranks go through the batches each at its own pace
+            try:
+                for sh in self.shards:  # with shard=: parameters gathered once, no collective per forward, since
+                    if sh is not None:  # replicas may hold different numbers of batches
+                        gathered.enter_context(sh.gathered())
+                self._gathered = any(sh is not None for sh in self.shards)
+                for x, y in loader:
+                    with torch.no_grad():
+                        out = model(x)
+                    if last is not None:
+                        n = samples_of(y, name="y")
+                        for k, v in metric_fn(out, tree_map(partial(torch.Tensor.to, device=last), y)).items():
+                            if isinstance(v, tuple):  # (total, count): a mean over what was counted, not over samples
+                                sums[k] = sums.get(k, 0.0) + float(v[0])
+                                counts[k] = counts.get(k, 0.0) + float(v[1])
+                            else:
+                                sums[k] = sums.get(k, 0.0) + float(v) * n
+                        count += n
+            finally:
+                model.train(was_training)
+                self._gathered = False
+                gathered.close()
+            return self.agreement.mean_metrics(count, sums, counts)
 
     def norm_scope(self) -> Tuple[List[nn.Parameter], torch.device, Optional[Combine]]:
         """For clipping: in stage mode the norm is joined over this replica's processes (replicas agree after DDP);
