@@ -16,14 +16,14 @@ messages deep and at most log2(n) per rank, as an nccl job's agreements need on 
 
 from __future__ import annotations
 
-from typing import Any, List, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from .p2p import spare_tag
 
-__all__ = ["gather_rows", "STAR_UP_TO"]
+__all__ = ["gather_rows", "tree_links", "STAR_UP_TO"]
 
 #: the most members gathered through the first rank directly; a larger group gathers over a tree
 STAR_UP_TO = 16
@@ -69,12 +69,7 @@ def _tree(out: List[torch.Tensor], mine: torch.Tensor, *, group: Any, ranks: Lis
     n, i = len(ranks), ranks.index(rank)
     table = torch.empty((n, *mine.shape), dtype=mine.dtype)
     table[i].copy_(mine)
-    k, children = 1, []
-    while k < n and i % (2 * k) == 0:
-        if i + k < n:
-            children.append(k)
-        k *= 2
-    parent = i - k if i else None  # the loop stops at the first k where i % 2k == k (member 0: never)
+    children, parent, k = tree_links(n, i)
     works: List[Any] = [dist.irecv(table[i + c:min(i + 2 * c, n)], ranks[i + c], group=group, tag=tag)
                         for c in children]
     for work in works:
@@ -89,3 +84,16 @@ def _tree(out: List[torch.Tensor], mine: torch.Tensor, *, group: Any, ranks: Lis
         work.wait()
     for row, got in zip(out, table):
         row.copy_(got)
+
+
+def tree_links(n: int, i: int) -> Tuple[List[int], Optional[int], int]:
+    """Member ``i``'s place in ``_tree``'s binomial tree of ``n`` members: the offsets k of its children (it takes
+    the rows of i + k .. i + 2k - 1 from each), its parent's index (None for member 0) and the k of its own subtree
+    (it holds rows i .. i + k - 1 when it sends them up). A plain function of (n, i), so that a job of any size
+    can be played from it in one process (``benchmarks/scale.py``) with the plan the real gathering follows."""
+    k, children = 1, []
+    while k < n and i % (2 * k) == 0:
+        if i + k < n:
+            children.append(k)
+        k *= 2
+    return children, (i - k if i else None), k  # the loop stops at the first k where i % 2k == k (member 0: never)
