@@ -19,6 +19,9 @@ def reference(kind: str, n: int) -> Dict[str, Any]:
     if kind.startswith("mlp"):
         model, (x, y), loss_fn = mlp(), mlp_batches(n)[0], mse
         pipeddp.materialize(model, seed=SEED)
+        if kind == "mlp-whole":  # built on a real device, as tp rank 0 builds it
+            torch.manual_seed(0)
+            model = mlp(meta=False)
     else:
         (x, y), loss_fn = lm_batches(n)[0], lm_loss
         model = flatten_sequential(qwen2() if kind == "qwen2" else llama(), x[:1])  # the original's names and init
@@ -57,9 +60,9 @@ def check_layout(results, shape: Tuple[int, int, int], kinds) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_pp2_tp2_meta_built_mlp_and_llama_with_the_models_own_plan_equal_the_plain_model():
-    results = pipeddp.spawn(tp_job, 4, args=((1, 2, 2), ["mlp", "llama"]), timeout=200)
-    check_layout(results, (1, 2, 2), ["mlp", "llama"])
+def test_pp2_tp2_meta_built_mlp_and_llama_with_the_models_own_plan_equal_the_plain_model_and_so_does_a_built_one():
+    results = pipeddp.spawn(tp_job, 4, args=((1, 2, 2), ["mlp", "llama", "mlp-whole"]), timeout=200)
+    check_layout(results, (1, 2, 2), ["mlp", "llama", "mlp-whole"])
     by_place = {res["place"]: res for res in results}
     # tp shards: each tp rank of a stage holds fewer elements than the stage, the sharded ones halved
     for kind in ("mlp", "llama"):

@@ -119,6 +119,9 @@ def tp_job(shape: Tuple[int, int, int], kinds: List[str]) -> Dict[str, Any]:
             model, plan, batch, loss_fn = mlp(), MLP_PLAN, mlp_batches(local * shape[0])[0], mse
             if kind == "mlp-v2":  # two stages per process, each forward replayed in backward
                 extra = {"virtual_stages": 2, "schedule": "interleaved", "checkpoint": "always", "balance": "uniform"}
+            if kind == "mlp-whole":  # built with values, different on each tp rank: tp rank 0's are taken
+                torch.manual_seed(mesh.get_local_rank("tp"))
+                model = mlp(meta=False)
         else:
             batch, loss_fn = lm_batches(local * shape[0])[0], lm_loss
             model, plan = flatten_sequential(qwen2() if kind == "qwen2" else llama(), batch[0][:1]), "auto"
