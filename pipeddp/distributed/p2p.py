@@ -25,24 +25,24 @@ one stream. Tags are still set (gloo honours them, and a message that went astra
 wrong buffer), but nothing depends on them.
 
 An activation crosses as a small int64 *header* (container, dtypes and shapes; a member may be None) followed by its
-tensors, whose receives are posted once the header is in. A header is a host value at both ends, so on an nccl job
-it travels over the pipeline's gloo twin (``header_group``, ``groups.host_group``; paired by tag, no place in the
-link's order): over nccl the copies to and from the GPU would each wait for the stream's queued work. Gradients
-need no header: they have the shapes of the activation this process sent. Where every rank's batch has the shapes
-of the previous call of its kind (``Agreement.repeated``, told every rank alike), both ends *predict* each
-activation from what crossed at the same (stage, micro-batch) in that call (``begin(..., key, repeat)``) and its
-receives are posted at once. What crosses may still depend on the input's values (transformers' attention builds a
-mask only for a micro-batch with padding), so the sender flags whether the activation is the predicted one, and one
-that differs fills the predicted receives and follows with its header and the tensors they did not carry, at no
-round trip (``predicted``). Over gloo the flag is in-band (an element on its smallest tensor) and what follows goes
-on a gloo group of its own (``side_group``, the pipeline's), so nothing of a change has a place in the link's order
-and the receiver posts every predicted receive at once, reading a flag only when it takes that activation
-(``posting.Posting.resolve``; waiting for the flag before posting the receives that follow, a run of activations to
-one process was posted one by one, and each small message sent after one waited for the receiver's next call: the
-tiny model's interleaved step 5-11% slower). Both ends issue the side group's operations in the link's order too (a
-process reads the flags that come before a changed activation of its own before it sends that one's header), so
-they meet under NCCL's rules as well. Over nccl the twin's header is the flag, and a changed activation's tensors
-follow in the link's order: the receiver reads the header before it posts later receives.
+tensors, whose receives are posted once the header is in. A header is a host value at both ends, so on an nccl job it
+travels over the pipeline's gloo twin (``header_group``, ``groups.host_group``; paired by tag, no place in the link's
+order): over nccl the copies to and from the GPU would each wait for the stream's queued work. Gradients need no
+header: they have the shapes of the activation this process sent. Where every rank's batch has the shapes of the
+previous call of its kind (``Agreement.repeated``, told every rank alike), both ends *predict* each activation from
+what crossed at the same (stage, micro-batch) in that call (``begin(..., key, repeat)``) and its receives are posted
+at once. What crosses may still depend on the input's values (transformers' attention builds a mask only for a
+micro-batch with padding), so the sender flags whether the activation is the predicted one, and one that differs
+fills the predicted receives and follows with its header and the tensors they did not carry, at no round trip
+(``predicted``). Over gloo the flag is in-band (an element on its smallest tensor) and what follows goes on a gloo
+group of its own (``side_group``, the pipeline's), so nothing of a change has a place in the link's order and the
+receiver posts every predicted receive at once, reading a flag only when it takes that activation
+(``posting.Posting.resolve``; with the flag read before the receives that follow were posted, a run of activations to
+one process was posted one by one, and a small message sent after one waited for the receiver's next call; what
+either costs is in benchmarks/README.md, ``schedules.py``). Both ends issue the side group's operations in the link's
+order too (a process reads the flags that come before a changed activation of its own before it sends that one's
+header), so they meet under NCCL's rules as well. Over nccl the twin's header is the flag, and a changed activation's
+tensors follow in the link's order: the receiver reads the header before it posts later receives.
 
 Sends are asynchronous (``isend``); a gloo send completes once the peer has posted its receive and the data has
 crossed. Over gloo a small one (up to ``EAGER_BYTES``) is waited for at once, as torch's schedules do, where its
