@@ -30,8 +30,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..runtime.dtensors import local
 from ..runtime.schedule.actions import row_of
-from ..runtime.tied import LocalTies, Synced, Tie, local
+from ..runtime.tied import LocalTies, Synced, Tie
 from .groups import subgroup
 from .topology import Topology
 

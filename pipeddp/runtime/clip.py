@@ -21,17 +21,13 @@ import math
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from .dtensors import local
 
 __all__ = ["clip_grad_norm", "local_part", "total_from_part", "scale_grads", "Combine"]
 
 #: ``combine(part, is_max)``: the shares of a norm held by the processes of one pipeline, joined
 Combine = Callable[[torch.Tensor, bool], torch.Tensor]
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A sharded (``DTensor``) gradient's own shard: the norm's shares and the scaling are per shard."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _grouped(tensors: Sequence[torch.Tensor]) -> Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]]:
@@ -52,7 +48,7 @@ def local_part(grads: Sequence[torch.Tensor], norm_type: float, device: torch.de
     if not grads:
         return torch.zeros((), dtype=torch.float64, device=device)
     per_grad: List[torch.Tensor] = []
-    for group in _grouped([_local(g.detach()) for g in grads]).values():  # one kernel per device and dtype
+    for group in _grouped([local(g.detach()) for g in grads]).values():  # one kernel per device and dtype
         per_grad.extend(torch._foreach_norm(group, norm_type))
     norms = torch.stack([n.to(device, torch.float64) for n in per_grad])
     if math.isinf(norm_type):
@@ -68,7 +64,7 @@ def total_from_part(part: torch.Tensor, norm_type: float) -> torch.Tensor:
 def scale_grads(params: Iterable[torch.nn.Parameter], max_norm: float, total: torch.Tensor) -> None:
     """Scale every gradient by ``min(1, max_norm / (total + 1e-6))``, the factor ``clip_grad_norm_`` uses."""
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    grads = [_local(p.grad.detach()) for p in params if p.grad is not None]
+    grads = [local(p.grad.detach()) for p in params if p.grad is not None]
     for (dev, dtype), group in _grouped(grads).items():
         torch._foreach_mul_(group, coef.to(dev, dtype))  # a tensor factor: no host sync on a GPU
 

@@ -42,7 +42,8 @@ from typing import Dict, Iterable, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+from .dtensors import is_dtensor, local
 
 __all__ = ["Tie", "find_ties", "LocalTies", "Across", "layers_of", "stage_of_layers"]
 
@@ -122,15 +123,6 @@ class Synced:
 
     def forget(self) -> None:
         self._at = None
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """A sharded (``DTensor``) parameter's or gradient's own shard; a plain tensor as it is.
-
-    Every use of a tie is sharded alike over the same replicas, so refreshing
-    and summing shard by shard is refreshing and summing the whole weight.
-    """
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _resolve(root: nn.Module, dotted: str) -> Tuple[nn.Module, str]:
@@ -312,7 +304,7 @@ class LocalTies:
                 before = None if self._before is None else self._before.get(id(p))
                 mine = total.to(p.device, copy=True)
                 mine = mine if before is None else mine.add_(before)
-                if isinstance(p, DTensor):  # a shard: every use's shard is the same piece (the replica's index)
+                if is_dtensor(p):  # a shard: every use's shard is the same piece (the replica's index)
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
                     local(p.grad).copy_(mine)
