@@ -85,7 +85,9 @@ class StepModule(nn.Module):
         later = {original(name): original(tie.names[0]) for tie, _ in self._step.ties.entries
                  for name in tie.names[1:]}
         first: Dict[int, str] = {}
-        for key, value in self.state_dict(keep_vars=True).items():
+        # this process's own tensors (not HybridParallel's state_dict, which gathers the whole model: copies, every
+        # one a tensor of its own, and the whole model in every process's memory)
+        for key, value in StepModule.state_dict(self, keep_vars=True).items():
             if isinstance(value, torch.Tensor) and first.setdefault(id(value), key) != key:
                 later.setdefault(key, first[id(value)])
         return later

@@ -99,6 +99,7 @@ def test_a_tensor_parallel_llama_round_trips_through_every_format_and_layout(tmp
                 expected = before if what == "tp2 from the directory" else after
                 assert (got - expected).abs().max().item() < 1e-10, what
         assert "model.norm.weight" in res["refused"] and "Nothing was loaded" in res["refused"]
+        assert res["gathered"] == []  # save_pretrained wrote every block in place: no tensor was whole in memory
     assert sum(got is not None for res in results for got in res["logits"].values()) == 2 * 6
 
     # each one-file checkpoint: tp2's own, tp1's of the tp2 sharded one, tp2's of the tp1 sharded one

@@ -64,6 +64,25 @@ def llama_engine(mesh: Any, tp: bool) -> pipeddp.HybridParallel:
     return pipeddp.HybridParallel(flat, stages=2, mode="stage", chunks=2, mesh=mesh, **kwargs)
 
 
+def gathered_by(fn: Any) -> list:
+    """The shapes of the DTensors gathered whole while ``fn()`` runs (a whole tensor in memory each)."""
+    from torch.distributed.tensor import DTensor
+
+    shapes: list = []
+    full = DTensor.full_tensor
+
+    def counting(self: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        shapes.append(tuple(self.shape))
+        return full(self, *args, **kwargs)
+
+    DTensor.full_tensor = counting  # type: ignore[method-assign]
+    try:
+        fn()
+    finally:
+        DTensor.full_tensor = full  # type: ignore[method-assign]
+    return shapes
+
+
 def logits(engine: pipeddp.HybridParallel, probe: torch.Tensor) -> Any:
     out = engine.eval_step(probe if engine.is_first else None)
     return getattr(out, "logits", out).detach().clone() if engine.is_last else None
@@ -101,7 +120,7 @@ def llama_round_trips_job(tmp: str) -> Dict[str, Any]:
         opt.step()
         engine.save(os.path.join(tmp, "tp2.pt"), optimizer=opt)
         engine.save(os.path.join(tmp, "tp2-sharded"), optimizer=opt, sharded=True)
-        engine.save_pretrained(os.path.join(tmp, "export"))
+        out["gathered"] = gathered_by(lambda: engine.save_pretrained(os.path.join(tmp, "export")))
     with llama_engine(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp")), tp=False) as engine:
         opt = sgd(engine)
         engine.load(os.path.join(tmp, "tp2.pt"), optimizer=opt)
