@@ -94,16 +94,6 @@ class Peers:
             raise RuntimeError(f"rank {self.rank}: rank {self.root} failed: {box[1]}")
         return box[0]
 
-    def raise_any(self, mine: str, what: str) -> None:
-        """Raise on everyone when anyone failed (``mine``: this process's error, "" for none); ``what`` says
-        what the others were doing."""
-        errors = self.gather(mine)
-        if mine:
-            raise RuntimeError(mine)
-        first = next((e for e in errors if e), "")
-        if first:
-            raise RuntimeError(f"rank {self.rank}: {what} failed on another rank: {first}")
-
 
 def peers_of(engine: _Engine, saver: Optional[_Groups]) -> Peers:
     """Everyone ``engine``'s checkpoints involve (a collective of the job the first time, with tensor parallelism:
