@@ -26,4 +26,4 @@ def is_dtensor(t: Any) -> bool:
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """A sharded (``DTensor``) parameter's or gradient's own shard; a plain tensor as it is."""
-    return t.to_local() if is_dtensor(t) else t
+    return t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]  # a DTensor, checked by name
