@@ -57,6 +57,8 @@ __all__ = ["atomic_save", "FORMAT", "rng_state", "set_rng_state", "load", "check
 
 #: ``pipeddp/1`` files held NumPy objects in their RNG states; see the README for a one-time conversion.
 FORMAT = "pipeddp/2"
+#: the file DCP writes last in a sharded checkpoint's directory (its metadata)
+DCP_METADATA = ".metadata"
 
 
 def _open_for_write(fd: int) -> Any:

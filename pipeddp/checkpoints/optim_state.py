@@ -23,7 +23,6 @@ from typing import Any, Dict, Iterable, List, Optional
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
 from ..distributed.shard import is_sharded
 from ..runtime.names import names_of
@@ -32,14 +31,25 @@ __all__ = ["named_optimizer_state", "merge_optimizer_states", "load_named_optimi
            "load_flat_optimizer_state", "unflatten_optimizer_state", "optimizer_class", "check_optimizer",
            "check_named_state"]
 
-_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
-#: the named form of sharded parameters' state (shard=): gathered whole to save, cut to each rank's shards to load
-_WHOLE = StateDictOptions(full_state_dict=True)
+
+def _dcp() -> Any:
+    """torch's ``torch.distributed.checkpoint.state_dict``, imported when an optimizer's state is first read or
+    written: importing DCP costs every process that imports pipeddp about 0.7 s of CPU otherwise."""
+    from torch.distributed.checkpoint import state_dict
+
+    return state_dict
 
 
-def _whole_options(module: nn.Module) -> Optional[StateDictOptions]:
-    """``_WHOLE`` where ``module``'s parameters are FSDP2 shards (DTensors), else None (the default form)."""
-    return _WHOLE if any(is_sharded(p) for p in module.parameters()) else None
+def _flat_options() -> Any:
+    """The flat form (one key per parameter and state entry), as DCP reads and writes it."""
+    return _dcp().StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _whole_options(module: nn.Module) -> Any:
+    """Where ``module``'s parameters are FSDP2 shards (DTensors), the named form gathered whole to save and cut to
+    each rank's shards to load (``full_state_dict``); else None (the default form)."""
+    sharded = any(is_sharded(p) for p in module.parameters())
+    return _dcp().StateDictOptions(full_state_dict=True) if sharded else None
 
 
 def _to_cpu(value: Any) -> Any:
@@ -54,7 +64,8 @@ def _to_cpu(value: Any) -> Any:
 
 def named_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
     """The optimizer's state keyed by the original model's names of ``module``'s parameters, on CPU."""
-    whole = get_optimizer_state_dict(module, optimizer, options=_whole_options(module))  # a collective with shard=
+    # a collective with shard=
+    whole = _dcp().get_optimizer_state_dict(module, optimizer, options=_whole_options(module))
     return names_of(module).named_optimizer_to_original(_to_cpu(whole))
 
 
@@ -85,7 +96,7 @@ def load_named_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimiz
     for g in state["param_groups"]:
         groups.append(dict(g, params=[p for p in g["params"] if p in names]))
     own: Dict[str, Any] = {"state": {k: v for k, v in state["state"].items() if k in names}, "param_groups": groups}
-    set_optimizer_state_dict(module, optimizer, own, options=_whole_options(module))
+    _dcp().set_optimizer_state_dict(module, optimizer, own, options=_whole_options(module))
 
 
 def flat_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
@@ -95,16 +106,17 @@ def flat_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) ->
     stepped yet first gets its state created (by PyTorch, with a zero-gradient,
     zero-learning-rate step), so that a loader has tensors to read into.
     """
-    return names_of(module).flat_optimizer_to_original(get_optimizer_state_dict(module, optimizer, options=_FLAT))
+    flat = _dcp().get_optimizer_state_dict(module, optimizer, options=_flat_options())
+    return names_of(module).flat_optimizer_to_original(flat)
 
 
 def load_flat_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: Dict[str, Any]) -> None:
     """Load a flat state (``flat_optimizer_state``'s keys, values read back) into ``optimizer``."""
     names = names_of(module)
     if not names.identity:
-        own = get_optimizer_state_dict(module, optimizer, options=_FLAT)
+        own = _dcp().get_optimizer_state_dict(module, optimizer, options=_flat_options())
         state = names.flat_optimizer_to_own(state, own)
-    set_optimizer_state_dict(module, optimizer, state, options=_FLAT)
+    _dcp().set_optimizer_state_dict(module, optimizer, state, options=_flat_options())
 
 
 def unflatten_optimizer_state(flat: Dict[str, Any]) -> Dict[str, Any]:

@@ -35,85 +35,35 @@ with an unpickler that builds DCP's metadata classes and nothing else, and
 from __future__ import annotations
 
 import contextlib
-import importlib
-import io
 import os
 import pickle
 import re
 import shutil
 import warnings
 from concurrent.futures import Future
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Tuple, TypeGuard
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import ReadItem
 
 from . import checkpoint as files
 from .checkpoint import DamagedCheckpointError, UnsafeCheckpointError, first_line
 from .optim_state import unflatten_optimizer_state
 
+if TYPE_CHECKING:  # DCP is imported where it is used: it costs every process importing pipeddp 0.7 s otherwise
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 __all__ = ["METADATA", "is_complete", "clear", "write", "read_metadata", "read", "header", "model_shapes",
-           "entry_specs", "optimizer_keys", "has_optimizer", "template", "to_file", "SafeReader", "SafeLoadPlanner"]
+           "entry_specs", "optimizer_keys", "has_optimizer", "template", "to_file"]
 
-METADATA = ".metadata"
+METADATA = files.DCP_METADATA
 #: What DCP's file system writer leaves in a checkpoint directory (data files, metadata, their temporaries).
 _OWN_FILES = re.compile(r"^(__\d+_\d+\.distcp|__\d+\.metadata|\.metadata)(\.tmp)?$")
 
-#: The only globals a DCP metadata file may reference: its dataclasses and the torch values inside them.
-_METADATA_GLOBALS = {
-    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
-                                              "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
-                                              "StorageMeta", "_MEM_FORMAT_ENCODING"},
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},
-    "torch": {"Size"},
-    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"},
-}
+def _is_tensor(md: Any) -> TypeGuard[TensorStorageMetadata]:
+    """Whether an entry of DCP's metadata is a tensor's (imported here: DCP is loaded once there is metadata)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """``pickle`` restricted to the classes of DCP's metadata (and torch dtypes): nothing else can be built."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if name in _METADATA_GLOBALS.get(module, ()):
-            return getattr(importlib.import_module(module), name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise UnsafeCheckpointError(f"references {module}.{name}")
-
-
-class SafeReader(FileSystemReader):
-    """DCP's file system reader, with the metadata unpickled by ``_MetadataUnpickler``."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = self.fs.concat_path(self.path, METADATA)
-        with self.fs.create_stream(path, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-        if not isinstance(metadata, Metadata):
-            raise DamagedCheckpointError(f"its {METADATA} holds a {type(metadata).__name__}, not DCP's metadata")
-        if metadata.storage_meta is not None:
-            metadata.storage_meta.load_id = getattr(self, "load_id", None)
-        return metadata
-
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's load planner, reading non-tensor entries with ``torch.load(weights_only=True)``."""
-
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        loaded = torch.load(value, weights_only=True)
-        fqn = read_item.dest_index.fqn
-        if self.flatten_state_dict:
-            where: Any = self.original_state_dict  # nested dicts and lists, addressed by the key path
-            path = self.mappings[fqn]
-            for key in path[:-1]:
-                where = where[key]
-            where[path[-1]] = loaded
-        else:
-            self.state_dict[fqn] = loaded
+    return isinstance(md, TensorStorageMetadata)
 
 
 def is_complete(path: str) -> bool:
@@ -141,6 +91,8 @@ def clear(path: str) -> None:
 
 def _storage_writer(path: str) -> FileSystemWriter:
     """The writer of one checkpoint (one place, so tests can inject faults): one file per rank, fsynced."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
     return FileSystemWriter(path, single_file_per_rank=True, sync_files=True)
 
 
@@ -166,6 +118,8 @@ def write(state: Dict[str, Any], path: str, *, group: Any, async_save: bool) -> 
     copied (staged) now and written by DCP's background thread; the returned
     future completes on every rank once the checkpoint is complete.
     """
+    import torch.distributed.checkpoint as dcp
+
     writer = _storage_writer(path)
     if async_save and group is None:  # DCP's thread warns again, later, outside any catch_warnings of this one
         warnings.filterwarnings("ignore", message=_ONE_PROCESS + ", assuming the intent is to save",
@@ -191,6 +145,8 @@ def read_metadata(path: str) -> Metadata:
     if not is_complete(path):
         raise DamagedCheckpointError(f"{path} is an incomplete sharded checkpoint: it has no {METADATA} (DCP writes "
                                      "it last, so the checkpoint is being written or its writer was killed)")
+    from .dcp_safe import SafeReader
+
     try:
         metadata = SafeReader(path).read_metadata()
     except UnsafeCheckpointError as exc:
@@ -240,7 +196,7 @@ def template(metadata: Metadata, tops: Iterable[str]) -> Dict[str, Any]:
         where = root
         for key in path[:-1]:
             where = where.setdefault(str(key), {})
-        if isinstance(md, TensorStorageMetadata):
+        if _is_tensor(md):
             where[str(path[-1])] = torch.empty(md.size, dtype=md.properties.dtype)
         else:
             where[str(path[-1])] = None
@@ -253,6 +209,10 @@ def read(path: str, target: Dict[str, Any]) -> None:
     Every key of ``target`` must be in the checkpoint; keys of the checkpoint
     that ``target`` lacks are not read (each process reads its own share).
     """
+    import torch.distributed.checkpoint as dcp
+
+    from .dcp_safe import SafeLoadPlanner, SafeReader
+
     try:
         with _told_one_process():
             dcp.load(target, storage_reader=SafeReader(path), planner=SafeLoadPlanner(), no_dist=True)
@@ -287,7 +247,7 @@ def model_shapes(metadata: Metadata) -> Dict[str, torch.Size]:
     for fqn, md in metadata.state_dict_metadata.items():
         path = _path_of(metadata, fqn)
         if len(path) == 2 and path[0] == "model":
-            shapes[str(path[1])] = md.size if isinstance(md, TensorStorageMetadata) else torch.Size()
+            shapes[str(path[1])] = md.size if _is_tensor(md) else torch.Size()
     return shapes
 
 
@@ -296,7 +256,7 @@ def entry_specs(metadata: Metadata, top: str) -> Dict[str, Tuple[torch.Size, tor
     found = {}
     for fqn, md in metadata.state_dict_metadata.items():
         path = _path_of(metadata, fqn)
-        if len(path) == 2 and path[0] == top and isinstance(md, TensorStorageMetadata):
+        if len(path) == 2 and path[0] == top and _is_tensor(md):
             found[str(path[1])] = (md.size, md.properties.dtype)
     return found
 
