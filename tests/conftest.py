@@ -11,14 +11,18 @@ run their checks in subprocesses that see the machine's GPUs again
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import os
+import pty
 import subprocess
+import sys
 import threading
+from collections import Counter
 from pathlib import Path
 from types import ModuleType
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Sequence, Tuple
 
 #: Where the mask the suite started with is kept ("*": none): pytest-xdist's workers inherit the hidden GPUs below
 #: from the process that started them, and find the machine's own mask here.
@@ -30,11 +34,11 @@ if os.environ[_MASK] != "*":
     GPU_ENV["CUDA_VISIBLE_DEVICES"] = os.environ[_MASK]
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
+import nccl_rules
 import pytest
 import torch
 from torch import nn
-
-import nccl_rules
+from torch.utils._python_dispatch import TorchDispatchMode
 
 #: Point-to-point messages follow NCCL's rules (in order, no tags) in this process and every one it starts,
 #: unless a job is started with PIPEDDP_P2P_RULES=tags (``nccl_rules``).
@@ -115,3 +119,50 @@ def run_script(cmd: Sequence[str], cwd: Path, *, timeout: float = 240, **env_ext
     proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(map(str, cmd))} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return proc.stdout
+
+
+class CountOps(TorchDispatchMode):
+    """The aten ops run in its body, by name (what ran, not a stand-in: the ops are run as they come)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def stderr_on_a_terminal(monkeypatch) -> Iterator[List[bytes]]:
+    """``sys.stderr`` a pseudo-terminal in the block, as a user's at a shell; yields the list its output is read
+    into (whole once the block has ended)."""
+    monkeypatch.setenv("TERM", "xterm")
+    for name in ("FORCE_TERMINAL", "TTY_COMPATIBLE", "NO_COLOR"):
+        monkeypatch.delenv(name, raising=False)
+    main, tty = pty.openpty()
+    shown: List[bytes] = []
+    reader = threading.Thread(target=_drain, args=(main, shown))
+    reader.start()
+    try:
+        with open(tty, "w", closefd=True) as terminal:
+            monkeypatch.setattr(sys, "stderr", terminal)
+            try:
+                yield shown
+            finally:
+                monkeypatch.setattr(sys, "stderr", sys.__stderr__)
+    finally:
+        reader.join(timeout=30)
+        os.close(main)
+
+
+def _drain(fd: int, into: List[bytes]) -> None:
+    """Read a terminal's output until its other end is closed (so that its buffer never fills)."""
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:  # EIO: the other end is closed
+            return
+        if not chunk:
+            return
+        into.append(chunk)

@@ -4,15 +4,13 @@ The multi-process case (stage mode, the tied weight in two processes) is in ``te
 """
 
 import copy
-from collections import Counter
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from conftest import CountOps, max_diff
+from tied_jobs import LOSS, global_batches, reference_state, tied_model
 
 import pipeddp
-from conftest import max_diff
-from tied_jobs import LOSS, global_batches, reference_state, tied_model
 
 
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
@@ -66,18 +64,6 @@ def test_clip_grad_norm_without_ties_on_three_stages_equals_the_plain_model():
         got = pipe.state_dict()
     assert min(norms) > 0.05 and got_norms == pytest.approx(norms, rel=1e-12)
     assert max_diff(expect.values(), got.values()) < 1e-12
-
-
-class CountOps(TorchDispatchMode):
-    """The aten ops run in its body, by name (what ran, not a stand-in: the ops are run as they come)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def test_clip_grad_norm_takes_the_norms_and_scales_in_one_call_each_not_one_per_parameter():

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from pipeddp.tools.models import mlp
 from pipeddp.runtime.schedule import row_of
+from pipeddp.tools.models import mlp
 from pipeddp.tools.plan import LayerModel, fit_layers, parse_bytes, plan
 
 
@@ -321,8 +321,9 @@ def test_the_plan_command_refuses_a_tp_before_measuring(monkeypatch, capsys):
 def test_the_collectives_plan_counts_are_those_torchs_tensor_parallelism_sends():
     """Each split module's collectives, as plan predicts them from the plan and one forward, against what
     ``parallelize_module`` with the same torch styles sends over gloo in 2 processes (one forward, one backward)."""
-    import pipeddp
     import plan_jobs
+
+    import pipeddp
     from pipeddp.tools.tp_costs import sharded_layers
 
     batch = 3
@@ -361,14 +362,10 @@ def llama_module(tmp_path, monkeypatch):
 @pytest.mark.timeout(120)
 def test_the_plan_command_ranks_tp_and_shows_its_sweep_on_a_terminal_only(llama_module, capfd, monkeypatch):
     import json
-    import os
-    import pty
-    import sys
-    import threading
+
+    from conftest import stderr_on_a_terminal
 
     from pipeddp.tools.cli import main
-
-    from test_watch import drain
 
     # a log or a pipe (pytest's capture): the table, nothing of the sweep's bar
     assert main(["plan", "--model", f"{llama_module}:flat_llama", "--devices", "8", "--batch", "16", "--tp", "auto",
@@ -378,21 +375,9 @@ def test_the_plan_command_ranks_tp_and_shows_its_sweep_on_a_terminal_only(llama_
     assert "tp=4 left out: it does not divide the model's key-value heads (2)" in said, said
     assert "tp=8 left out" in said and "replicas x stages x tp" in said and "2 x 2 x 2" in said
     assert "simulating" not in out + err and err == "", err
-    # stderr a terminal, as a user's at a shell: the sweep's bar
-    monkeypatch.setenv("TERM", "xterm")
-    for name in ("FORCE_TERMINAL", "TTY_COMPATIBLE", "NO_COLOR"):
-        monkeypatch.delenv(name, raising=False)
-    main_fd, tty = pty.openpty()
-    shown = []
-    reader = threading.Thread(target=drain, args=(main_fd, shown))
-    reader.start()
-    with open(tty, "w", closefd=True) as terminal:
-        monkeypatch.setattr(sys, "stderr", terminal)
+    with stderr_on_a_terminal(monkeypatch) as shown:  # as a user's at a shell: the sweep's bar
         code = main(["plan", "--model", f"{llama_module}:flat_llama", "--devices", "2", "--batch", "8", "--tp", "2",
                      "--profile-batch", "4", "--tp-plan", json.dumps(MLP_PLAN)])
-        monkeypatch.setattr(sys, "stderr", sys.__stderr__)
-    reader.join(timeout=30)
-    os.close(main_fd)
     assert code == 0
     drawn = b"".join(shown)
     assert b"simulating the layouts of 2 devices" in drawn and b"100%" in drawn, drawn[-2000:]  # it moved to the end

@@ -1,14 +1,13 @@
 """``runtime.stage``: one stage's forward / backward / recompute against autograd on the plain layers."""
 
 import copy
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 
 import pytest
 import torch
+from conftest import CountOps, data, make_mlp, max_diff
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import data, make_mlp, max_diff
 from pipeddp.runtime.stage import Stage, StepSpec, build_stages, register_layers
 
 CPU = torch.device("cpu")
@@ -23,18 +22,6 @@ def middle_slice(seed: int = 0) -> nn.Sequential:
 def tail_slice(seed: int = 0) -> nn.Sequential:
     """The last three layers of the MLP (ends with a Linear): a last stage."""
     return nn.Sequential(*list(make_mlp(seed=seed))[-3:])
-
-
-class CountOps(TorchDispatchMode):
-    """The aten ops run in its body, by name (run as they come)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def grads_of(module: nn.Module):

@@ -3,19 +3,15 @@
 the profile's progress bar (only on a terminal)."""
 
 import logging
-import os
-import pty
-import sys
-import threading
 import time
 
 import pytest
 import torch
+from conftest import data, make_mlp, stderr_on_a_terminal
+from hybrid_jobs import init
 from torch import nn
 
 import pipeddp
-from conftest import data, make_mlp
-from hybrid_jobs import init
 
 MSE = nn.functional.mse_loss
 
@@ -181,32 +177,10 @@ def test_the_profile_shows_progress_on_a_terminal_only(capfd, monkeypatch):
                           balance="time"):
         pass
     assert capfd.readouterr() == ("", "")  # pytest's capture: no terminal
-    monkeypatch.setenv("TERM", "xterm")
-    for name in ("FORCE_TERMINAL", "TTY_COMPATIBLE", "NO_COLOR"):
-        monkeypatch.delenv(name, raising=False)
-    main, tty = pty.openpty()
-    shown = []
-    reader = threading.Thread(target=drain, args=(main, shown))
-    reader.start()
-    with open(tty, "w", closefd=True) as terminal:
-        monkeypatch.setattr(sys, "stderr", terminal)  # stderr a terminal, as a user's at a shell
+    with stderr_on_a_terminal(monkeypatch) as shown:
         with pipeddp.Pipeline(make_mlp(), ["cpu", "cpu"], chunks=2,
                               sample=torch.randn(8, 12, dtype=torch.float64), balance="time"):
             pass
-        monkeypatch.undo()
-    reader.join(timeout=30)
-    os.close(main)
     assert b"profiling 11 layers" in b"".join(shown), b"".join(shown)[-2000:]
     assert capfd.readouterr() == ("", "")  # nothing reached the process's own stderr
 
-
-def drain(fd: int, into) -> None:
-    """Read a terminal's output until its other end is closed (so that its buffer never fills)."""
-    while True:
-        try:
-            chunk = os.read(fd, 65536)
-        except OSError:  # EIO: the other end is closed
-            return
-        if not chunk:
-            return
-        into.append(chunk)
