@@ -30,6 +30,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..runtime.clip import Combine
+from ..runtime.dtensors import local
 from ..runtime.gradsync import GradSync
 from ..runtime.materialize import is_meta
 from ..runtime.settings import Settings
@@ -40,12 +41,6 @@ from .tensor_parallel import PlanArg, layer_plan, resolve_plan
 __all__ = ["TensorParallel", "TPGradSync", "tensor_parallel"]
 
 T = TypeVar("T")
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _sharded(p: torch.Tensor) -> bool:
@@ -107,7 +102,7 @@ class TensorParallel:
             for st in stages:
                 for t in list(st.module.parameters()) + list(st.module.buffers()):
                     if not _sharded(t) and t.numel():
-                        dist.broadcast(_local(t.data), src=src, group=self.group)
+                        dist.broadcast(local(t.data), src=src, group=self.group)
 
     def agree(self, value: T) -> T:
         """``value`` as tp rank 0 holds it, on every tp rank (the cut profiled on each slice's first rank)."""
@@ -155,7 +150,7 @@ class TensorParallel:
     def share_nonfinite(self, params: Sequence[nn.Parameter], device: torch.device) -> None:
         """A non-finite gradient on any tp rank of the stage makes one of this rank's non-finite too, so every
         slice's vote (``Agreement.finish_step``) finds it and the slices skip, or scale, together."""
-        grads = [_local(p.grad) for p in params if p.grad is not None]
+        grads = [local(p.grad) for p in params if p.grad is not None]
         flag = torch.zeros((), dtype=torch.float64, device=device)
         for g in grads:
             if g.numel() and not bool(torch.isfinite(g).all()):
@@ -182,7 +177,7 @@ class TPGradSync(GradSync):
         for p in self.params:
             if p.grad is None:  # every replica reduces the same list
                 p.grad = torch.zeros_like(p)
-            grads.append(_local(p.grad))
+            grads.append(local(p.grad))
         with torch.no_grad():
             for same in _by_kind(grads).values():
                 flat = _flatten_dense_tensors(same)
@@ -196,7 +191,7 @@ class TPGradSync(GradSync):
         """``tensors`` (this rank's shards) from the group's first rank to the others."""
         src = dist.get_global_rank(self.group, 0)
         with torch.no_grad():
-            for same in _by_kind([_local(t.data) for t in tensors if t.numel()]).values():
+            for same in _by_kind([local(t.data) for t in tensors if t.numel()]).values():
                 flat = _flatten_dense_tensors(same)
                 dist.broadcast(flat, src=src, group=self.group)
                 if dist.get_rank() != src:
