@@ -7,7 +7,7 @@ parameters::
     build       each layer, once it has its values (a meta build: the whole layer on the CPU from the
                 layout-independent seed, then sharded at once, so a process never holds more than one
                 layer whole), goes through parallelize_module(layer, mesh["tp"], its part of the plan)
-    partition   profiled by each tp slice's first rank; the slice at t = 0's cut (and schedule="auto"'s
+    partition   profiled by the first rank of the slice at t = 0 alone; its cut (and schedule="auto"'s
                 order) is taken by every slice, so the stages are the same in each
     replicas    the stage's gradients, each rank's shards, averaged over the stage's dp group in one
                 coalesced all-reduce after the step's last weight action (DDP's reducer takes no DTensor)
@@ -41,6 +41,11 @@ from .tensor_parallel import PlanArg, layer_plan, resolve_plan
 __all__ = ["TensorParallel", "TPGradSync", "tensor_parallel"]
 
 T = TypeVar("T")
+
+
+def _nothing() -> Any:
+    """What a slice at t > 0 computes for ``on_first``: nothing, t = 0's result replaces it."""
+    return None
 
 
 def _sharded(p: torch.Tensor) -> bool:
@@ -105,7 +110,7 @@ class TensorParallel:
                         dist.broadcast(local(t.data), src=src, group=self.group)
 
     def agree(self, value: T) -> T:
-        """``value`` as tp rank 0 holds it, on every tp rank (the cut profiled on each slice's first rank)."""
+        """``value`` as tp rank 0 holds it, on every tp rank (the cut profiled at t = 0)."""
         if self.size == 1:
             return value
         box = [value]
@@ -113,8 +118,9 @@ class TensorParallel:
         return box[0]
 
     def on_first(self, from_rank0: Callable[[Callable[[], T]], T]) -> Callable[[Callable[[], T]], T]:
-        """``from_rank0`` (the job's: its first rank's result for every rank), then tp rank 0's for every slice."""
-        return lambda fn: self.agree(from_rank0(fn))
+        """``from_rank0`` (the job's: its first rank's result for every rank), then tp rank 0's for every slice;
+        ``fn`` (a profile, say) runs on the slice at t = 0 alone, since the others' results would be replaced."""
+        return lambda fn: self.agree(from_rank0(fn if self.rank == 0 else _nothing))
 
     def attach(self, stages: Sequence[Stage], groups: Dict[int, Any]) -> None:
         """Each stage's gradients averaged over its replicas (``groups[stage index]``), its values first made the
