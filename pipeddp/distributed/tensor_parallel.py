@@ -61,10 +61,10 @@ STYLE_NAMES = ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise
 
 def check_tp_plan_arg(tp_plan: PlanArg, *, has_tp: bool, mode: str) -> None:
     """The argument's type, and that it comes with a mesh that has a ``tp`` dimension, in stage mode."""
+    if tp_plan is None:  # before the import: a job without tensor parallelism never loads DTensor
+        return
     from torch.distributed.tensor.parallel import ParallelStyle
 
-    if tp_plan is None:
-        return
     if mode != "stage":
         raise ValueError(f"tp_plan shards each stage over the mesh's 'tp' dimension, one stage per process: use "
                          f"mode='stage' with mesh= (got mode={mode!r})")
