@@ -45,6 +45,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 os.environ.setdefault("PIPEDDP_P2P_RULES", "nccl")
 nccl_rules.install()
 
+if importlib.util.find_spec("transformers") is not None:
+    from pipeddp.distributed import launch
+
+    # the jobs' forkserver imports, once per test worker, the model families their processes build (about 1.5 s of
+    # CPU in each process of each job otherwise)
+    launch.PRELOAD += ["transformers"] + [f"transformers.models.{m}.modeling_{m}" for m in ("llama", "qwen2", "gpt2")]
+
 
 @pytest.fixture(autouse=True)
 def _no_thread_left_behind():
