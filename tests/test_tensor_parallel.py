@@ -24,7 +24,8 @@ def reference(kind: str, n: int) -> Dict[str, Any]:
             model = mlp(meta=False)
     else:
         (x, y), loss_fn = lm_batches(n)[0], lm_loss
-        model = flatten_sequential(qwen2() if kind == "qwen2" else llama(), x[:1])  # the original's names and init
+        # the original's names and init
+        model = flatten_sequential(qwen2() if kind.startswith("qwen2") else llama(), x[:1])
         pipeddp.materialize(model, seed=SEED)
     start = {k: p.detach().clone() for k, p in model.named_parameters()}
     loss = loss_fn(model(x), y)
@@ -53,6 +54,9 @@ def check_layout(results, shape: Tuple[int, int, int], kinds) -> None:
                 keys = sorted(got[part])
                 assert max_diff([got[part][k] for k in keys], [want[part][k] for k in keys]) < 1e-10, (kind, part)
             held |= set(got["start"])
+            if kind.endswith(("-full", "-optimizer")):  # FSDP2 split each tp shard again over dp: 2-D DTensors
+                assert got["local_numel"] < sum(t.numel() for t in got["start"].values()) / 2.5, (kind, res["rank"])
+                assert "('dp', 'tp')" in got["meshes"], (kind, got["meshes"])
             if got["logits"] is not None:
                 r = res["place"][0]
                 assert max_diff([got["logits"]], [want["logits"][r * local:(r + 1) * local]]) < 1e-10
@@ -73,9 +77,12 @@ def test_pp2_tp2_meta_built_mlp_and_llama_with_the_models_own_plan_equal_the_pla
 
 
 @pytest.mark.timeout(300)
-def test_dp2_pp2_tp2_replicas_average_their_shards_gradients_with_virtual_stages_recompute_and_qwen2():
-    results = pipeddp.spawn(tp_job, 8, args=((2, 2, 2), ["mlp-v2", "qwen2"]), timeout=250)
-    check_layout(results, (2, 2, 2), ["mlp-v2", "qwen2"])
+def test_dp2_pp2_tp2_replicas_average_their_shards_gradients_with_virtual_stages_recompute_qwen2_and_fsdp2():
+    """Then, in the same processes, FSDP2 over dp of the tp stages (``shard=``, as torch composes them): an MLP with
+    every layer its own FSDP group ("full") and Qwen2 under "optimizer", each equal to the plain model."""
+    kinds = ["mlp-v2", "qwen2", "mlp-full", "qwen2-optimizer"]
+    results = pipeddp.spawn(tp_job, 8, args=((2, 2, 2), kinds), timeout=250)
+    check_layout(results, (2, 2, 2), kinds)
 
 
 REFUSALS = [
@@ -85,7 +92,6 @@ REFUSALS = [
     ("not a linear", {"tp_plan": {"block0.norm": "colwise"}}),
     ("indivisible", {"tp_plan": {"embed": "rowwise"}}),
     ("unknown style", {"tp_plan": {"head": "diagonal"}}),
-    ("shard", {"shard": "full", "mesh": "dp2"}),
     ("mlp dropout", {}),
     ("llama heads", {"tp_plan": "auto"}),
     ("llama tied", {"tp_plan": "auto"}),
@@ -103,7 +109,6 @@ def test_plans_that_cannot_apply_are_refused_before_anything_is_built():
     assert "block0.norm (LayerNorm) the colwise style" in told["not a linear"]
     assert "in_features=5 is not divisible by 2" in told["indivisible"]
     assert "a style is one of" in told["unknown style"]
-    assert "shard='full' with tp_plan is not supported" in told["shard"]
     assert "block1.drop drops with p=0.1" in told["mlp dropout"]
     assert "config.num_attention_heads=3 is not divisible by 2" in told["llama heads"]
     assert "whose weight is tied to another place" in told["llama tied"]

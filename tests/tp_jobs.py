@@ -102,6 +102,8 @@ def train_once(engine: pipeddp.HybridParallel, batch: Tuple[torch.Tensor, torch.
     logits = engine.eval_step(x if engine.is_first else None)
     out["logits"] = getattr(logits, "logits", logits) if engine.is_last else None
     out["sharded"] = sorted(k for k, p in engine.named_parameters() if isinstance(p, DTensor))
+    out["meshes"] = sorted({str(p.device_mesh.mesh_dim_names) for p in engine.parameters()
+                            if isinstance(p, DTensor)})
     out["local_numel"] = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in engine.parameters())
     return out
 
@@ -115,6 +117,9 @@ def tp_job(shape: Tuple[int, int, int], kinds: List[str]) -> Dict[str, Any]:
     local = 4
     for kind in kinds:
         extra: Dict[str, Any] = {}
+        for shard in ("optimizer", "full"):
+            if kind.endswith("-" + shard):  # FSDP2 over dp of the tp stages
+                extra = {"shard": shard}
         if kind.startswith("mlp"):
             model, plan, batch, loss_fn = mlp(), MLP_PLAN, mlp_batches(local * shape[0])[0], mse
             if kind == "mlp-v2":  # two stages per process, each forward replayed in backward
@@ -124,7 +129,7 @@ def tp_job(shape: Tuple[int, int, int], kinds: List[str]) -> Dict[str, Any]:
                 model = mlp(meta=False)
         else:
             batch, loss_fn = lm_batches(local * shape[0])[0], lm_loss
-            model, plan = flatten_sequential(qwen2() if kind == "qwen2" else llama(), batch[0][:1]), "auto"
+            model, plan = flatten_sequential(qwen2() if kind.startswith("qwen2") else llama(), batch[0][:1]), "auto"
         kwargs = {"chunks": 2, "balance": "params", **extra}
         with pipeddp.HybridParallel(model, stages=shape[1], mode="stage", seed=SEED, mesh=mesh, tp_plan=plan,
                                     **kwargs) as engine:
@@ -147,8 +152,6 @@ def refusal_job(cases: List[Tuple[str, Dict[str, Any]]]) -> Dict[str, str]:
         kwargs = {"stages": 1, "mode": "stage", "mesh": mesh, "tp_plan": MLP_PLAN, **kwargs}
         if kwargs["mesh"] == "2d":
             kwargs["mesh"] = mesh["dp", "pp"]
-        if kwargs["mesh"] == "dp2":  # replicas to shard over, one tp rank each
-            kwargs["mesh"] = init_device_mesh("cpu", (2, 1, 1), mesh_dim_names=("dp", "pp", "tp"))
         try:
             pipeddp.HybridParallel(model, **kwargs).close()
             told[name] = "built"

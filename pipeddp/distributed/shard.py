@@ -90,9 +90,11 @@ class StageShard(GradSync):
         self.group = group
         self.trace = trace
         device_type = stage.device.type
-        mesh = DeviceMesh.from_group(group, device_type)
-        full = mode == "full"
         module = stage.module
+        mesh = _replica_mesh(module, group)
+        if mesh is None:
+            mesh = DeviceMesh.from_group(group, device_type)
+        full = mode == "full"
         _same_as_first(module, group)
         if full:  # one FSDP group per layer: the peak holds one gathered layer, not the whole stage
             for layer in _own_layers(module):
@@ -232,12 +234,31 @@ def _own_layers(module: nn.Module) -> List[nn.Module]:
             and all(users[id(p)] == 1 for p in layer.parameters())]
 
 
+def _replica_mesh(module: nn.Module, group: Any) -> Optional[Any]:
+    """With tensor-parallel parameters (DTensors over a ``tp`` mesh, ``tp_plan=``): the mesh of ``group``'s ranks cut
+    from the same root mesh, else None. FSDP2 joins the two into 2-D DTensors over (dp, tp), which it can do only for
+    meshes of one root (as torchtitan passes ``world_mesh["dp"]``); a mesh made from the group would be refused."""
+    from torch.distributed.tensor import DTensor
+
+    tp = next((p.device_mesh for p in module.parameters() if isinstance(p, DTensor)), None)
+    if tp is None:
+        return None
+    root: Any = tp._get_root_mesh() if hasattr(tp, "_get_root_mesh") else None
+    ranks = sorted(dist.get_process_group_ranks(group))
+    for name in (root.mesh_dim_names or ()) if root is not None else ():
+        if sorted(root[name].mesh.flatten().tolist()) == ranks:
+            return root[name]
+    raise RuntimeError(f"shard= with tensor-parallel stages needs the replicas' dimension in the tp mesh's root "
+                       f"mesh (ranks {ranks}); this torch {torch.__version__} or this mesh has none: use shard='none'")
+
+
 def _same_as_first(module: nn.Module, group: Any) -> None:
-    """Every replica starts from the group's first rank's weights and buffers (what DDP does at wrapping)."""
+    """Every replica starts from the group's first rank's weights and buffers (what DDP does at wrapping); a
+    tensor-parallel parameter's own shard."""
     src = dist.get_global_rank(group, 0)
     with torch.no_grad():
         for t in list(module.parameters()) + list(module.buffers()):
-            dist.broadcast(t.data, src=src, group=group)
+            dist.broadcast(local_tensor(t.data), src=src, group=group)
 
 
 def attach_shards(stages: Sequence[Stage], groups: Dict[int, Any], mode: str,

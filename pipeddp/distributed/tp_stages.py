@@ -10,9 +10,12 @@ parameters::
     partition   profiled by the first rank of the slice at t = 0 alone; its cut (and schedule="auto"'s
                 order) is taken by every slice, so the stages are the same in each
     replicas    the stage's gradients, each rank's shards, averaged over the stage's dp group in one
-                coalesced all-reduce after the step's last weight action (DDP's reducer takes no DTensor)
+                coalesced all-reduce after the step's last weight action (DDP's reducer takes no DTensor);
+                with shard=, FSDP2's fully_shard over mesh["dp"] (``shard.StageShard``), as torch composes
+                them: each tp shard split again over dp, 2-D DTensors over (dp, tp), reduce-scattered once
     clipping    a shard over tp counts on every tp rank, a tensor replicated over tp on t = 0 alone; the
-                shares are summed over tp, so every rank clips by the whole model's norm
+                shares are summed over tp (and, with shard=, over the job: dp's shards), so every rank clips
+                by the whole model's norm
     skipping    a non-finite gradient in one tp rank's shard marks the others' too: the slices skip together
 
 The tp ranks of a stage run the same actions in the same order (the same
@@ -48,20 +51,21 @@ def _nothing() -> Any:
     return None
 
 
-def _sharded(p: torch.Tensor) -> bool:
-    """Whether ``p`` is split over tp (a shard on each rank), not the same on every tp rank."""
+def _over_tp(p: torch.Tensor) -> bool:
+    """Whether ``p`` is split over tp (a shard on each rank), not the same on every tp rank: a shard on the mesh's
+    ``tp`` dimension (with ``shard=`` FSDP2 shards every parameter over ``dp`` too; those over dp alone are not)."""
     from torch.distributed.tensor import DTensor, Shard
 
-    return isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements)
+    if not isinstance(p, DTensor):
+        return False
+    names = p.device_mesh.mesh_dim_names or ()
+    return "tp" in names and isinstance(p.placements[names.index("tp")], Shard)
 
 
 def tensor_parallel(model: nn.Sequential, mesh: Any, tp_plan: PlanArg, settings: Settings, *, stages: int,
                     shard: str, ddp_options: bool) -> "TensorParallel":
     """This process's ``TensorParallel`` for ``tp_plan`` over ``mesh`` (the 1-D tp mesh); refuses, before anything is
     allocated and on every rank alike, a plan that cannot apply and what is not made to work with it yet."""
-    if shard != "none":
-        raise ValueError(f"shard={shard!r} with tp_plan is not supported yet (FSDP2 over dp of tensor-parallel "
-                         "stages): use shard='none', whose replicas average their shards' gradients")
     if ddp_options:
         raise ValueError("with tp_plan the replicas' gradients are averaged by pipeddp itself (DDP takes no DTensor "
                          "parameters), so ddp_kwargs and comm_hook have nothing to configure: leave them out")
@@ -71,21 +75,23 @@ def tensor_parallel(model: nn.Sequential, mesh: Any, tp_plan: PlanArg, settings:
         raise ValueError(f"schedule={settings.schedule!r} splits backward into input and weight halves, which is not "
                          "verified with tp_plan's DTensor layers: use '1f1b', 'gpipe' or 'interleaved'")
     styles = resolve_plan(model, tp_plan, mesh.size())
-    return TensorParallel(mesh, styles, built_whole=not is_meta(model))
+    return TensorParallel(mesh, styles, built_whole=not is_meta(model), sharded=shard != "none")
 
 
 class TensorParallel:
     """This process's tp mesh (``mesh["tp"]``) and the resolved ``styles`` (``{flattened module path: style}``);
     ``built_whole``: the model's layers have values on every rank already (not a meta build), so shards and the
-    tensors the plan leaves whole are taken from tp rank 0, as DDP takes the first replica's."""
+    tensors the plan leaves whole are taken from tp rank 0, as DDP takes the first replica's; ``sharded``: FSDP2
+    (``shard=``) shards the stages over their replicas too, and reduces their gradients (``shard.StageShard``)."""
 
-    def __init__(self, mesh: Any, styles: Dict[str, Any], *, built_whole: bool) -> None:
+    def __init__(self, mesh: Any, styles: Dict[str, Any], *, built_whole: bool, sharded: bool = False) -> None:
         self.mesh = mesh
         self.group = mesh.get_group()
         self.size = mesh.size()
         self.rank = mesh.get_local_rank()
         self.styles = styles
         self.built_whole = built_whole
+        self.sharded = sharded
 
     def distribute(self, name: str, layer: nn.Module) -> None:
         """Shard the model's layer ``name`` by its part of the plan (nothing where the plan names none of it)."""
@@ -106,7 +112,7 @@ class TensorParallel:
         with torch.no_grad():
             for st in stages:
                 for t in list(st.module.parameters()) + list(st.module.buffers()):
-                    if not _sharded(t) and t.numel():
+                    if not _over_tp(t) and t.numel():
                         dist.broadcast(local(t.data), src=src, group=self.group)
 
     def agree(self, value: T) -> T:
@@ -124,8 +130,8 @@ class TensorParallel:
 
     def attach(self, stages: Sequence[Stage], groups: Dict[int, Any]) -> None:
         """Each stage's gradients averaged over its replicas (``groups[stage index]``), its values first made the
-        group's first rank's, as DDP's construction does."""
-        for st in stages:
+        group's first rank's, as DDP's construction does. Nothing with ``shard=``: FSDP2 does both there."""
+        for st in stages if not self.sharded else ():
             if any(p.requires_grad for p in st.module.parameters()):
                 st.grad_sync = sync = TPGradSync(st.module, groups[st.index])
                 sync.broadcast(list(st.module.parameters()) + list(st.module.buffers()))
@@ -135,7 +141,7 @@ class TensorParallel:
         """For clipping: what a tp rank leaves out (on t > 0 every tensor replicated over tp) and how the shares
         join (the job's ``combine``, then a sum over tp)."""
         if self.rank:
-            copies = copies + [p for p in params if not _sharded(p)]
+            copies = copies + [p for p in params if not _over_tp(p)]
 
         def joined(part: torch.Tensor, is_max: bool) -> torch.Tensor:
             part = combine(part, is_max) if combine is not None else part
@@ -163,8 +169,9 @@ class TensorParallel:
                 flag.fill_(1.0)
                 break
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        if flag.item() and grads and all(bool(torch.isfinite(g).all()) for g in grads):
-            grads[0].view(-1)[0] = float("nan")
+        held = [g for g in grads if g.numel()]  # with shard=, a small tensor's shard may be empty on this rank
+        if flag.item() and held and all(bool(torch.isfinite(g).all()) for g in held):
+            held[0].view(-1)[0] = float("nan")
 
 
 class TPGradSync(GradSync):
