@@ -33,8 +33,9 @@ class KillSwitch(nn.Module):
         return x
 
 
-def main() -> None:
-    directory, steps, kill_at, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    directory, steps, kill_at, out = argv[0], int(argv[1]), int(argv[2]), argv[3]
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     torch.manual_seed(0)
     switch = KillSwitch()

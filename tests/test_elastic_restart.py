@@ -1,7 +1,7 @@
 """Real torchrun jobs that stop at a step and restart with another replica count, the global batch fixed.
 
-The final weights must equal the uninterrupted run's and the plain model's
-trained on the same global batches (float64, to a tolerance: the passes and
+The final weights must equal the plain model's trained on the same global
+batches, as an uninterrupted run's do (float64, to a tolerance: the passes and
 replica shares of a global batch sum in another order than one whole batch).
 """
 
@@ -60,24 +60,19 @@ def close(a: dict, b: dict) -> float:
 
 def test_two_replicas_to_one_and_one_to_two_train_as_the_uninterrupted_run(tmp_path):
     expected = plain_training()
-    log = torchrun(tmp_path, tmp_path / "clean", 2, 0, "file")
-    assert "replicas 2 accumulation 2: starting at step 0" in log
-    clean = torch.load(tmp_path / "final.pt")
-    assert close(clean, expected) < 1e-10
-
     first = torchrun(tmp_path, tmp_path / "down", 2, 3, "file")  # stops after step 3: mid-epoch
-    assert "replicas 2" in first and not (tmp_path / "final.pt").exists()
+    assert "replicas 2 accumulation 2: starting at step 0" in first and not (tmp_path / "final.pt").exists()
     log = torchrun(tmp_path, tmp_path / "down", 1, 0, "file")
     assert "replicas 1 accumulation 4: starting at step 3, epoch 0, 24 samples consumed" in log
     down = torch.load(tmp_path / "final.pt")
-    assert close(down, clean) < 1e-10 and close(down, expected) < 1e-10
+    assert close(down, expected) < 1e-10
 
     torchrun(tmp_path, tmp_path / "up", 1, 5, "sharded")  # stops after the last step of epoch 0
     log = torchrun(tmp_path, tmp_path / "up", 2, 0, "sharded")
     # the epoch's samples are all consumed: the loader finds it empty and goes on with epoch 1
     assert "replicas 2 accumulation 2: starting at step 5, epoch 0, 40 samples consumed" in log
     up = torch.load(tmp_path / "final.pt")
-    assert close(up, clean) < 1e-10 and close(up, expected) < 1e-10
+    assert close(up, expected) < 1e-10
 
 
 def test_a_sharded_job_restarts_with_fewer_replicas_and_resumes_its_shards_exactly(tmp_path):
