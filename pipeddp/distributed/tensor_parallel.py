@@ -26,7 +26,10 @@ draw different masks: refused rather than made to agree).
 
 A head sharded on the vocabulary (transformers' ``colwise_gather_output``)
 gathers its logits, so every tp rank holds them whole and the user's loss
-runs unchanged.
+runs unchanged (a mean, or ``(total, count)``). A model's last layer whose
+output would stay split (``colwise`` on the head) is refused: the loss would
+see a slice of the vocabulary on each rank (torch's ``loss_parallel`` is not
+offered).
 """
 
 from __future__ import annotations
@@ -127,6 +130,7 @@ def resolve_plan(model: nn.Sequential, tp_plan: PlanArg, size: int) -> Dict[str,
             _check_module(original, m, built, size)
             out[k] = built
     _check_heads(model, {names.original(k) for k in out}, size)
+    _check_output(model, out, names)
     _check_ties(model, out, names)
     _check_dropout(model)
     return out
@@ -169,6 +173,27 @@ def _check_heads(model: nn.Sequential, planned: Any, size: int) -> None:
             raise ValueError(f"tp_plan splits the attention's heads over tp={size}, but config.{key}={heads} is not "
                              f"divisible by {size}: choose a tp size that divides it, or leave the attention out of "
                              "the plan")
+
+
+def _check_output(model: nn.Sequential, styles: Mapping[str, Any], names: Names) -> None:
+    """The model's output (its last layer's, or that layer's last module's) must be whole on every tp rank: a
+    column-wise style that leaves it split would hand the loss a slice of the vocabulary on each rank."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    children = [k for k, _ in model.named_children()]
+    if not children:
+        return
+    last = children[-1]
+    leaves = [k for k, m in model.get_submodule(last).named_modules() if not list(m.children())]
+    ends = {last} | ({f"{last}.{leaves[-1]}"} if leaves and leaves[-1] else set())
+    for path in ends & set(styles):
+        style = styles[path]
+        if isinstance(style, ColwiseParallel) and any(isinstance(p, Shard) for p in style.output_layouts):
+            raise ValueError(f"tp_plan shards {names.original(path)} column-wise and leaves its output split, but it "
+                             "makes the model's output (the logits): the loss would see a slice of the vocabulary on "
+                             "each tp rank. Give it 'colwise_gather_output' (its logits gathered whole on every tp "
+                             "rank, as tp_plan='auto' does for a transformers head), or leave it out of the plan")
 
 
 def _check_ties(model: nn.Sequential, styles: Mapping[str, Any], names: Names) -> None:

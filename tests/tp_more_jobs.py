@@ -1,0 +1,129 @@
+"""Jobs of ``test_tp_more.py``: a Llama on a pp2 x tp2 mesh through a loss over tokens, a skipped step, evaluate and
+autocast, one engine after another in the same four processes."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Tuple
+
+import nccl_rules
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from tp_jobs import LR, SEED, VOCAB, llama, lm_batches, lm_loss, whole
+
+import pipeddp
+from pipeddp.runtime.dtensors import local
+from pipeddp.tools.models import flatten_sequential
+
+nccl_rules.install()  # point-to-point messages follow NCCL's rules here too (see conftest)
+
+SHAPE = (1, 2, 2)  # dp, pp, tp
+N = 4  # samples a batch
+
+
+def batches() -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """Two batches whose labels are padded (-100) unevenly, so a mean of micro-batch means is not the token mean."""
+    (x, y), = lm_batches(2 * N)
+    y = y.clone()
+    y[0, 2:] = -100
+    y[1, 1:] = -100
+    y[6, 4:] = -100
+    return [(x[:N], y[:N]), (x[N:], y[N:])]
+
+
+def counted(out: Any, y: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The loss over the batch's tokens as (sum, how many): the step divides by the whole batch's count."""
+    out = getattr(out, "logits", out)
+    total = nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1), ignore_index=-100,
+                                        reduction="sum")
+    return total, (y != -100).sum()
+
+
+def metrics(out: Any, y: torch.Tensor) -> Dict[str, Any]:
+    """A loss over tokens (total, count) and a per-sample mean: evaluate weighs each its own way."""
+    total, count = counted(out, y)
+    hits = (out.argmax(-1) == y).double().mean()
+    return {"loss": (total, count), "top1": hits}
+
+
+def model(dtype: torch.dtype) -> nn.Sequential:
+    x = lm_batches(1)[0][0]
+    return flatten_sequential(llama().to(dtype), x)
+
+
+def refused_head(mesh: Any) -> str:
+    """What a plan that leaves the head's logits split over the vocabulary is told (nothing is built)."""
+    m = llama()
+    plan = {**m.tp_plan, "lm_head": "colwise"}
+    try:
+        pipeddp.HybridParallel(flatten_sequential(m, lm_batches(1)[0][0]), stages=2, mode="stage", mesh=mesh,
+                               tp_plan=plan).close()
+    except ValueError as exc:
+        return str(exc)
+    return "built"
+
+
+def float64_steps(mesh: Any) -> Dict[str, Any]:
+    """A step on a loss over tokens; a step whose gradient holds an inf in one tp rank's shard (stage 0, t = 1);
+    a step after it; evaluate."""
+    (xa, ya), (xb, yb) = batches()
+    out: Dict[str, Any] = {}
+    place = tuple(mesh.get_coordinate() or ())
+    with pipeddp.HybridParallel(model(torch.float64), stages=mesh.size(1), mode="stage", seed=SEED, mesh=mesh,
+                                tp_plan="auto", chunks=2, balance="params", skip_nonfinite=True) as engine:
+        first, last = engine.is_first, engine.is_last
+        opt = torch.optim.SGD(engine.parameters(), lr=LR)
+        out["loss1"] = engine.train_step(xa if first else None, ya if last else None, counted).item()
+        out["grads1"] = whole((k, p.grad) for k, p in engine.named_parameters())
+        opt.step()
+        opt.zero_grad()
+        out["after1"] = whole(engine.named_parameters())
+        armed = [place[1:] == (0, 1)]
+        # a projection's weight: its gradient is a shard (an embedding's comes replicated, then is cut to its rows)
+        shard = next(p for k, p in engine.named_parameters() if "_proj" in k and isinstance(p, DTensor)
+                     and isinstance(p.placements[0], Shard))
+
+        def poison(p: torch.Tensor) -> None:
+            if armed[0]:
+                with torch.no_grad():
+                    local(p.grad).view(-1)[0] = float("inf")
+        hook = shard.register_post_accumulate_grad_hook(poison)
+        out["loss2"] = engine.train_step(xb if first else None, yb if last else None, counted).item()
+        out["grads2"] = [k for k, p in engine.named_parameters() if p.grad is not None]
+        out["skipped"] = engine.skipped_steps
+        opt.step()
+        opt.zero_grad()
+        out["after2"] = whole(engine.named_parameters())
+        armed[0] = False
+        hook.remove()
+        out["loss3"] = engine.train_step(xb if first else None, yb if last else None, counted).item()
+        opt.step()
+        out["after3"] = whole(engine.named_parameters())
+        out["skipped3"] = engine.skipped_steps
+        out["evaluated"] = engine.evaluate([(xa, ya), (xb, yb)], metrics)
+    return out
+
+
+def autocast_step(mesh: Any) -> Dict[str, Any]:
+    """One float32 step under CPU autocast to bfloat16: loss, gradients, weights after."""
+    (x, y), _ = batches()
+    y = y.clamp(min=0)
+    with pipeddp.HybridParallel(model(torch.float32), stages=mesh.size(1), mode="stage", seed=SEED, mesh=mesh,
+                                tp_plan="auto", chunks=2, balance="params") as engine:
+        opt = torch.optim.SGD(engine.parameters(), lr=LR)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = engine.train_step(x if engine.is_first else None, y if engine.is_last else None, lm_loss)
+        grads = whole((k, p.grad) for k, p in engine.named_parameters())
+        opt.step()
+        return {"loss": loss.item(), "grads": grads, "after": whole(engine.named_parameters())}
+
+
+def tp_more_job() -> Dict[str, Any]:
+    """Every check of ``test_tp_more`` in one pp2 x tp2 job: the group and the mesh made once."""
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", SHAPE, mesh_dim_names=("dp", "pp", "tp"))
+    return {"place": tuple(mesh.get_coordinate() or ()), "refused": refused_head(mesh),
+            "float64": float64_steps(mesh), "bf16": autocast_step(mesh), "vocab": VOCAB}
