@@ -77,12 +77,26 @@ def test_pp2_tp2_meta_built_mlp_and_llama_with_the_models_own_plan_equal_the_pla
 
 
 @pytest.mark.timeout(300)
-def test_dp2_pp2_tp2_replicas_average_their_shards_gradients_with_virtual_stages_recompute_qwen2_and_fsdp2():
+def test_dp2_pp2_tp2_replicas_average_their_shards_gradients_with_virtual_stages_recompute_qwen2_and_fsdp2(tmp_path):
     """Then, in the same processes, FSDP2 over dp of the tp stages (``shard=``, as torch composes them): an MLP with
-    every layer its own FSDP group ("full") and Qwen2 under "optimizer", each equal to the plain model."""
+    every layer its own FSDP group ("full") and Qwen2 under "optimizer", each equal to the plain model. The MLP's
+    step saved as one file and as a sharded checkpoint holds the plain model's weights and momenta after that step,
+    and an engine of other weights loads either back."""
     kinds = ["mlp-v2", "qwen2", "mlp-full", "qwen2-optimizer"]
-    results = pipeddp.spawn(tp_job, 8, args=((2, 2, 2), kinds), timeout=250)
+    results = pipeddp.spawn(tp_job, 8, args=((2, 2, 2), kinds, str(tmp_path)), timeout=250)
     check_layout(results, (2, 2, 2), kinds)
+    want = reference("mlp-full", 8)
+    keys = sorted(want["after"])
+    ck = torch.load(tmp_path / "mlp-full" / "one.pt", weights_only=True)
+    assert sorted(ck["model"]) == keys
+    assert max_diff([ck["model"][k] for k in keys], [want["after"][k] for k in keys]) < 1e-10
+    momentum = {k: v["momentum_buffer"] for k, v in ck["optimizer"]["state"].items()}
+    assert max_diff([momentum[k] for k in keys], [want["grads"][k] for k in keys]) < 1e-10  # the first step's
+    for res in results:
+        for name, (weights, momenta) in res["mlp-full"]["loaded"].items():
+            held = sorted(weights)
+            assert held and max_diff([weights[k] for k in held], [want["after"][k] for k in held]) < 1e-10, name
+            assert max_diff([momenta[k] for k in held], [want["grads"][k] for k in held]) < 1e-10, name
 
 
 REFUSALS = [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from typing import Any, Dict, List, Tuple
 
@@ -87,18 +88,28 @@ def whole(named: Any) -> Dict[str, torch.Tensor]:
     return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in named}
 
 
+def momenta(engine: pipeddp.HybridParallel, opt: torch.optim.Optimizer) -> Dict[str, torch.Tensor]:
+    """Each parameter's SGD momentum buffer, whole."""
+    return whole((k, opt.state[p]["momentum_buffer"]) for k, p in engine.named_parameters())
+
+
 def train_once(engine: pipeddp.HybridParallel, batch: Tuple[torch.Tensor, torch.Tensor], loss_fn: Any,
-               local: int) -> Dict[str, Any]:
-    """The engine's weights at the start, then one step: loss, gradients (clipped), norm, weights, eval output."""
+               local: int, save_to: str = "") -> Dict[str, Any]:
+    """The engine's weights at the start, then one step: loss, gradients (clipped), norm, weights, eval output.
+    With ``save_to``: SGD with momentum (the first step's the same; its buffers hold the gradients), saved there
+    after the step as one file and as a sharded checkpoint."""
     r = engine.topology.replica
     x, y = (t[r * local:(r + 1) * local] for t in batch)
     out: Dict[str, Any] = {"start": whole(engine.named_parameters())}
-    opt = torch.optim.SGD(engine.parameters(), lr=LR)
+    opt = torch.optim.SGD(engine.parameters(), lr=LR, momentum=0.9 if save_to else 0.0)
     out["loss"] = engine.train_step(x if engine.is_first else None, y if engine.is_last else None, loss_fn).item()
     out["norm"] = engine.clip_grad_norm_(MAX_NORM).item()
     out["grads"] = whole((k, p.grad) for k, p in engine.named_parameters())
     opt.step()
     out["after"] = whole(engine.named_parameters())
+    if save_to:
+        engine.save(os.path.join(save_to, "one.pt"), optimizer=opt)
+        engine.save(os.path.join(save_to, "sharded"), optimizer=opt, sharded=True)
     logits = engine.eval_step(x if engine.is_first else None)
     out["logits"] = getattr(logits, "logits", logits) if engine.is_last else None
     out["sharded"] = sorted(k for k, p in engine.named_parameters() if isinstance(p, DTensor))
@@ -108,8 +119,10 @@ def train_once(engine: pipeddp.HybridParallel, batch: Tuple[torch.Tensor, torch.
     return out
 
 
-def tp_job(shape: Tuple[int, int, int], kinds: List[str]) -> Dict[str, Any]:
-    """Each of ``kinds`` ("mlp", "llama") meta-built, cut in ``shape[1]`` stages and sharded over ``shape[2]``."""
+def tp_job(shape: Tuple[int, int, int], kinds: List[str], tmp: str = "") -> Dict[str, Any]:
+    """Each of ``kinds`` ("mlp", "llama") meta-built, cut in ``shape[1]`` stages and sharded over ``shape[2]``.
+    With ``tmp``, an "mlp-full" engine saves its step there, and fresh engines of other weights load each checkpoint
+    (``"loaded"``: their weights and momenta)."""
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "pp", "tp"))
@@ -131,9 +144,20 @@ def tp_job(shape: Tuple[int, int, int], kinds: List[str]) -> Dict[str, Any]:
             batch, loss_fn = lm_batches(local * shape[0])[0], lm_loss
             model, plan = flatten_sequential(qwen2() if kind.startswith("qwen2") else llama(), batch[0][:1]), "auto"
         kwargs = {"chunks": 2, "balance": "params", **extra}
+        save_to = os.path.join(tmp, kind) if tmp and kind == "mlp-full" else ""
+        if save_to:
+            os.makedirs(save_to, exist_ok=True)
         with pipeddp.HybridParallel(model, stages=shape[1], mode="stage", seed=SEED, mesh=mesh, tp_plan=plan,
                                     **kwargs) as engine:
-            out[kind] = train_once(engine, batch, loss_fn, local)
+            out[kind] = train_once(engine, batch, loss_fn, local, save_to)
+        if save_to:
+            out[kind]["loaded"] = {}
+            for name in ("one.pt", "sharded"):
+                with pipeddp.HybridParallel(mlp(), stages=shape[1], mode="stage", seed=SEED + 1, mesh=mesh,
+                                            tp_plan=plan, **kwargs) as engine:
+                    opt = torch.optim.SGD(engine.parameters(), lr=LR, momentum=0.9)
+                    engine.load(os.path.join(save_to, name), optimizer=opt)
+                    out[kind]["loaded"][name] = (whole(engine.named_parameters()), momenta(engine, opt))
     return out
 
 

@@ -24,7 +24,7 @@ from typing import Any, Dict, Iterable, List, Optional
 import torch
 from torch import nn
 
-from ..distributed.shard import is_sharded
+from ..distributed.shard import is_sharded, shard_like
 from ..runtime.names import names_of
 
 __all__ = ["named_optimizer_state", "merge_optimizer_states", "load_named_optimizer_state", "flat_optimizer_state",
@@ -96,6 +96,16 @@ def load_named_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimiz
     for g in state["param_groups"]:
         groups.append(dict(g, params=[p for p in g["params"] if p in names]))
     own: Dict[str, Any] = {"state": {k: v for k, v in state["state"].items() if k in names}, "param_groups": groups}
+    held = dict(module.named_parameters())
+    # mypy: is_sharded checks for a DTensor, which mypy cannot narrow through a helper
+    if any(is_sharded(p) and p.device_mesh.ndim > 1 for p in held.values()):  # type: ignore[attr-defined]
+        # FSDP2 over tensor-parallel shards (2-D DTensors): DCP's whole-state load scatters each tensor from rank 0,
+        # which torch 2.14 fails with an AssertionError in _StridedShard's scatter (an MLP's 10-wide head, dp2 x
+        # tp2); every rank holds the whole state here, so each cuts its own piece (no communication)
+        own["state"] = {k: {s: shard_like(v, held[k]) if isinstance(v, torch.Tensor) and v.dim() else v
+                            for s, v in entries.items()} for k, entries in own["state"].items()}
+        _dcp().set_optimizer_state_dict(module, optimizer, own)
+        return
     _dcp().set_optimizer_state_dict(module, optimizer, own, options=_whole_options(module))
 
 
