@@ -22,12 +22,12 @@ the host in the one copy of the step's loss, instead of a sync per micro-batch.
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Optional, Union
+from typing import Dict, Iterable, List, Optional, Set, Union
 
 import torch
 from torch import nn
 
-__all__ = ["Baseline", "Count", "per_count", "scalar_on", "summed"]
+__all__ = ["Baseline", "Count", "parameters_of", "per_count", "scalar_on", "summed"]
 
 #: a count: a number, or a 0-d float64 tensor where the loss_fn counted on a device (kept there until the step's
 #: loss crosses to the host with it)
@@ -59,6 +59,24 @@ def per_count(replicas: int, count: Count) -> Count:
     return replicas / count if count else float("nan")
 
 
+def parameters_of(modules: Iterable[nn.Module]) -> List[nn.Parameter]:
+    """Every parameter under ``modules``, each once: what ``Module.parameters()`` yields, found without the names
+    and nested generators it builds (every training step starts with this walk)."""
+    out: Dict[int, nn.Parameter] = {}
+    seen: Set[int] = set()
+    stack = list(modules)
+    while stack:
+        module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        for p in module._parameters.values():  # what named_parameters reads
+            if p is not None and id(p) not in out:
+                out[id(p)] = p
+        stack.extend(m for m in module._modules.values() if m is not None)
+    return list(out.values())
+
+
 def _all_zero_on_host(grads: List[torch.Tensor]) -> bool:
     """Whether every one of ``grads`` is a plain CPU tensor of zeros (False where any is elsewhere or sharded)."""
     if any(type(g) is not torch.Tensor or g.device.type != "cpu" or g.is_sparse for g in grads):
@@ -82,7 +100,7 @@ class Baseline:
     """
 
     def __init__(self, params: Iterable[nn.Parameter], counting: Optional[bool]) -> None:
-        self.params: List[nn.Parameter] = list({id(p): p for p in params}.values())
+        self.params: List[nn.Parameter] = list({id(p): p for p in params}.values())  # each once
         grads = [p.grad.detach() for p in self.params if p.grad is not None]
         self.had_grads = bool(grads)
         self.kept: Optional[Dict[int, torch.Tensor]] = None

@@ -31,7 +31,7 @@ import torch
 from . import _bridge
 from .amp import Autocast
 from .batchnorm import DeferredStatistics
-from .counted import Baseline, Count, per_count, summed
+from .counted import Baseline, Count, parameters_of, per_count, summed
 from .executor import StageResults
 from .microbatch import merge, split, split_sizes, tree_map
 from .rng import draw_base_seed
@@ -240,7 +240,7 @@ class Step:
         losses are summed, so the result is the whole batch's mean loss, as
         one pass of ``n`` would give (where this process runs the last stage).
         """
-        self.baseline = Baseline((p for st in self.stages for p in st.module.parameters()), self.counting)
+        self.baseline = Baseline(parameters_of(st.module for st in self.stages), self.counting)
         self.count = None
         self.stats.begin(n)
         if passes == 1:
