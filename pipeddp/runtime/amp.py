@@ -41,9 +41,11 @@ class Autocast:
     @classmethod
     def capture(cls) -> "Autocast":
         """The calling thread's autocast state."""
+        on = [dt for dt in _DEVICE_TYPES if torch.is_autocast_enabled(dt)]
+        if not on:  # the rule: one made once
+            return _NONE
         cache = torch.is_autocast_cache_enabled()
-        return cls(tuple((dt, torch.get_autocast_dtype(dt), cache) for dt in _DEVICE_TYPES
-                         if torch.is_autocast_enabled(dt)))
+        return cls(tuple((dt, torch.get_autocast_dtype(dt), cache) for dt in on))
 
     def __call__(self) -> ContextManager[Any]:
         """Enter the captured regions (nothing when none was enabled)."""
@@ -53,3 +55,6 @@ class Autocast:
         for device_type, dtype, cache in self.regions:
             stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=cache))
         return stack
+
+
+_NONE = Autocast()  # what a step without autocast captures (captured every step: one object for all of them)

@@ -62,19 +62,16 @@ def _clone_writable(t: torch.Tensor) -> torch.Tensor:
     return t if t.requires_grad else t.clone()
 
 
-def _detach(t: torch.Tensor) -> torch.Tensor:
-    return t.detach()
+_detach = torch.Tensor.detach
 
 
 def _may_write_its_input(module: nn.Module) -> bool:
     """Whether ``module`` may write into the stage's input in place: it holds a layer with ``inplace=True``.
 
-    The plain model hands such a layer the output of the layer before it; a
-    stage hands its first layers the received input, a leaf that requires grad
-    (autograd refuses an in-place op on it) and that recompute needs unchanged.
-    The in-place layer need not come first: ``Flatten`` of an already flat tensor
-    or ``Identity`` pass the very tensor on. So a stage with any in-place layer
-    gives its layers a copy of each micro-batch's input (one copy per micro-batch).
+    The plain model hands such a layer the output of the layer before it; a stage hands its first layers the
+    received input, a leaf that requires grad (autograd refuses an in-place op on it) and that recompute needs
+    unchanged. The in-place layer need not come first: ``Flatten`` of an already flat tensor or ``Identity`` pass
+    the very tensor on. So a stage with any in-place layer gives its layers a copy of each micro-batch's input.
     """
     return any(getattr(m, "inplace", False) for m in module.modules())
 
@@ -113,8 +110,9 @@ class Stage:
         return tuple(layer.training for layer in self.module)
 
     def may_draw(self) -> bool:
-        """Whether this stage's forward may draw random numbers in its current mode (see ``rng``)."""
-        return self.replay.may_draw(self._mode())
+        """Whether this stage's forward may draw random numbers in its current mode (see ``rng``); an eager stage
+        always may, so only a compiled one reads its layers' flags (asked once a step)."""
+        return self.replay.own_cpu or self.replay.may_draw(self._mode())
 
     def _step_mode(self, spec: StepSpec) -> Tuple[bool, ...]:
         """The training flags for this step, read at its first action (a step's layers keep one mode throughout;
@@ -164,10 +162,16 @@ class Stage:
 
     def forward(self, mb: int, value: Any, spec: StepSpec) -> Tuple[Any, Optional[torch.Tensor]]:
         """Run micro-batch ``mb``; return (output detached for sending, weighted loss or None)."""
+        if self.streams.cuda or spec.autocast.regions:  # a stream to make current, the caller's autocast
+            with self.streams.computing(), spec.autocast():
+                return self._forward(mb, value, spec)
+        return self._forward(mb, value, spec)  # a CPU stage without autocast: two contexts less per forward
+
+    def _forward(self, mb: int, value: Any, spec: StepSpec) -> Tuple[Any, Optional[torch.Tensor]]:
         target = spec.targets[mb] if spec.targets is not None else None
         weight = spec.weights[mb] if spec.weights is not None else 1.0
         wants_loss = self.last and spec.loss_fn is not None
-        with self.streams.computing(), self._seeded(spec, mb), spec.autocast():
+        with self._seeded(spec, mb):
             if not spec.grad:
                 with torch.no_grad():
                     out = self._run(value)
