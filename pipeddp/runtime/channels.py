@@ -91,10 +91,10 @@ class Inbox:
                 if key in self._stash:
                     return self._stash.pop(key)
         deadline = time.monotonic() + timeout
+        left = timeout  # the first wait: the whole timeout (one clock reading per message, not two)
         while True:
             if self._error is not None:
                 raise self._aborted(key)
-            left = deadline - time.monotonic()
             try:
                 got, item = self._queue.get(timeout=max(left, 0.0)) if left > 0 else self._queue.get_nowait()
             except queue.Empty:
@@ -106,6 +106,7 @@ class Inbox:
                 raise self._aborted(key)
             with self._lock:
                 self._stash[got] = item
+            left = deadline - time.monotonic()
 
     def _aborted(self, key: Key) -> PipelineAborted:
         kind, stage, mb = key
@@ -128,11 +129,8 @@ class Inbox:
         """Forget leftovers and errors of a previous step (a failed step leaves both behind)."""
         with self._lock:
             self._stash.clear()
-        while True:
-            try:
-                self._queue.get_nowait()
-            except queue.Empty:
-                break
+        while not self._queue.empty():  # no one sends between steps: what is there is all there is (no raise per step)
+            self._queue.get_nowait()
         self._error = None
 
 
@@ -179,9 +177,11 @@ class LocalChannel:
         self.inbox = inbox
         self.outbox = outbox
         self.timeout = timeout
+        #: two CPU devices, or one: a message is the value itself (decided here, not per message)
+        self.as_is = own.device == peer.device and not own.cuda
 
     def send(self, kind: str, stage: int, mb: int, value: Any) -> None:
-        self.outbox.put((kind, stage, mb), device_copy(value, self.own, self.peer))
+        self.outbox.put((kind, stage, mb), (value, None) if self.as_is else device_copy(value, self.own, self.peer))
 
     def recv(self, kind: str, stage: int, mb: int) -> Any:
         value, event = self.inbox.take((kind, stage, mb), self.timeout, self.outbox.row)

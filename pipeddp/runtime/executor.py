@@ -273,6 +273,11 @@ class ThreadRunner:
                 links[peer.row] = LocalChannel(d.first.streams, peer.first.streams, self._inboxes[d.row],
                                                self._inboxes[peer.row], timeout)
             self._links.append(links)
+        #: what a step reads of the devices, found once: the CUDA streams to enter and leave (none on CPU), the
+        #: device of the last stage (it takes the output gradients) and which devices take the inputs
+        self._cuda_streams = [d.first.streams for d in self.devices if d.first.streams.cuda]
+        self._last = next(d for d in self.devices if d.n_stages - 1 in d.stages)
+        self._takes_inputs = [0 in d.stages for d in self.devices]
         self._workers = Workers(len(self.devices), threads=threads)
         #: set when a device fails, so the others stop before their next action; one event, cleared per step
         #: (a step starts once every job of the one before has ended: ``Workers.settle``)
@@ -288,15 +293,15 @@ class ThreadRunner:
         self._workers.settle()
         for inbox in self._inboxes.values():
             inbox.reset()
-        for d in self.devices:
-            d.first.streams.enter()
-        last = next(d for d in self.devices if d.n_stages - 1 in d.stages)  # the device of the last stage
+        for streams in self._cuda_streams:
+            streams.enter()
+        last = self._last
         if grad_event is not None and last.first.streams.cuda:
             last.first.streams.compute.wait_event(grad_event)
         stop = self._stop
         stop.clear()
         fns = [functools.partial(run_actions, d, rows[k], spec, links=self._links[k],
-                                 inputs=inputs if 0 in d.stages else None,
+                                 inputs=inputs if self._takes_inputs[k] else None,
                                  output_grads=output_grads if d is last else None,
                                  trace=trace, rank=self.rank, stop=stop)
                for k, d in enumerate(self.devices)]
@@ -317,8 +322,8 @@ class ThreadRunner:
                     raise
             return self._workers.run(fns, abort)
         finally:
-            for d in self.devices:
-                d.first.streams.leave()
+            for streams in self._cuda_streams:
+                streams.leave()
 
     def _inline(self) -> bool:
         """Whether the step runs on the caller's thread: one device, which wants the caller's intra-op threads.
