@@ -33,6 +33,7 @@ import pipeddp
 from benchmarks.common import Run, interleaved, parser
 from pipeddp.runtime.amp import Autocast
 from pipeddp.runtime.channels import Inbox, LocalChannel
+from pipeddp.runtime.counted import parameters_of
 from pipeddp.runtime.executor import run_actions
 from pipeddp.runtime.spec import StepSpec
 from pipeddp.runtime.trace import Trace, timed
@@ -160,6 +161,9 @@ def pieces(args: argparse.Namespace) -> Dict[str, float]:
         "StepSpec built": lambda: StepSpec(grad=True),
         "the caller's autocast captured": Autocast.capture,
         "a base seed drawn (per step)": pipeddp.runtime.rng.draw_base_seed,
+        "the parameters listed at a step's start (parameters_of)": lambda: parameters_of([st.module]),
+        "the same through Module.parameters()": lambda: list(st.module.parameters()),
+        "an inbox emptied at a step's start (Inbox.reset)": inbox.reset,
     }
     got = {k: _per_call(f, args.piece_calls, args.piece_repeats) for k, f in calls.items()}
     pipe.close()
