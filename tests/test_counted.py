@@ -169,3 +169,23 @@ def test_evaluation_takes_the_same_pair():
     for got in pipeddp.spawn(evaluate_job, 4, args=(batches,), timeout=150):
         assert abs(got["tokens"] - want) < 1e-12 and got["samples"] == 24
         assert abs(got["rows"] - want) > 1e-3  # a mean per batch, weighted by rows: another number
+
+
+@pytest.mark.timeout(30)
+def test_parameters_of_lists_what_module_parameters_yields():
+    """The step's baseline lists its parameters by ``parameters_of``: each parameter once, a tied one (one object in
+    two layers, a module used twice) included once, a layer whose weight was set to None skipped, exactly the set
+    torch's ``Module.parameters()`` yields over the same modules."""
+    from pipeddp.runtime.counted import parameters_of
+
+    shared = nn.Linear(4, 4)
+    inner = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), shared)
+    tied = nn.Linear(4, 4)
+    tied.weight = inner[0].weight
+    a = nn.Sequential(inner, nn.ReLU(), tied)
+    b = nn.Sequential(shared, nn.Linear(4, 2, bias=False))
+    b[1].register_parameter("bias", None)
+    got = parameters_of([a, b])
+    want = {id(p): p for m in (a, b) for p in m.parameters()}
+    assert len(got) == len({id(p) for p in got}) == len(want)
+    assert {id(p) for p in got} == set(want)
