@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from functools import partial
-from typing import Any, Callable, ContextManager, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -32,10 +32,10 @@ from ..runtime.microbatch import tree_map
 from ..runtime.settings import Settings
 from ..runtime.step import Runner, Step
 from ..runtime.trace import timed
-from .agreement import Agreement
+from .agreement import Agreement, CollectiveError
 from .elastic import GlobalBatch
 from .groups import Groups
-from .notice import Notices
+from .notice import Notices, from_transport
 from .shard import StageShard
 from .skipped import OpenSkip
 from .ties import TieExchange
@@ -92,7 +92,7 @@ class Replica:
         """One optimizer step's gradients on this rank's batch; the global mean loss, the same on every rank."""
         self.step.stats.arrive()  # the step's time includes its agreements
         params = list(params)
-        with self._agreeing():
+        with self._agreeing(), self._told_if_lost("train_step"):
             n = self.agreement.local_batch(x, y, need_y=True, flag=self.ties.changed())  # a collective
         self._agreed("train_step")
         if scaler is not None:
@@ -124,6 +124,18 @@ class Replica:
         agreed = getattr(self.runner, "agreed", None)
         if agreed is not None:
             agreed(call, self.agreement.repeated)
+
+    @contextlib.contextmanager
+    def _told_if_lost(self, call: str) -> Iterator[None]:
+        """The failure notices' guard for a step's first agreement, for a peer lost there alone (a wait that failed in
+        the transport, its cause): the agreement's own errors are every rank's alike and leave the engine usable."""
+        try:
+            yield
+        except CollectiveError as exc:
+            if exc.__cause__ is None or not from_transport(exc.__cause__):
+                raise
+            with self.notices.guard(call):
+                raise
 
     def _agreeing(self) -> ContextManager[Any]:
         """An ``"agree"`` span on the trace's communication lane around one of a step's two agreement collectives

@@ -46,18 +46,18 @@ def gather_rows(out: List[torch.Tensor], mine: torch.Tensor, *, group: Any, rank
     if rank == root:
         works: List[Any] = [dist.irecv(row, r, group=group, tag=tag) for row, r in zip(out, ranks) if r != root]
         out[0].copy_(mine)
-        for work in works:
-            work.wait()
+        for work, r in zip(works, ranks[1:]):
+            _wait(work, "no row came from", r)
         table = torch.stack(out)
         sends: List[Any] = [dist.isend(table, r, group=group, tag=tag) for r in ranks[1:]]
-        for work in sends:
-            work.wait()
+        for work, r in zip(sends, ranks[1:]):
+            _wait(work, "the table could not be sent to", r)
         return
     table = torch.empty((len(ranks), *mine.shape), dtype=mine.dtype)
     send: Any = dist.isend(mine.contiguous(), root, group=group, tag=tag)
     recv: Any = dist.irecv(table, root, group=group, tag=tag)
-    recv.wait()
-    send.wait()
+    _wait(recv, "no table came from", root)
+    _wait(send, "this rank's row could not be sent to", root)
     for row, got in zip(out, table):
         row.copy_(got)
 
@@ -72,18 +72,27 @@ def _tree(out: List[torch.Tensor], mine: torch.Tensor, *, group: Any, ranks: Lis
     children, parent, k = tree_links(n, i)
     works: List[Any] = [dist.irecv(table[i + c:min(i + 2 * c, n)], ranks[i + c], group=group, tag=tag)
                         for c in children]
-    for work in works:
-        work.wait()
+    for work, c in zip(works, children):
+        _wait(work, "no rows came from", ranks[i + c])
     if parent is not None:
         up: Any = dist.isend(table[i:min(i + k, n)].contiguous(), ranks[parent], group=group, tag=tag)
-        up.wait()
+        _wait(up, "the rows could not be sent to", ranks[parent])
         down: Any = dist.irecv(table, ranks[parent], group=group, tag=tag)
-        down.wait()
+        _wait(down, "no table came from", ranks[parent])
     sends: List[Any] = [dist.isend(table, ranks[i + c], group=group, tag=tag) for c in reversed(children)]
-    for work in sends:
-        work.wait()
+    for work, c in zip(sends, reversed(children)):
+        _wait(work, "the table could not be sent to", ranks[i + c])
     for row, got in zip(out, table):
         row.copy_(got)
+
+
+def _wait(work: Any, what: str, peer: int) -> None:
+    """``work.wait()``; a failure names the peer (``what`` rank ``peer``): gloo's own error names an address and
+    port, and the rank that waited on a dead peer is the one that can tell the others which rank it was."""
+    try:
+        work.wait()
+    except RuntimeError as exc:
+        raise RuntimeError(f"{what} rank {peer}: that process died, stalled or stopped its step ({exc})") from exc
 
 
 def tree_links(n: int, i: int) -> Tuple[List[int], Optional[int], int]:
