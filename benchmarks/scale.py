@@ -13,6 +13,7 @@ process:
     per step    calls into torch.distributed's messages and collectives during one training step (the functions
                 wrapped in the job process; DDP's all-reduces counted by a comm hook that runs the default one)
                 and the bytes the agreements (``rows``) send
+    peak rss    the process's peak resident memory (``ru_maxrss``): whether a larger N fits on the host
 
 ``--simulate`` plays the agreements' plan (``rows.tree_links``: a star up to ``rows.STAR_UP_TO`` members, a
 binomial tree above) and the group layout (``groups.make_groups`` over ``Topology``) in one process for thousands
@@ -24,6 +25,7 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import resource
 import statistics
 import sys
 import time
@@ -44,6 +46,8 @@ CONFIGS = ("stage", "replica", "ddp")
 WRAPPED = ("isend", "irecv", "send", "recv", "batch_isend_irecv", "all_reduce", "broadcast", "all_gather",
            "all_gather_object", "broadcast_object_list", "gather_object", "barrier", "reduce_scatter_tensor",
            "all_gather_into_tensor", "all_to_all_single")
+#: counts that follow the agreements' shape (a star up to ``rows.STAR_UP_TO`` members): fitted over those N alone
+STAR_SHAPED = ("p2p_per_step", "agreement_p2p_per_step", "agreement_bytes")
 STORE_OPS = ("set", "get", "add", "wait", "compare_set", "check", "delete_key")
 
 
@@ -190,7 +194,8 @@ def job(config: str, steps: int) -> Dict[str, Any]:
     return {"rank": rank, "sockets_before": before, "sockets_after_init": after_init - before,
             "sockets_built": built - before, "sockets_after_steps": after_steps - before,
             "store_init": store_init, "store_setup": sum(store_setup.values()), "store_by_op": store_setup,
-            "setup_s": setup_s, "steps": per_step}
+            "setup_s": setup_s, "steps": per_step,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
 def summarise(ranks: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
@@ -210,7 +215,7 @@ def summarise(ranks: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
             "store_setup": stat([r["store_setup"] for r in ranks]),
             "p2p_per_step": stat(msgs), "agreement_p2p_per_step": stat(agreement),
             "collectives_per_step": stat(collectives), "agreement_bytes": stat([s["agreement_bytes"] for s in last]),
-            "setup_s": stat([r["setup_s"] for r in ranks]),
+            "setup_s": stat([r["setup_s"] for r in ranks]), "peak_rss_mb": stat([r["peak_rss_mb"] for r in ranks]),
             "calls_rank0": last[0]["calls"], "store_by_op_rank0": ranks[0]["store_by_op"]}
 
 
@@ -304,16 +309,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             results.setdefault(config, {})[n] = {**summarise(ranks), "ranks": ranks}
             print(f"  {config} N={n}: done", flush=True)
     keys = ("sockets_built", "sockets_after_steps", "store_setup", "p2p_per_step", "agreement_p2p_per_step",
-            "collectives_per_step", "agreement_bytes")
+            "collectives_per_step", "agreement_bytes", "peak_rss_mb")
     table, fits = [], {}
+    star = [n for n in ns if n <= rows.STAR_UP_TO]  # the agreements' shape changes above: a fit over both is neither
     for config, by_n in results.items():
         for key in keys:
             table.append([f"{config}: {key} (max)", *(by_n[n][key]["max"] for n in ns)])
-            fits[f"{config}/{key}"] = fit(ns, [by_n[n][key]["max"] for n in ns])
+            over = star if key in STAR_SHAPED and len(star) >= 2 else ns
+            fits[f"{config}/{key}"] = {**fit(over, [by_n[n][key]["max"] for n in over]), "ns": over}
     run.table(f"per process, counted{' (TORCH_GLOO_LAZY_INIT=1)' if args.lazy else ''}", ["count", *map(str, ns)],
               table)
-    run.table("fits and projections", ["count", "fit", "1,024", "4,096", "16,384"],
-              [[k, f["form"], *(f"{v:.0f}" for v in f["projection"].values())] for k, f in fits.items()])
+    run.table("fits and projections", ["count", "fit", "over N", "1,024", "4,096", "16,384"],
+              [[k, f["form"], ",".join(map(str, f["ns"])), *(f"{v:.0f}" for v in f["projection"].values())]
+               for k, f in fits.items()])
     sim = simulate([int(n) for n in args.simulate.split(",")], 8) if args.simulate else {}
     if sim:
         run.table("simulated job, P = 8 stages (one agreement; 2 per step)",
