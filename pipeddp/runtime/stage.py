@@ -54,8 +54,7 @@ Pair = Tuple[torch.Tensor, Optional[torch.Tensor]]
 _NOTHING = contextlib.nullcontext()  # reusable no-op context: entered on every action where nothing is needed
 
 
-def _clone(t: torch.Tensor) -> torch.Tensor:
-    return t.clone()
+_clone = torch.Tensor.clone
 
 
 def _clone_writable(t: torch.Tensor) -> torch.Tensor:
