@@ -61,15 +61,38 @@ def cut(groups: Sequence[Any], rank: int) -> None:
         if group is None or group is dist.GroupMember.NON_GROUP_MEMBER or any(group is g for g in seen):
             continue
         seen.append(group)
-        try:  # gloo closes the group's every connection when this wait expires
+        try:
             if dist.get_backend(group) != "gloo":
                 continue
-            peer = next((r for r in dist.get_process_group_ranks(group) if r != rank), None)
-            if peer is not None:
-                work: Any = dist.irecv(torch.empty(1), peer, group=group, tag=CUT_TAG)
-                work.wait(timedelta(milliseconds=1))
-        except (RuntimeError, ValueError):  # cut already, or destroyed: nothing left to close
-            pass
+            members = dist.get_process_group_ranks(group)
+        except (RuntimeError, ValueError):  # destroyed: nothing left to close
+            continue
+        if rank in members:
+            _cut_group(group, [r for r in members if r != rank])
+
+
+def _cut_group(group: Any, peers: Sequence[int]) -> None:
+    """Wait 1 ms for the cut's receive from each of ``peers`` in turn, until one such wait expires: gloo closes the
+    group's every connection then. A receive from a peer that cut its connections first fails at once, on that
+    closed connection alone, and leaves this process's others open (a rank blocked on one of them, in a collective
+    that the peers' cuts do not reach, would wait out the timeout): so the next peer is tried."""
+    for peer in peers:
+        try:
+            _cut_receive(group, peer).wait(timedelta(milliseconds=1))
+        except (RuntimeError, ValueError) as exc:
+            if "Timed out" in str(exc):  # the wait expired: every connection is closed (no need to try the rest)
+                return
+            continue  # that peer's connection was closed already (or closed while waiting): try the next
+        return
+
+
+def _cut_receive(group: Any, peer: int) -> Any:
+    """The receive that cuts ``group``: posted on the process group object, as ``dist.irecv`` posts it, but past
+    whatever wraps ``dist.irecv`` to order the pipeline's messages (NCCL's one stream per pair of ranks, as the
+    tests emulate it on gloo, queues a receive behind the pair's earlier operations and waits for it on a thread:
+    there this wait would expire on the queue, and the connections would stay open). It is no message of the
+    pipeline and must act at once."""
+    return group.recv([torch.empty(1)], dist.get_group_rank(group, peer), CUT_TAG)
 
 
 def from_transport(exc: BaseException) -> bool:
