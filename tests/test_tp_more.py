@@ -1,7 +1,9 @@
 """Tensor parallelism (pp2 x tp2, a meta-built Llama under ``tp_plan="auto"``) through what the other tp tests do
 not run, each against the plain model materialized from the same seed on one device: a loss over tokens returned
 as ``(total, count)``, a step skipped for an inf in one tp rank's gradient shard and the exact step after it,
-``evaluate``, and a step under CPU autocast to bfloat16; a head whose logits would stay split is refused."""
+``evaluate``, a step under CPU autocast to bfloat16, and an embedding tied to its head across the stages, both split
+by rows of the vocabulary (saved whole, read back by transformers); a head whose logits would stay split is
+refused, and a tie split differently at its two places."""
 
 from typing import Any, Dict, List
 
@@ -12,6 +14,7 @@ from tp_jobs import LR, SEED, lm_loss
 from tp_more_jobs import N, batches, counted, metrics, model, tp_more_job
 
 import pipeddp
+from pipeddp.runtime.names import Names
 
 
 def plain(dtype: torch.dtype) -> torch.nn.Module:
@@ -83,8 +86,56 @@ def close(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor]) -> float:
 
 
 @pytest.mark.timeout(240)
-def test_pp2_tp2_llama_loss_over_tokens_skipped_step_evaluate_and_autocast_equal_the_plain_model():
-    check(pipeddp.spawn(tp_more_job, 4, timeout=200))
+def test_pp2_tp2_llama_loss_over_tokens_skipped_step_evaluate_autocast_and_tied_embedding_equal_the_plain_model(
+        tmp_path):
+    results = pipeddp.spawn(tp_more_job, 4, args=(str(tmp_path),), timeout=200)
+    check(results)
+    check_tied(results, tmp_path)
+
+
+def tied_reference() -> Dict[str, Any]:
+    """The tied Llama on one device, materialized from the seed: weights, one step's loss and gradients (every
+    place of the tied weight named), the weights after, and the model itself."""
+    (x, y), _ = batches()
+    m = model(torch.float64, tied=True)
+    pipeddp.materialize(m, seed=SEED)
+    out: Dict[str, Any] = {"before": {k: p.detach().clone() for k, p in m.named_parameters(remove_duplicate=False)}}
+    total, count = counted(m(x), y)
+    total.backward()
+    for p in m.parameters():
+        p.grad /= count
+    out["loss"] = (total / count).item()
+    out["grads"] = {k: p.grad.clone() for k, p in m.named_parameters(remove_duplicate=False)}
+    torch.optim.SGD(m.parameters(), lr=LR).step()
+    out["after"] = {k: p.detach().clone() for k, p in m.named_parameters(remove_duplicate=False)}
+    out["model"] = m
+    return out
+
+
+def check_tied(results: List[Dict[str, Any]], tmp_path: Any) -> None:
+    """The embedding and the head split alike by rows of the vocabulary, tied across stages: equal to the plain
+    tied model; a tie split differently at its places refused, naming them; saved whole: one file (the plain model's
+    state_dict) and save_pretrained (transformers loads it tied, its logits the plain model's)."""
+    from transformers import LlamaForCausalLM
+
+    want = tied_reference()
+    for res in results:
+        assert "lm_head.weight (whole), model.embed_tokens.weight (split by rows)" in res["refused_tie"]
+        got = res["tied"]
+        assert abs(got["loss"] - want["loss"]) < 1e-10
+        for part in ("before", "grads", "after"):
+            assert got[part].keys() <= want[part].keys() and close(got[part], want[part]) < 1e-10, part
+    held = [set(res["tied"]["before"]) for res in results]
+    assert "embed.owned.model_embed_tokens.weight" in held[0] and "lm_head.weight" in held[-1]  # both places
+    saved = torch.load(tmp_path / "tied.pt", weights_only=True)["model"]  # the transformers model's keys, whole
+    names = Names.of(want["model"])
+    assert saved.keys() == {names.original(k) for k in want["after"]}  # both places of the tie included
+    assert close({k: saved[names.original(k)] for k in want["after"]}, want["after"]) < 1e-10
+    loaded = LlamaForCausalLM.from_pretrained(tmp_path / "tied", dtype=torch.float64)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    x = batches()[0][0]
+    with torch.no_grad():
+        assert (loaded(x).logits - want["model"](x).logits).abs().max().item() < 1e-10
 
 
 def check(results: List[Dict[str, Any]]) -> None:

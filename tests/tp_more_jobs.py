@@ -1,8 +1,9 @@
-"""Jobs of ``test_tp_more.py``: a Llama on a pp2 x tp2 mesh through a loss over tokens, a skipped step, evaluate and
-autocast, one engine after another in the same four processes."""
+"""Jobs of ``test_tp_more.py``: a Llama on a pp2 x tp2 mesh through a loss over tokens, a skipped step, evaluate,
+autocast, and an embedding tied to its head, one engine after another in the same four processes."""
 
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, List, Tuple
 
 import nccl_rules
@@ -48,9 +49,9 @@ def metrics(out: Any, y: torch.Tensor) -> Dict[str, Any]:
     return {"loss": (total, count), "top1": hits}
 
 
-def model(dtype: torch.dtype) -> nn.Sequential:
+def model(dtype: torch.dtype, tied: bool = False) -> nn.Sequential:
     x = lm_batches(1)[0][0]
-    return flatten_sequential(llama().to(dtype), x)
+    return flatten_sequential(llama(tied=tied).to(dtype), x)
 
 
 def refused_head(mesh: Any) -> str:
@@ -120,10 +121,40 @@ def autocast_step(mesh: Any) -> Dict[str, Any]:
         return {"loss": loss.item(), "grads": grads, "after": whole(engine.named_parameters())}
 
 
-def tp_more_job() -> Dict[str, Any]:
+def refused_tie(mesh: Any) -> str:
+    """What a plan that splits a tied embedding but leaves its head whole is told (nothing is built)."""
+    plan = {k: v for k, v in llama(tied=True).tp_plan.items() if k != "lm_head"}
+    try:
+        pipeddp.HybridParallel(model(torch.float64, tied=True), stages=2, mode="stage", mesh=mesh,
+                               tp_plan=plan).close()
+    except ValueError as exc:
+        return str(exc)
+    return "built"
+
+
+def tied_step(mesh: Any, tmp: str) -> Dict[str, Any]:
+    """A Llama whose embedding is tied to its head (stage 0 and stage 1), both split by rows of the vocabulary under
+    'auto', meta-built from the seed: its weights at the start, one step's loss, gradients, weights after; saved
+    then to ``tmp`` as one file and with ``save_pretrained``."""
+    (x, y), _ = batches()
+    with pipeddp.HybridParallel(model(torch.float64, tied=True), stages=mesh.size(1), mode="stage", seed=SEED,
+                                mesh=mesh, tp_plan="auto", chunks=2, balance="params") as engine:
+        out: Dict[str, Any] = {"before": whole(engine.named_parameters())}
+        opt = torch.optim.SGD(engine.parameters(), lr=LR)
+        out["loss"] = engine.train_step(x if engine.is_first else None, y if engine.is_last else None, counted).item()
+        out["grads"] = whole((k, p.grad) for k, p in engine.named_parameters())
+        opt.step()
+        out["after"] = whole(engine.named_parameters())
+        engine.save(os.path.join(tmp, "tied.pt"))
+        engine.save_pretrained(os.path.join(tmp, "tied"))
+    return out
+
+
+def tp_more_job(tmp: str) -> Dict[str, Any]:
     """Every check of ``test_tp_more`` in one pp2 x tp2 job: the group and the mesh made once."""
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", SHAPE, mesh_dim_names=("dp", "pp", "tp"))
     return {"place": tuple(mesh.get_coordinate() or ()), "refused": refused_head(mesh),
-            "float64": float64_steps(mesh), "bf16": autocast_step(mesh), "vocab": VOCAB}
+            "float64": float64_steps(mesh), "bf16": autocast_step(mesh), "vocab": VOCAB,
+            "refused_tie": refused_tie(mesh), "tied": tied_step(mesh, tmp)}

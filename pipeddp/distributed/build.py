@@ -41,7 +41,7 @@ from ..runtime.schedule.placing import VIRTUAL_CHOICES, choose_layout, choose_pl
 from ..runtime.settings import Settings
 from ..runtime.stage import Stage, build_stages, register_layers
 from ..runtime.step import Runner, Step
-from ..runtime.tied import find_ties
+from ..runtime.tied import Tie, find_ties
 from ..runtime.trace import Trace
 from .agreement import Agreement
 from .ddp import CommHook, attach_stages, check_ddp_kwargs, with_sync_batchnorm
@@ -108,6 +108,7 @@ def build_replica(owner: nn.Module, model: nn.Sequential, topology: Topology, se
     else:
         indices = stages_on(topo.stage, topo.stages, n_stages, placement)
         placed = [devs[0]] * len(indices)
+    ties = find_ties(model, balance)  # by identity, before tp_plan replaces a tied weight at one place only
     local = build_stages(model, balance, placed, indices, compile=settings.compile, seed=settings.seed,
                          init=settings.init, distribute=tp.distribute if tp is not None else None)
     if tp is not None:
@@ -122,7 +123,7 @@ def build_replica(owner: nn.Module, model: nn.Sequential, topology: Topology, se
         runner = ProcessRunner.connect(local, topo, n_stages=n_stages, comm_device=agreement.comm_device,
                                        timeout=settings.timeout_delta, placement=placement, header_group=twin)
     try:
-        step, exchange, ddps, shards = _step_over(model, topo, settings, local, balance, runner, agreement, groups,
+        step, exchange, ddps, shards = _step_over(ties, topo, settings, local, balance, runner, agreement, groups,
                                                   backend, ddp_kwargs=ddp_kwargs, comm_hook=comm_hook, trace=trace,
                                                   deferred_batch_norm=deferred_batch_norm, shard=shard, tp=tp)
         attach_auto(step, cut.layers, balance, settings.max_activations, gather=agreement.gather_to_all,
@@ -149,7 +150,7 @@ def _layout(cut: Partition, settings: Settings, devices: int, layers: int) -> Tu
     return v, choose_placement(settings.schedule, devices, chunks, v, costs_of(v), settings.max_activations)
 
 
-def _step_over(model: nn.Sequential, topo: Topology, settings: Settings, local: List[Stage], balance: List[int],
+def _step_over(ties: List[Tie], topo: Topology, settings: Settings, local: List[Stage], balance: List[int],
             runner: Runner, agreement: Agreement, groups: Groups, backend: str, *,
             ddp_kwargs: Optional[Dict[str, Any]], comm_hook: Optional[CommHook], trace: bool,
             deferred_batch_norm: bool, shard: str,
@@ -157,7 +158,6 @@ def _step_over(model: nn.Sequential, topo: Topology, settings: Settings, local: 
                                                    List[Optional[StageShard]]]:
     """The step over ``runner``, tied weights exchanged between processes, DDP (or FSDP2 with ``shard``) over each
     stage's group."""
-    ties = find_ties(model, balance)
     step = Step(local, topo.stages * settings.virtual_stages, runner, chunks=settings.chunks,
                 split_size=settings.split_size, schedule=settings.schedule, checkpoint=settings.checkpoint, ties=ties,
                 deferred_batch_norm=deferred_batch_norm, virtual_stages=settings.virtual_stages,

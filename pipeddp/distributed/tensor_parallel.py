@@ -20,9 +20,12 @@ meta device too), so a wrong plan is refused on every rank alike, before a
 group or a tensor exists: a pattern that matches no module, a style on a
 module it cannot shard, a ``tp`` size that does not divide the dimension a
 style splits (a Linear's outputs for ``colwise``, inputs for ``rowwise``, an
-attention's heads), a sharded parameter tied to another place (an embedding
-tied to the head), and dropout (the tensor-parallel ranks of a stage would
-draw different masks: refused rather than made to agree).
+attention's heads), a parameter tied to another place (an embedding tied to
+the head) that is not split alike at every place, and dropout (the
+tensor-parallel ranks of a stage would draw different masks: refused rather
+than made to agree). A tie split alike (``embedding_rowwise`` with
+``colwise_gather_output``: both by rows of the vocabulary) is kept one weight
+shard by shard (``ties``, over the ranks of one tp coordinate).
 
 A head sharded on the vocabulary (transformers' ``colwise_gather_output``)
 gathers its logits, so every tp rank holds them whole and the user's loss
@@ -35,7 +38,7 @@ offered).
 from __future__ import annotations
 
 from fnmatch import fnmatch
-from typing import Any, Callable, Dict, List, Mapping, Optional, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 from torch import nn
 
@@ -197,17 +200,51 @@ def _check_output(model: nn.Sequential, styles: Mapping[str, Any], names: Names)
 
 
 def _check_ties(model: nn.Sequential, styles: Mapping[str, Any], names: Names) -> None:
-    """A parameter of a sharded module held at another place too (an embedding tied to the head) is refused."""
-    places: Dict[int, List[str]] = {}
-    for key, p in model.named_parameters(remove_duplicate=False):
-        places.setdefault(id(p), []).append(names.original(key))
+    """A parameter held at several places (an embedding tied to the head) that the plan shards must be split alike at
+    every place: then each tp rank holds the same piece everywhere and the tie's copies are kept one shard by shard
+    (``ties``: the gains summed over the ranks with the same tp coordinate). Otherwise it is refused."""
+    uses: Dict[int, List[Tuple[str, str]]] = {}  # id(parameter) -> (module path, attribute) of every place
+    for path, m in model.named_modules(remove_duplicate=False):
+        for attr, p in m._parameters.items():
+            if p is not None:
+                uses.setdefault(id(p), []).append((path, attr))
     for path in styles:
-        twice = _used_twice(model, path)
+        if _used_twice(model, path):
+            raise ValueError(f"tp_plan shards {names.original(path)}, a module used at several places of the model; "
+                             "a sharded module used twice is not supported: give each place a module of its own "
+                             "(tie their weights instead), or leave it out of the plan")
         for p in model.get_submodule(path).parameters(recurse=False):
-            if len(set(places[id(p)])) > 1 or twice:
-                raise ValueError(f"tp_plan shards {names.original(path)}, whose weight is tied to another place "
-                                 f"({', '.join(sorted(set(places[id(p)])))}); a sharded tie is not supported: untie "
-                                 "it (a transformers config's tie_word_embeddings=False) or leave it out of the plan")
+            places = sorted(set(uses[id(p)]))
+            if len(places) < 2:
+                continue
+            split = {f"{names.original(k)}.{a}": _split_of(model.get_submodule(k), a, styles.get(k))
+                     for k, a in places}
+            if len(set(split.values())) > 1 or OTHER in split.values():
+                told = ", ".join(f"{n} ({how})" for n, how in sorted(split.items()))
+                raise ValueError(f"tp_plan shards {names.original(path)}, whose weight is tied to another place, but "
+                                 f"not alike at every place: {told}. A tied weight must be split on the same dimension "
+                                 "wherever it is used (an embedding 'embedding_rowwise' with its head "
+                                 "'colwise_gather_output': both by rows of the vocabulary), by a style of a module of "
+                                 "its own at each place: give the places such styles, untie it (a transformers "
+                                 "config's tie_word_embeddings=False), or leave every place out of the plan")
+
+
+OTHER = "split by a style whose layout is not known"
+
+
+def _split_of(module: nn.Module, attr: str, style: Any) -> str:
+    """How ``style`` lays out ``module``'s parameter ``attr``: whole, its weight split by rows or by columns, or
+    ``OTHER`` where that cannot be told (another ParallelStyle, a bias)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if style is None:
+        return "whole"
+    if attr != "weight" or not isinstance(style, (ColwiseParallel, RowwiseParallel)):
+        return OTHER
+    colwise = isinstance(style, ColwiseParallel)
+    if isinstance(module, nn.Linear):  # a Linear's weight is (out, in): colwise splits its rows
+        return "split by rows" if colwise else "split by columns"
+    return "split by columns" if colwise else "split by rows"  # an Embedding's is (vocabulary, width)
 
 
 def _used_twice(model: nn.Sequential, path: str) -> bool:

@@ -145,6 +145,14 @@ class Across(Protocol):
         ...
 
 
+def _laid_out(p: nn.Parameter) -> None:
+    """``p``'s gradient laid out as ``p`` (a DTensor): a vocabulary-split embedding's backward gives the whole table
+    on every tp rank, its head's a shard of rows, and every use's gain must be the same piece."""
+    grad = p.grad
+    if is_dtensor(p) and is_dtensor(grad) and grad.placements != p.placements:  # type: ignore[union-attr, attr-defined]
+        p.grad = grad.redistribute(p.device_mesh, p.placements)  # type: ignore[union-attr, attr-defined]
+
+
 class LocalTies:
     """The copies of tied parameters among the stages of this process, and the two steps that keep them one.
 
@@ -292,6 +300,8 @@ class LocalTies:
             shared = across is not None and across.shares(tie)
             if len(group) < 2 and not shared:
                 continue
+            for p in group:
+                _laid_out(p)
             gains = [g for g in (self._gain(p) for p in group) if g is not None]
             if not gains and not shared:
                 continue
