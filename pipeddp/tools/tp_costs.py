@@ -186,7 +186,8 @@ def sharded_layers(model: nn.Sequential, tp_plan: PlanArg, sample: torch.Tensor)
 
     The plan is read by the engine's own ``resolve_plan``, so whatever ``HybridParallel`` would refuse before
     building (a pattern that matches no module, a style it does not know or on a module it cannot split, a split
-    weight tied to another place, dropout) is refused here alike; what ``tp`` must divide is ``tp_refusals``'.
+    weight tied to another place and split otherwise there, dropout) is refused here alike; what ``tp`` must
+    divide is ``tp_refusals``'.
     """
     check_tp_plan_arg(tp_plan, has_tp=True, mode="stage")
     names = Names(recorded(model))
