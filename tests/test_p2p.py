@@ -350,21 +350,25 @@ def test_every_call_into_the_transport_runs_inside_the_stage_stream_context():
 def repeat_job():
     """Steps whose activations have the shapes of the step before cross without headers, values intact; in the last
     one, micro-batch 1's activations come out one row longer than predicted (shapes that depend on the input's
-    values): the senders flag them, and they still arrive, each after its header."""
+    values): the senders flag them, and they still arrive, each header and the tensors the predicted receives did
+    not carry on a side group. How far each step's receives were posted at its start, before the peer sent anything
+    (``ahead``: the index of the first message of the link's order not posted yet)."""
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
     ch = P2PChannel(1 - rank, rank=rank, stage=rank, peer_stage=1 - rank, device=CPU, comm_device=CPU,
-                    timeout=timedelta(seconds=30))
+                    timeout=timedelta(seconds=30), side_group=dist.new_group([0, 1]))
     plan = interleaved(2, len(REPEAT_SIZES[0]), 2)
-    got, headers = [], []
+    got, headers, ahead = [], [], []
     for step, repeat in enumerate([False, True, True, True]):
         ch.begin(crossings(plan)[(0, 1)], key="train_step/0", repeat=repeat)
+        ahead.append(ch._next)
+        dist.barrier()  # nothing is sent before both ranks have looked
         before = ch.headers
         walk(ch, plan[rank], step, REPEAT_SIZES[step], got)
         ch.flush()
         ch.finish()
         headers.append(ch.headers - before)
-    return {"got": got, "headers": headers}
+    return {"got": got, "headers": headers, "ahead": ahead}
 
 
 REPEAT_SIZES = [[5, 3, 4], [5, 3, 4], [5, 3, 4], [5, 4, 4]]
@@ -378,6 +382,9 @@ def test_activations_whose_shapes_repeat_cross_without_headers(rules):
         sends = [a for a in interleaved(2, 3, 2)[rank] if a.kind is Kind.F and a.stage < 3]
         changed = sum(1 for a in sends if a.mb == 1)
         assert changed > 0 and res["headers"] == [len(sends), 0, 0, changed]  # the first step's, the changed ones
+        # rank 1's order starts with two activations: with shapes predicted both are posted before the first arrives
+        # (no flag read first), while a header must be in before the receives of its tensors
+        assert res["ahead"] == ([0, 2, 2, 2] if rank else [0, 0, 0, 0])
         for kind, step, stage, mb, value in res["got"]:
             if kind != "F":
                 continue

@@ -121,7 +121,8 @@ def build_replica(owner: nn.Module, model: nn.Sequential, topology: Topology, se
     else:
         twin = groups.pipeline_host if groups.pipeline_host is not groups.pipeline else None  # nccl: gloo headers
         runner = ProcessRunner.connect(local, topo, n_stages=n_stages, comm_device=agreement.comm_device,
-                                       timeout=settings.timeout_delta, placement=placement, header_group=twin)
+                                       timeout=settings.timeout_delta, placement=placement, header_group=twin,
+                                       side_group=groups.pipeline if twin is None else None)  # gloo: changes
     try:
         step, exchange, ddps, shards = _step_over(ties, topo, settings, local, balance, runner, agreement, groups,
                                                   backend, ddp_kwargs=ddp_kwargs, comm_hook=comm_hook, trace=trace,

@@ -25,21 +25,28 @@ one stream. Tags are still set (gloo honours them, and a message that went astra
 wrong buffer), but nothing depends on them.
 
 An activation crosses as a small int64 *header* (container, dtypes and shapes; a member may be None) followed by its
-tensors, whose receives are posted once the header is in. A header is a host value at both ends, so on an nccl job
-it travels over the pipeline's gloo twin (``header_group``, ``groups.host_group``; paired by tag, no place in the
-link's order): over nccl the copies to and from the GPU would each wait for the stream's queued work. Gradients
-need no header: they have the shapes of the activation this process sent. Where every rank's batch has the shapes
-of the previous call of its kind (``Agreement.repeated``, told every rank alike), both ends *predict* each
-activation from what crossed at the same (stage, micro-batch) in that call (``begin(..., key, repeat)``) and its
-receives are posted at once. What crosses may still depend on the input's values (transformers' attention builds a
-mask only for a micro-batch with padding), so the sender flags whether the activation is the predicted one (over
-gloo in-band, an element on its smallest tensor; over nccl the header on the twin); one that differs fills the
-predicted receives and follows with its header and the tensors they did not carry, in the link's order, at no
-round trip (``predicted``). The receiver reads an activation's flag before it posts later receives.
+tensors, whose receives are posted once the header is in. A header is a host value at both ends, so on an nccl job it
+travels over the pipeline's gloo twin (``header_group``, ``groups.host_group``; paired by tag, no place in the link's
+order): over nccl the copies to and from the GPU would each wait for the stream's queued work. Gradients need no
+header: they have the shapes of the activation this process sent. Where every rank's batch has the shapes of the
+previous call of its kind (``Agreement.repeated``, told every rank alike), both ends *predict* each activation from
+what crossed at the same (stage, micro-batch) in that call (``begin(..., key, repeat)``) and its receives are posted
+at once. What crosses may still depend on the input's values (transformers' attention builds a mask only for a
+micro-batch with padding), so the sender flags whether the activation is the predicted one, and one that differs
+fills the predicted receives and follows with its header and the tensors they did not carry, at no round trip
+(``predicted``). Over gloo the flag is in-band (an element on its smallest tensor) and what follows goes on a gloo
+group of its own (``side_group``, the pipeline's), so nothing of a change has a place in the link's order and the
+receiver posts every predicted receive at once, reading a flag only when it takes that activation
+(``posting.Posting.resolve``; with the flag read before the receives that follow were posted, a run of activations to
+one process was posted one by one, and a small message sent after one waited for the receiver's next call; what
+either costs is in benchmarks/README.md, ``schedules.py``). Both ends issue the side group's operations in the link's
+order too (a process reads the flags that come before a changed activation of its own before it sends that one's
+header), so they meet under NCCL's rules as well. Over nccl the twin's header is the flag, and a changed activation's
+tensors follow in the link's order: the receiver reads the header before it posts later receives.
 
 Sends are asynchronous (``isend``); a gloo send completes once the peer has posted its receive and the data has
 crossed. Over gloo a small one (up to ``EAGER_BYTES``) is waited for at once, as torch's schedules do, where its
-receive is mostly posted ahead (not after an activation whose header or flag the peer reads first): the caller
+receive is mostly posted ahead (not after an activation whose header the peer reads first): the caller
 sleeps while gloo's socket thread writes it rather than computing on the core that thread needs (a small model's
 1F1B on 2 shared cores, messages of 1-2 KiB: 11-21% faster at m = 8 in three A/B runs, the same at m = 4). A large
 one stays in flight, so the compute goes on while it crosses (resnet50, messages of 256 KiB-4 MiB, each waited for
@@ -82,11 +89,15 @@ class P2PChannel:
     """Messages to and from the stages held by ``peer`` (a global rank), both ways, in the link's order."""
 
     def __init__(self, peer: int, *, rank: int, stage: int, peer_stage: int, device: torch.device,
-                 comm_device: torch.device, timeout: timedelta, header_group: Any = None) -> None:
+                 comm_device: torch.device, timeout: timedelta, header_group: Any = None,
+                 side_group: Any = None) -> None:
         self.peer = peer
         #: the gloo group the headers travel on where the tensors' backend keeps them on a device (see the module's
         #: docstring); None: the tensors' group (the default), headers in the link's order
         self.header_group = header_group
+        #: over gloo, the group (not the tensors') on which a predicted activation that differs sends its header and
+        #: the tensors the predicted receives did not carry, so that no receive waits for a flag (module docstring)
+        self.side_group = side_group
         self.rank = rank
         #: the pipeline positions (device rows) of this process and of the peer
         self.stage = stage
@@ -103,11 +114,12 @@ class P2PChannel:
         #: one per activation, on the gloo twin)
         self.headers = 0
         #: the flag of a predicted activation travels in-band (gloo's buffers are on the host); else the header on
-        #: the twin says it; a device buffer without a twin gets no prediction (its flag would take a sync)
-        self._flag = header_group is None
-        self._predicts = header_group is not None or comm_device.type == "cpu"
+        #: the twin says it; a device buffer without a twin, or gloo without a side group, gets no prediction
+        self._flag = header_group is None and side_group is not None
+        self._predicts = header_group is not None or (self._flag and comm_device.type == "cpu")
+        self._reads = -1  # the last activation sent whose header the peer reads before it posts the next message
         self._incoming = Posting(peer, rank=rank, shapes=self.shapes, comm_device=comm_device,
-                                 header_group=header_group, flag=self._flag, wait=self._wait)
+                                 header_group=header_group, side_group=side_group, flag=self._flag, wait=self._wait)
         self._inflight: List[Tuple[Any, List[torch.Tensor]]] = []
         self._broken: Optional[str] = None
         #: the order in which this process issues its operations: of all its links, or of this one alone
@@ -131,7 +143,7 @@ class P2PChannel:
             )
         self._order = order
         self._index = {(m.src == self.stage, m.kind, m.stage, m.mb): i for i, m in enumerate(order)}
-        self._next = 0
+        self._next, self._reads = 0, -1
         self._incoming.begin(order)
         self.shapes.begin(key, repeat and self._predicts)
         self.ordering = ordering if ordering is not None else Ordering([(self, i) for i in range(len(order))])
@@ -191,7 +203,9 @@ class P2PChannel:
     def send(self, kind: str, stage: int, mb: int, value: Any) -> None:
         """Send ``stage`` its input (``"F"``) or the gradient of its output (``"B"``) for micro-batch ``mb``."""
         i = self._find(True, kind, stage, mb)
-        header: Optional[torch.Tensor] = None
+        m, header, known = self._order[i], None, None
+        gated = i > 0 and self._reads == i - 1  # the peer reads a header before it posts this message's receives
+        side: List[Tuple[torch.Tensor, int]] = []  # over gloo, what a changed activation sends on the side group
         if kind == "F":
             container, members = flatten(value)  # refuses what cannot cross before anything is posted
             meta = meta_of(container, members)
@@ -201,44 +215,47 @@ class P2PChannel:
             self.ordering.catch_up(self, i)
             self.shapes.crossed((stage, mb), meta)
             tensors = [t.detach().to(self.comm_device) for t in members if t is not None]
-            # in the link's order: the predicted slots, the header where they did not hold the activation, the
-            # tensors they did not carry (a header on the twin goes ahead of all)
+            late = [(tensors[k], 1 + k) for k in (range(len(tensors)) if known is None else
+                                                    predicted.missing(known, meta))]
+            # in the link's order: the header (unless it goes on the twin or the side group), the predicted slots,
+            # the tensors they did not carry (over gloo on the side group, after the header)
             first = [] if known is None else predicted.outgoing(known, meta, tensors, self._flag, self.comm_device)
-            late = range(len(tensors)) if known is None else predicted.missing(known, meta)
-            ahead = [] if known is None else list(zip(first, predicted.slots(known, self._flag, len(first))))
-            out = ahead + [(tensors[k], 1 + k) for k in late]
-            at = 0 if known is None or not self._flag else len(first)
+            out = [] if known is None else list(zip(first, predicted.slots(known, self._flag, len(first))))
+            side, late = (late, []) if known is not None and self._flag else ([], late)
+            out += late
             self.headers += header is not None
+            self._reads = i if known is None or not self._flag else -1  # the peer reads its header before going on
         else:
             # Gradients of the activation this process received: one per floating tensor, zeros where unused.
             metas = specs(self.shapes.take(activation_of(kind, stage, mb)))
             grads = [g if g is not None else torch.zeros(shape, dtype=dtype, device=self.device)
                      for (dtype, shape), g in zip(metas, value) if wants_grad(dtype)]
-            out, at = [(g.detach().to(self.comm_device), 1 + k) for k, g in enumerate(grads)], 0
+            out = [(g.detach().to(self.comm_device), 1 + k) for k, g in enumerate(grads)]
             self.ordering.catch_up(self, i)
-        m = self._order[i]
         sent = [(t.contiguous(), k) for t, k in out]
-        works = [(dist.isend(t, self.peer, tag=_tag(m.kind, m.stage, m.mb, k)), [t]) for t, k in sent[:at]]
-        if header is not None:
-            works.append(self._send_header(header, m))
-        works += [(dist.isend(t, self.peer, tag=_tag(m.kind, m.stage, m.mb, k)), [t]) for t, k in sent[at:]]
+        aside = header is not None and known is not None and self._flag  # changed, over gloo
+        works = [self._send_header(header, m, self.header_group)] if header is not None and not aside else []
+        works += [(dist.isend(t, self.peer, tag=_tag(m.kind, m.stage, m.mb, k)), [t]) for t, k in sent]
         self._next = i + 1
         self.ordering.issued()
-        prev = self._order[i - 1] if i else None  # gated: the peer reads a header or flag before it posts this one
-        gated = (header is not None and at > 0) or (prev is not None and prev.src == self.stage and prev.kind == "F")
         size = sum(t.numel() * t.element_size() for t, _ in sent)
         if self.comm_device.type == "cpu" and not gated and size <= EAGER_BYTES:
             self._delivered(works)  # gloo, a small message: delivered now (see the module's docstring)
         else:
             self._inflight = [(w, ts) for w, ts in self._inflight if not w.is_completed()] + works
+        if aside and header is not None:  # the peer posts their receives once it has read the flag: in flight
+            self._incoming.resolve(i - 1)  # the side group's operations in the link's order at both ends
+            self._inflight += [self._send_header(header, m, self.side_group)]
+            self._inflight += [(dist.isend(t.contiguous(), self.peer, group=self.side_group,
+                                           tag=_tag(m.kind, m.stage, m.mb, k)), [t]) for t, k in side]
         self.ordering.advance()
 
-    def _send_header(self, header: torch.Tensor, m: Message) -> Tuple[Any, List[torch.Tensor]]:
-        """Post ``header`` (built on the host) ahead of message ``m``'s tensors: on ``header_group`` as it is, else
-        on the tensors' device and group."""
-        if self.header_group is None:
+    def _send_header(self, header: torch.Tensor, m: Message, group: Any) -> Tuple[Any, List[torch.Tensor]]:
+        """Post ``header`` (built on the host) of message ``m``: on ``group`` (a gloo twin or the side group) as it
+        is, or where None on the tensors' device and group, ahead of its tensors."""
+        if group is None:
             header = header.to(self.comm_device)
-        return dist.isend(header, self.peer, group=self.header_group, tag=_tag(m.kind, m.stage, m.mb, 0)), [header]
+        return dist.isend(header, self.peer, group=group, tag=_tag(m.kind, m.stage, m.mb, 0)), [header]
 
     def _delivered(self, works: List[Tuple[Any, List[torch.Tensor]]]) -> None:
         """Wait for ``works`` (sends, each with the tensors it sends)."""
@@ -267,7 +284,7 @@ class P2PChannel:
         """A step failed: no later step may use this link (see ``begin``; the first failure is the reason given)."""
         if self._broken is None:
             self._broken = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-        self._incoming.posted.clear()
+        self._incoming.clear()
         self.shapes.clear()
         self._inflight = []
 

@@ -9,7 +9,8 @@ this process sent), an activation's once its header is in, or at once where its 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+import collections
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -45,23 +46,31 @@ class Posting:
     """The receives of the messages from ``peer`` on one link, for ``P2PChannel`` (see the module's docstring)."""
 
     def __init__(self, peer: int, *, rank: int, shapes: Shapes, comm_device: torch.device, header_group: Any,
-                 flag: bool, wait: Wait) -> None:
+                 side_group: Any, flag: bool, wait: Wait) -> None:
         self.peer = peer
         self.rank = rank
         self.shapes = shapes
         self.comm_device = comm_device
         #: where headers travel (the gloo twin beside nccl), None: in the link's order
         self.header_group = header_group
-        #: a predicted activation's flag travels in-band (gloo) rather than as its header on ``header_group``
+        #: a predicted activation's flag travels in-band (gloo), a changed one's header and tensors on
+        #: ``side_group``; else its header on ``header_group`` says it
         self.flag = flag
+        self.side_group = side_group
         self.wait = wait
         self.order: Sequence[Message] = ()
         self.posted: Dict[int, Posted] = {}
+        self._flagged: Deque[int] = collections.deque()  # predicted activations whose flag is not read yet, in order
 
     def begin(self, order: Sequence[Message]) -> None:
         """A step whose messages on this link are ``order``."""
         self.order = order
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget every receive posted (a step ended, or failed)."""
         self.posted.clear()
+        self._flagged.clear()
 
     def post(self, i: int, *, block: bool) -> bool:
         """Post the receives of incoming message ``i``; False where that needs what is not in yet and not ``block``
@@ -86,16 +95,11 @@ class Posting:
             if known is not None:
                 posted.known, posted.bufs = known, predicted.buffers(known, self.flag, self.comm_device)
                 posted.works = self._irecv(posted.bufs, m, predicted.slots(known, self.flag, len(posted.bufs)))
-            if known is None or not self.flag:
-                self._post_header(posted, m)
-        if posted.header is None and known is not None:  # the flag says whether the header follows
-            if not self._ready(posted.works[predicted.flag_index(known)], m, block):
-                return False
-            posted.works.pop(predicted.flag_index(known))  # waited for (a gloo receive is not waited for twice)
-            if predicted.raised(known, posted.bufs):
-                self._post_header(posted, m)
-            else:
-                posted.meta = known
+                if self.flag:  # the flag is read when the activation is taken (``resolve``): the next one at once
+                    self._flagged.append(i)
+                    posted.done = True
+                    return True
+            self._post_header(posted, m)
         if posted.meta is None and posted.header is not None:
             work, buf = posted.header
             if not self._ready(work, m, block):
@@ -113,9 +117,34 @@ class Posting:
 
     def arrived(self, i: int) -> Posted:
         """Incoming message ``i`` once all of it is in (every receive of it posted first)."""
+        if self.order[i].kind == "F":
+            self.resolve(i)
         posted = self.posted.pop(i)
         self.wait(posted.works, self.order[i])
         return posted
+
+    def resolve(self, upto: int) -> None:
+        """Read the flags of the predicted activations up to message ``upto``, in the link's order (waiting for
+        their tensor that carries it), and post the receives of each changed one's header and of the tensors its
+        predicted receives did not carry, on ``side_group``: the peer sent them there right after its predicted
+        slots. In the link's order at both ends, so they meet under NCCL's rules too (the peer reads the flags that
+        come before a changed activation of its own before it sends that one's header)."""
+        while self._flagged and self._flagged[0] <= upto:
+            j = self._flagged.popleft()
+            posted, m = self.posted[j], self.order[j]
+            known = posted.known
+            assert known is not None  # only predicted activations are flagged
+            self.wait([posted.works.pop(predicted.flag_index(known))], m)  # a gloo receive is not waited twice
+            meta = known
+            if predicted.raised(known, posted.bufs):
+                buf = torch.empty((HEADER,), dtype=torch.int64)
+                self.wait(self._irecv([buf], m, [0], self.side_group), m)
+                meta = decode(buf)
+                have, late = specs(meta), predicted.missing(known, meta)
+                posted.late = [torch.empty(have[k][1], dtype=have[k][0], device=self.comm_device) for k in late]
+                posted.works += self._irecv(posted.late, m, [1 + k for k in late], self.side_group)
+            posted.meta = meta
+            self.shapes.crossed((m.stage, m.mb), meta)
 
     def value(self, i: int, posted: Posted, device: torch.device) -> Any:
         """What ``arrived`` message ``i`` carries, on ``device``: an activation as its sender gave it, or a gradient

@@ -10,8 +10,9 @@ read on the host where gloo's buffers are; over nccl the header, on the pipeline
 (a flag in a GPU buffer would take a synchronisation to read). When the activation differs, the sender still fills
 every predicted slot (with the tensor where its dtype and shape are the predicted ones, else with an unwritten
 tensor of the predicted shape: a receive cannot be withdrawn), then sends the header and the tensors the slots did
-not carry, in the link's order; the receiver, having read the flag, posts their receives next. No round trip: the
-sender never waits for the receiver to learn of the change.
+not carry: over gloo on a group of their own (``p2p``'s side group), where the receiver posts their receives when it
+reads the flag, so that no later receive waits for a flag; over nccl in the link's order, after the twin's header
+was read. No round trip: the sender never waits for the receiver to learn of the change.
 """
 
 from __future__ import annotations

@@ -61,9 +61,12 @@ class ProcessRunner:
 
     @classmethod
     def connect(cls, stages: Sequence[Stage], topology: Topology, *, n_stages: int, comm_device: torch.device,
-                timeout: timedelta, placement: str = "loop", header_group: Any = None) -> "ProcessRunner":
+                timeout: timedelta, placement: str = "loop", header_group: Any = None,
+                side_group: Any = None) -> "ProcessRunner":
         """The runner of this process's stages (one device row of ``topology``), with channels to the others
-        (``header_group``: the pipeline's gloo twin on an nccl job, for the activations' headers; see ``p2p``)."""
+        (``header_group``: the pipeline's gloo twin on an nccl job, for the activations' headers; ``side_group``: on
+        a gloo job a gloo group of the pipeline other than the tensors', for what a changed activation adds; see
+        ``p2p``)."""
         (device,) = group_rows(stages, topology.stages, n_stages, placement)
         peers = set()
         for s in device.stages:
@@ -80,7 +83,7 @@ class ProcessRunner:
             else:
                 links[r] = P2PChannel(topology.rank_of(topology.replica, r), rank=topology.rank, stage=device.row,
                                       peer_stage=r, device=device.first.device, comm_device=comm_device,
-                                      timeout=timeout, header_group=header_group)
+                                      timeout=timeout, header_group=header_group, side_group=side_group)
         runner = cls(device, links, rank=topology.rank)
         runner._own = own
         return runner
