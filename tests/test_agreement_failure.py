@@ -15,9 +15,8 @@ HERE = Path(__file__).resolve().parent
 @pytest.mark.timeout(150)
 def test_a_rank_killed_in_a_steps_first_agreement_is_named_by_every_other_rank():
     timeout, victim = 30.0, 3
-    # the ordinary gloo path (tags): a failing rank cuts its connections with a gloo wait that expires
-    # (``notice.cut``), which the suite's emulation of NCCL's rules would queue behind the pair's operations
-    rules = {"PIPEDDP_NCCL_RULES_FROM": str(HERE), "PIPEDDP_P2P_RULES": "tags"}
+    # under the suite's emulation of NCCL's rules for the pipeline's messages (the cut is posted past it)
+    rules = {"PIPEDDP_NCCL_RULES_FROM": str(HERE), "PIPEDDP_P2P_RULES": "nccl"}
     result = scale_failure.run_case("batch", 4, victim, timeout, 30.0, 0, env=rules)
     assert result["died"] is not None, result["victim_stderr"]
     for r in result["ranks"]:
