@@ -107,6 +107,18 @@ def from_transport(exc: BaseException) -> bool:
     return False
 
 
+def _own_wait(exc: BaseException) -> Optional[str]:
+    """What this rank's own pipeline wait says (``PeerError``: which message from which rank did not come), kept
+    beside the notice it raises with: when a peer stalls, the first rank to time out posts the notice, and that may
+    be a rank whose wait names no one (a collective), while this one's names the stalled rank."""
+    seen: Optional[BaseException] = exc
+    while seen is not None:
+        if isinstance(seen, PeerError):
+            return str(seen).split(": that process", 1)[0][:LONGEST]  # without the transport's words
+        seen = seen.__cause__
+    return None
+
+
 def _note(exc: BaseException, note: str) -> None:
     """``exc.add_note(note)`` where Python has it (3.11 on), shown under the traceback."""
     if hasattr(exc, "add_note"):
@@ -199,7 +211,9 @@ class Notices:
                 f"{notice['error']}. That error is the one to fix; every rank of the job stops with it. Restart the "
                 "job from its last checkpoint (torchrun --max-restarts=N restarts it; pipeddp.resume picks up the "
                 "newest)")
-            for note in [f"on {notice['where']}: {n}" for n in notice["notes"]] + getattr(exc, "__notes__", []):
+            own = _own_wait(exc)  # the peer this rank itself waited for, where its wait timed out on it
+            for note in [f"on {notice['where']}: {n}" for n in notice["notes"]] + getattr(exc, "__notes__", []) + (
+                    [f"pipeddp: this rank's own wait: {own}"] if own else []):
                 _note(failed, note)
             self._raised = failed
             raise failed from None
