@@ -58,6 +58,7 @@ from torch import nn
 from ..distributed.agreement import Agreement
 from ..distributed.shard import is_sharded
 from ..distributed.topology import Topology
+from ..runtime.dtensors import local
 from ..runtime.materialize import recorded_init
 from ..runtime.names import recorded_source
 from . import catalog, slices
@@ -125,10 +126,10 @@ Spec = Tuple[Tuple[int, ...], str, int]
 
 def _identity(key: str, t: torch.Tensor) -> Tuple[Any, ...]:
     """Equal for two keys of one tensor (a tied weight both of whose places this process holds)."""
-    local = t.to_local() if is_sharded(t) else t  # type: ignore[attr-defined]  # a DTensor (is_sharded)
-    if local.numel() == 0:  # no memory to share: its address says nothing
+    own = local(t)
+    if own.numel() == 0:  # no memory to share: its address says nothing
         return (key,)
-    return (local.device, local.data_ptr(), local.dtype, tuple(local.shape), tuple(local.stride()))
+    return (own.device, own.data_ptr(), own.dtype, tuple(own.shape), tuple(own.stride()))
 
 
 def _held(engine: Exporter, source: Optional[Source]) -> Tuple[Dict[str, torch.Tensor], List[str], str]:

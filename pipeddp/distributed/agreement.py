@@ -31,10 +31,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ..runtime.counted import Count, scalar_on
+from ..runtime.dtensors import local
 from ..runtime.microbatch import batch_size
 from ..runtime.warn import warn
 from .rows import gather_rows
-from .shard import local_tensor
 from .topology import Topology
 
 __all__ = ["Agreement", "CallCheck", "CollectiveError", "COLLECTIVES", "shapes_of"]
@@ -77,7 +77,7 @@ def _not_finite(grads: Sequence[torch.Tensor], dev: torch.device) -> torch.Tenso
     """
     groups: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
     for g in grads:
-        t = local_tensor(g)
+        t = local(g)
         if t.numel():
             groups.setdefault((t.device, t.dtype), []).append(t)
     if not groups:
@@ -302,7 +302,7 @@ class Agreement(CallCheck):
         grads = [p.grad for p in params if p.grad is not None]
         f64, vote = torch.float64, (skip_nonfinite or overflow_to_scaler) and bool(grads) and not carried
         on = [t.device for t in (local_loss, count) if isinstance(t, torch.Tensor)]
-        dev = on[0] if on else local_tensor(grads[0]).device if vote else torch.device("cpu")
+        dev = on[0] if on else local(grads[0]).device if vote else torch.device("cpu")
         # (loss, grads not finite, count): on the device until one copy brings them to the host (none: all numbers)
         bad = _not_finite(grads, dev) if vote else scalar_on(2.0 if carried else 0.0, dev)
         head = torch.stack([scalar_on(local_loss, dev), bad, scalar_on(count, dev)])

@@ -56,12 +56,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..runtime.dtensors import is_dtensor, local
 from ..runtime.gradsync import GradSync
 from ..runtime.stage import Stage
 from ..runtime.trace import Span, Trace
 
 __all__ = ["SHARD_MODES", "StageShard", "attach_shards", "check_shard", "split_backward", "is_sharded",
-           "local_tensor", "whole_tensors", "shard_like"]
+           "whole_tensors", "shard_like"]
 
 #: the ``shard=`` settings: DDP (nothing sharded), optimizer state + gradients (+ params between steps), everything
 SHARD_MODES = ("none", "optimizer", "full")
@@ -258,7 +259,7 @@ def _same_as_first(module: nn.Module, group: Any) -> None:
     src = dist.get_global_rank(group, 0)
     with torch.no_grad():
         for t in list(module.parameters()) + list(module.buffers()):
-            dist.broadcast(local_tensor(t.data), src=src, group=group)
+            dist.broadcast(local(t.data), src=src, group=group)
 
 
 def attach_shards(stages: Sequence[Stage], groups: Dict[int, Any], mode: str,
@@ -276,16 +277,9 @@ def attach_shards(stages: Sequence[Stage], groups: Dict[int, Any], mode: str,
 
 
 def is_sharded(t: Any) -> bool:
-    """Whether ``t`` is a ``DTensor`` (a sharded parameter, gradient or optimizer state)."""
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a ``DTensor``; a plain tensor as it is."""
-    # mypy: is_sharded checks for a DTensor, which mypy cannot narrow through a helper
-    return t.to_local() if is_sharded(t) else t  # type: ignore[attr-defined]
+    """Whether ``t`` is a ``DTensor`` (a sharded parameter, gradient or optimizer state); a job that never shards
+    never imports ``torch.distributed.tensor`` to answer (``runtime.dtensors``)."""
+    return is_dtensor(t)
 
 
 def whole_tensors(state: Dict[str, Any]) -> Dict[str, Any]:
