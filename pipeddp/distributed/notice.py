@@ -95,28 +95,26 @@ def _cut_receive(group: Any, peer: int) -> Any:
     return group.recv([torch.empty(1)], dist.get_group_rank(group, peer), CUT_TAG)
 
 
-def from_transport(exc: BaseException) -> bool:
-    """Whether ``exc`` (or what caused it) is a failure of the transport: a wait that a peer's cut ended."""
+def _causes(exc: BaseException) -> Iterator[BaseException]:
+    """``exc``, then what caused it, and so on."""
     seen: Optional[BaseException] = exc
     while seen is not None:
-        text = str(seen)
-        if isinstance(seen, (PeerError, CollectiveError, dist.DistError)) or "gloo" in text \
-                or "pair closure" in text:
-            return True
+        yield seen
         seen = seen.__cause__
-    return False
+
+
+def from_transport(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) is a failure of the transport: a wait that a peer's cut ended."""
+    return any(isinstance(e, (PeerError, CollectiveError, dist.DistError)) or "gloo" in str(e)
+               or "pair closure" in str(e) for e in _causes(exc))
 
 
 def _own_wait(exc: BaseException) -> Optional[str]:
     """What this rank's own pipeline wait says (``PeerError``: which message from which rank did not come), kept
     beside the notice it raises with: when a peer stalls, the first rank to time out posts the notice, and that may
     be a rank whose wait names no one (a collective), while this one's names the stalled rank."""
-    seen: Optional[BaseException] = exc
-    while seen is not None:
-        if isinstance(seen, PeerError):
-            return str(seen).split(": that process", 1)[0][:LONGEST]  # without the transport's words
-        seen = seen.__cause__
-    return None
+    own = next((e for e in _causes(exc) if isinstance(e, PeerError)), None)
+    return None if own is None else str(own).split(": that process", 1)[0][:LONGEST]  # without the transport's words
 
 
 def _note(exc: BaseException, note: str) -> None:
