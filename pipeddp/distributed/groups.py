@@ -28,6 +28,7 @@ import torch.distributed as dist
 from ..runtime.devices import DeviceLike, resolve_devices
 from ..runtime.schedule.actions import row_of
 from ..runtime.warn import warn
+from .lazy import made_lazily
 from .topology import Topology, env_world
 
 __all__ = ["Groups", "current_topology", "local_devices", "choose_backend", "host_group", "init_process_group",
@@ -122,16 +123,19 @@ def init_process_group(backend: str, timeout: timedelta) -> None:
     process groups left there point at dead processes, and the new group may
     connect to them and fail (pytorch/pytorch#135712). Under torchrun the group's
     keys are therefore put under a prefix of the restart attempt.
+
+    Made here, the group is pipeddp's: a gloo group connects each pair of ranks on first use (``lazy``).
     """
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        dist.init_process_group(backend, timeout=timeout)
-        return
-    rank, world, _, _ = env_world()
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world,
-                          is_master=False, timeout=timeout)
-    dist.init_process_group(backend, store=dist.PrefixStore(f"pipeddp/attempt-{attempt}", store), rank=rank,
-                            world_size=world, timeout=timeout)
+    with made_lazily(timeout):
+        if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            dist.init_process_group(backend, timeout=timeout)
+            return
+        rank, world, _, _ = env_world()
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world,
+                              is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=dist.PrefixStore(f"pipeddp/attempt-{attempt}", store), rank=rank,
+                                world_size=world, timeout=timeout)
 
 
 @dataclass
@@ -154,14 +158,17 @@ def subgroup(topo: Topology, ranks: Optional[Sequence[int]], backend: Optional[s
 
     torch wants every rank of the world in ``new_group``; a job placed on a mesh may share its world with ranks
     of another parallelism that never call it, so there the members create it alone
-    (``use_local_synchronization``) and any other rank gets None.
+    (``use_local_synchronization``) and any other rank gets None. A gloo group connects each pair of its ranks
+    when they first exchange something (``lazy``), not all of them now.
     """
     if topo.table is None:
-        return dist.new_group(None if ranks is None else list(ranks), timeout=timeout, backend=backend)
+        with made_lazily(timeout):
+            return dist.new_group(None if ranks is None else list(ranks), timeout=timeout, backend=backend)
     members = sorted(topo.job_ranks if ranks is None else ranks)
     if topo.rank not in members:
         return None
-    return dist.new_group(members, timeout=timeout, backend=backend, use_local_synchronization=True)
+    with made_lazily(timeout):
+        return dist.new_group(members, timeout=timeout, backend=backend, use_local_synchronization=True)
 
 
 def host_group(topo: Topology, ranks: Optional[Sequence[int]], backend: str, group: Any, timeout: timedelta) -> Any:

@@ -33,6 +33,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 import torch.multiprocessing as mp
 
+from . import lazy
+
 __all__ = ["spawn", "free_port"]
 
 #: how many times a job is started where each attempt finds its port taken (see the module docstring)
@@ -79,7 +81,11 @@ def _entry(index: int, fn: Callable[..., Any], args_path: str, env: Dict[str, st
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        result = fn(*args)
+        try:
+            result = fn(*args)
+        except BaseException:
+            lazy.failed()  # the exit does not hold the others (``lazy``): the parent stops them
+            raise
         tmp = os.path.join(out_dir, f".result-{index}.tmp")
         torch.save(result, tmp)
         os.replace(tmp, os.path.join(out_dir, f"result-{index}.pt"))

@@ -32,6 +32,7 @@ from ..runtime.microbatch import tree_map
 from ..runtime.settings import Settings
 from ..runtime.step import Runner, Step
 from ..runtime.trace import timed
+from . import lazy
 from .agreement import Agreement, CollectiveError
 from .elastic import GlobalBatch
 from .groups import Groups
@@ -68,6 +69,7 @@ class Replica:
         #: a failure inside a step reaches every rank at once (``notice``): its gloo groups are cut with it
         self.notices = Notices(topology, [agreement.host_group, topology.group, *groups.stage.values(),
                                           groups.pipeline, groups.pipeline_host])
+        lazy.watch(self.notices.key)  # a failure posted: the exit does not wait for the ranks (``lazy``)
         self.step = step
         self.runner = runner
         self.ties = ties
@@ -223,5 +225,6 @@ class Replica:
         self.runner.close()
         self.open_skip.end()
         if self.owns_group and dist.is_initialized():
+            lazy.leave()  # the process that serves the store keeps it until every rank is done (``lazy``)
             dist.destroy_process_group()
             self.owns_group = False

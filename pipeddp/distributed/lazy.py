@@ -1,0 +1,141 @@
+"""pipeddp's gloo groups connect a pair of ranks when the pair first exchanges something, and the store stays up.
+
+A gloo group made eagerly is a full mesh: every member connects to every other when the group is made, through
+the rendezvous store (a ``get`` and a ``wait`` per peer). The job's group alone is N - 1 sockets and 2 (N - 1)
+store operations per rank; a step uses O(log N) of them (the agreements' tree, the pipeline's neighbours, DDP's
+ring). torch makes a gloo group lazily where ``TORCH_GLOO_LAZY_INIT=1`` is set when the group is made
+(docs/scale.md), so pipeddp sets it around the groups it makes itself (``made_lazily``: its stage, pipeline,
+job and gloo-twin groups, and the process group where the engine starts it) and restores it exactly after: the
+user's own groups stay as the user made them. ``PIPEDDP_LAZY_GROUPS=0`` makes pipeddp's groups eagerly again.
+
+The price of a connection made late: it goes through the store, and the store lives in world rank 0's process
+(``pipeddp.spawn``, torchrun's ``env://`` without its agent's store). Were rank 0 to leave first, a rank whose last
+collective connects to a peer for the first time would fail ("Did the remote server shutdown"). So every process
+that made such a group counts itself in (``hold``: ``joined``) and, when it is done, out (``leave``: ``left``; at
+the close of an engine that started the process group, before it is destroyed, else at the process's exit), and
+the process that serves the store waits at its exit until every process counted in has left. The wait is
+bounded by the engine's timeout and skipped where the job is failing anyway: a failure notice posted
+(``watch``; ``notice``) or this process ending on an exception, which must not keep the peers waiting on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from datetime import timedelta
+from multiprocessing import util
+from types import TracebackType
+from typing import Any, Iterator, List, Optional, Type
+
+import torch.distributed as dist
+
+__all__ = ["ENV", "enabled", "made_lazily", "watch", "leave", "failed"]
+
+#: the setting: "1" (default) pipeddp's gloo groups connect on first use, "0" as full meshes when made
+ENV = "PIPEDDP_LAZY_GROUPS"
+#: torch's switch, read when each gloo process group is made
+TORCH_ENV = "TORCH_GLOO_LAZY_INIT"
+#: the store keys that count the processes in and out
+JOINED, LEFT = "pipeddp/lazy/joined", "pipeddp/lazy/left"
+#: how often the process that serves the store looks whether every process has left
+POLL_S = 0.02
+
+
+def enabled() -> bool:
+    """Whether pipeddp makes its gloo groups lazily (``PIPEDDP_LAZY_GROUPS``, default on)."""
+    value = os.environ.get(ENV, "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV}={value!r}: set it to 1 (pipeddp's gloo groups connect each pair of ranks on first "
+                         "use, the default) or 0 (every group a full mesh of connections when it is made)")
+    return value == "1"
+
+
+class _Stay:
+    """This process's count in the store that its lazy groups connect through (see the module docstring)."""
+
+    def __init__(self, store: Any, timeout: timedelta) -> None:
+        self.store = store  # held: the server stays up while the process lives, even past destroy_process_group
+        self.timeout = timeout
+        self.serves = dist.get_rank() == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        self.world = dist.group.WORLD  # a process group made after this one is destroyed counts anew
+        self.notices: List[str] = []
+        store.add(JOINED, 1)
+
+    def leave(self, wait: bool = True) -> None:
+        """Count this process out; where it serves the store, wait until every process counted in is out."""
+        with contextlib.suppress(Exception):  # a store that is gone has nobody left to serve
+            self.store.add(LEFT, 1)
+            if not (wait and self.serves) or _failed[0]:
+                return
+            deadline = time.monotonic() + self.timeout.total_seconds()
+            while (self.store.add(LEFT, 0) < self.store.add(JOINED, 0) and time.monotonic() < deadline
+                   and not any(self.store.check([key]) for key in self.notices)):
+                time.sleep(POLL_S)
+
+
+_stay: List[Optional[_Stay]] = [None]
+_failed = [False]
+_hooks_set = [False]
+
+
+def _hold(timeout: timedelta) -> None:
+    """Count this process in, once per process group (the exit hook set up on the first)."""
+    if not dist.is_initialized():
+        return
+    if _stay[0] is not None and _stay[0].world is not dist.group.WORLD:  # destroyed by the user, made anew
+        leave(wait=False)
+    if _stay[0] is not None:
+        _stay[0].timeout = max(_stay[0].timeout, timeout)
+        return
+    if not _hooks_set[0]:
+        util.Finalize(None, leave, exitpriority=100)  # at exit, in a plain process and in a multiprocessing child
+        previous = sys.excepthook
+
+        def on_uncaught(kind: Type[BaseException], exc: BaseException, tb: Optional[TracebackType]) -> None:
+            failed()
+            previous(kind, exc, tb)
+
+        sys.excepthook = on_uncaught
+        _hooks_set[0] = True
+    _stay[0] = _Stay(dist.distributed_c10d._get_default_store(), timeout)
+
+
+
+@contextlib.contextmanager
+def made_lazily(timeout: timedelta) -> Iterator[None]:
+    """Make the gloo groups created inside connect on first use (unless ``PIPEDDP_LAZY_GROUPS=0``); the variable
+    torch reads is restored exactly after, and this process is counted in the store's users (``_hold``)."""
+    if not enabled():
+        yield
+        return
+    _hold(timeout)  # before the group where a store exists: a peer may connect to this process as soon as it is made
+    before = os.environ.get(TORCH_ENV)
+    os.environ[TORCH_ENV] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[TORCH_ENV]
+        else:
+            os.environ[TORCH_ENV] = before
+    _hold(timeout)  # the process group itself: its store exists now
+
+
+def watch(key: str) -> None:
+    """A failure notice's store key (``Notices.key``): once posted, the exit does not wait for the others."""
+    if _stay[0] is not None:
+        _stay[0].notices.append(key)
+
+
+def leave(wait: bool = True) -> None:
+    """This process is done with pipeddp's groups (see the module docstring); the next process group counts anew."""
+    stay, _stay[0] = _stay[0], None
+    if stay is not None:
+        stay.leave(wait)
+
+
+def failed() -> None:
+    """This process ends on an error: its exit does not wait for the others (they fail on its connections)."""
+    _failed[0] = True

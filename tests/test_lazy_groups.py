@@ -1,0 +1,79 @@
+"""pipeddp's gloo groups connect a pair of ranks on first use (``distributed.lazy``): a 2 x 2 stage-mode job that
+starts its own process group holds after setup fewer connections than its groups' full meshes, trains exactly as
+the plain model, and two ranks whose first connection comes after world rank 0 (which serves the store) is done
+still make it: rank 0's exit waits for them."""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import pipeddp
+from conftest import make_mlp, reference_training
+from hybrid_jobs import LOSS, global_batches, local_slice
+
+
+def peer_connections() -> int:
+    """This process's established TCP connections, less those with the rendezvous store (its port either end)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    store_port = int(os.environ["MASTER_PORT"])
+    count = 0
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                local, remote, state, inode = cols[1], cols[2], cols[3], cols[9]
+                ports = {int(local.rsplit(":", 1)[1], 16), int(remote.rsplit(":", 1)[1], 16)}
+                count += inode in inodes and state == "01" and store_port not in ports  # 01: ESTABLISHED
+    return count
+
+
+def lazy_job(steps: int):
+    """Build (the engine starts the process group), count connections, train ``steps`` steps; then ranks 2 and 3
+    meet for the first time on their pipeline's group while rank 0 returns at once."""
+    rank = int(os.environ["RANK"])
+    engine = pipeddp.HybridParallel(make_mlp(), stages=2, mode="stage", chunks=2, balance="uniform", timeout=60)
+    groups = engine._replica.groups
+    built = peer_connections()
+    topo = engine.topology
+    full_mesh = sum(len(ranks) - 1 for ranks in (topo.job_ranks, topo.stage_ranks(topo.stage),
+                                                  topo.pipeline_ranks(topo.replica)))
+    opt = torch.optim.SGD(engine.parameters(), lr=0.1)
+    for batch in global_batches(2, steps):
+        x, y = local_slice(batch, engine.topology.replica, 10)
+        opt.zero_grad()
+        engine.train_step(x if engine.is_first else None, y if engine.is_last else None, LOSS)
+        opt.step()
+    state = engine.state_dict()
+    if rank in (2, 3):  # the pipeline group of replica 1: no step of this job sent anything over it
+        time.sleep(1.0)  # rank 0 is gone from its job by now; it serves the store this first connection reads
+        total = torch.tensor([float(rank)])
+        dist.all_reduce(total, group=groups.pipeline)
+        assert total.item() == 5.0
+    return {"built": built, "full_mesh": full_mesh, "state": state if rank == 0 else None,
+            "lazy_env": os.environ.get("TORCH_GLOO_LAZY_INIT")}
+
+
+@pytest.mark.timeout(120)
+def test_lazy_groups_connect_less_train_exactly_and_outlive_rank0():
+    steps = 2
+    results = pipeddp.spawn(lazy_job, 4, args=(steps,), timeout=100)
+    for rank, r in enumerate(results):
+        assert r["lazy_env"] is None  # torch's variable restored as it was (unset)
+        # eager: the world's mesh (3), the stage group's (1), the pipeline's (1) on every rank
+        assert r["full_mesh"] == 5
+        if rank:  # rank 0 broadcasts the partition to every rank during setup
+            assert r["built"] < r["full_mesh"] - 1, [r["built"] for r in results]
+    _, params = reference_training(make_mlp(), [(x, y) for x, y in global_batches(2, steps)], LOSS)
+    state = results[0]["state"]
+    for name, p in zip(make_mlp().state_dict(), params):
+        torch.testing.assert_close(state[name], p, rtol=0, atol=1e-12)
