@@ -1,6 +1,7 @@
 """A torchrun job with a fixed global batch that may stop at a step and be restarted with another replica count.
 
     torchrun --standalone --nproc_per_node=R tests/elastic_job.py DIR STEPS STOP_AT OUT FORMAT
+    pipeddp.spawn(elastic_job.main, R, args=([DIR, STEPS, STOP_AT, OUT, FORMAT],))
 
 Replica mode, one process per replica driving 2 stage threads. It resumes from
 the newest checkpoint of DIR (model, optimizer and the data position), trains
@@ -18,6 +19,7 @@ itself: the host is gone, and the other hosts must go on without it. ELASTIC_JOB
 import os
 import signal
 import sys
+from typing import List, Optional
 
 import torch
 from torch import nn
@@ -42,8 +44,10 @@ def dataset() -> torch.utils.data.TensorDataset:
                                           torch.randn(SAMPLES, 3, generator=g, dtype=torch.float64))
 
 
-def main() -> None:
-    directory, steps, stop_at, out, form = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+def main(argv: Optional[List[str]] = None) -> Optional[str]:
+    """The job (``argv`` as on the command line); rank 0 prints and returns the line that says where it starts."""
+    argv = sys.argv[1:] if argv is None else argv
+    directory, steps, stop_at, out, form = argv[0], int(argv[1]), int(argv[2]), argv[3], argv[4]
     torch.set_num_threads(1)
     engine = pipeddp.HybridParallel(model(), stages=2, chunks=2, devices=["cpu", "cpu"], threads=1, timeout=60,
                                     global_batch=GLOBAL_BATCH, batch_size=BATCH_SIZE,
@@ -53,9 +57,10 @@ def main() -> None:
     resumed = engine.resume(directory, opt)
     step = resumed["step"] if resumed else 0
     lose_at = int(os.environ.get("LOSE_HOST_AT", "0")) if os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" else 0
+    start = (f"replicas {engine.topology.replicas} accumulation {engine.accumulation}: starting at step {step}, "
+             f"epoch {engine.position.epoch}, {engine.position.consumed} samples consumed")
     if engine.topology.rank == 0:
-        print(f"replicas {engine.topology.replicas} accumulation {engine.accumulation}: starting at step {step}, "
-              f"epoch {engine.position.epoch}, {engine.position.consumed} samples consumed", flush=True)
+        print(start, flush=True)
     while step < steps and not (stop_at and step >= stop_at):
         loader.set_epoch(engine.position.epoch)
         for x, y in loader:
@@ -74,7 +79,9 @@ def main() -> None:
         state = engine.state_dict()
         if engine.topology.rank == 0:
             torch.save(state, out)
+    rank = engine.topology.rank
     engine.close()
+    return start if rank == 0 else None
 
 
 if __name__ == "__main__":

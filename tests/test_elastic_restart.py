@@ -1,8 +1,11 @@
-"""Real torchrun jobs that stop at a step and restart with another replica count, the global batch fixed.
+"""Jobs that stop at a step and start again with another replica count, the global batch fixed.
 
 The final weights must equal the plain model's trained on the same global
 batches, as an uninterrupted run's do (float64, to a tolerance: the passes and
 replica shares of a global batch sum in another order than one whole batch).
+Each start is a new set of processes with the environment torchrun gives
+(``pipeddp.spawn``: no agent importing torch, no worker importing it again);
+the elastic example restarts under real torchrun.
 """
 
 from __future__ import annotations
@@ -16,25 +19,21 @@ import pytest
 import torch
 
 import elastic_job as job
+import pipeddp
 from pipeddp.data import ElasticSampler
 from pipeddp.distributed.elastic import DataPosition
 
-JOB = Path(__file__).resolve().parent / "elastic_job.py"
 STEPS = 8
 pytestmark = pytest.mark.timeout(500)
 
 
-def torchrun(tmp_path: Path, directory: Path, nproc: int, stop_at: int, form: str, shard: str = "none") -> str:
+def start(tmp_path: Path, directory: Path, nproc: int, stop_at: int, form: str, shard: str = "none") -> str:
+    """One start of ``elastic_job`` on ``nproc`` processes; the line its rank 0 printed."""
     out = tmp_path / "final.pt"
     if out.exists():
         out.unlink()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", ELASTIC_JOB_SHARD=shard)
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-         str(JOB), str(directory), str(STEPS), str(stop_at), str(out), form],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=200)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc.stdout
+    return pipeddp.spawn(job.main, nproc, args=([str(directory), str(STEPS), str(stop_at), str(out), form],),
+                         env={"ELASTIC_JOB_SHARD": shard}, timeout=200)[0]
 
 
 def plain_training() -> dict:
@@ -60,15 +59,15 @@ def close(a: dict, b: dict) -> float:
 
 def test_two_replicas_to_one_and_one_to_two_train_as_the_uninterrupted_run(tmp_path):
     expected = plain_training()
-    first = torchrun(tmp_path, tmp_path / "down", 2, 3, "file")  # stops after step 3: mid-epoch
+    first = start(tmp_path, tmp_path / "down", 2, 3, "file")  # stops after step 3: mid-epoch
     assert "replicas 2 accumulation 2: starting at step 0" in first and not (tmp_path / "final.pt").exists()
-    log = torchrun(tmp_path, tmp_path / "down", 1, 0, "file")
+    log = start(tmp_path, tmp_path / "down", 1, 0, "file")
     assert "replicas 1 accumulation 4: starting at step 3, epoch 0, 24 samples consumed" in log
     down = torch.load(tmp_path / "final.pt")
     assert close(down, expected) < 1e-10
 
-    torchrun(tmp_path, tmp_path / "up", 1, 5, "sharded")  # stops after the last step of epoch 0
-    log = torchrun(tmp_path, tmp_path / "up", 2, 0, "sharded")
+    start(tmp_path, tmp_path / "up", 1, 5, "sharded")  # stops after the last step of epoch 0
+    log = start(tmp_path, tmp_path / "up", 2, 0, "sharded")
     # the epoch's samples are all consumed: the loader finds it empty and goes on with epoch 1
     assert "replicas 2 accumulation 2: starting at step 5, epoch 0, 40 samples consumed" in log
     up = torch.load(tmp_path / "final.pt")
@@ -78,8 +77,8 @@ def test_two_replicas_to_one_and_one_to_two_train_as_the_uninterrupted_run(tmp_p
 def test_a_sharded_job_restarts_with_fewer_replicas_and_resumes_its_shards_exactly(tmp_path):
     """shard="optimizer": 4 replicas write their shards (DCP) mid-epoch; 2 replicas, sharded alike, go on."""
     expected = plain_training()
-    torchrun(tmp_path, tmp_path / "run", 4, 3, "sharded", shard="optimizer")
-    log = torchrun(tmp_path, tmp_path / "run", 2, 0, "sharded", shard="optimizer")
+    start(tmp_path, tmp_path / "run", 4, 3, "sharded", shard="optimizer")
+    log = start(tmp_path, tmp_path / "run", 2, 0, "sharded", shard="optimizer")
     assert "replicas 2 accumulation 2: starting at step 3, epoch 0, 24 samples consumed" in log
     assert close(torch.load(tmp_path / "final.pt"), expected) < 1e-10
 
