@@ -106,7 +106,6 @@ REFUSALS = [
     ("not a linear", {"tp_plan": {"block0.norm": "colwise"}}),
     ("indivisible", {"tp_plan": {"embed": "rowwise"}}),
     ("unknown style", {"tp_plan": {"head": "diagonal"}}),
-    ("mlp dropout", {}),
     ("llama heads", {"tp_plan": "auto"}),
     ("llama tied", {"tp_plan": {"lm_head": "colwise_gather_output"}}),  # the head split, its tied embedding whole
 ]
@@ -123,6 +122,5 @@ def test_plans_that_cannot_apply_are_refused_before_anything_is_built():
     assert "block0.norm (LayerNorm) the colwise style" in told["not a linear"]
     assert "in_features=5 is not divisible by 2" in told["indivisible"]
     assert "a style is one of" in told["unknown style"]
-    assert "block1.drop drops with p=0.1" in told["mlp dropout"]
     assert "config.num_attention_heads=3 is not divisible by 2" in told["llama heads"]
     assert "not alike at every place" in told["llama tied"] and "lm_head.weight" in told["llama tied"]

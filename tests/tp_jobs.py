@@ -171,8 +171,6 @@ def refusal_job(cases: List[Tuple[str, Dict[str, Any]]]) -> Dict[str, str]:
         if name.startswith("llama"):
             model = flatten_sequential(llama(heads=3 if "heads" in name else 4, tied="tied" in name),
                                        lm_batches(1)[0][0])
-        if "dropout" in name:
-            model.block1.add_module("drop", nn.Dropout(0.1))
         kwargs = {"stages": 1, "mode": "stage", "mesh": mesh, "tp_plan": MLP_PLAN, **kwargs}
         if kwargs["mesh"] == "2d":
             kwargs["mesh"] = mesh["dp", "pp"]

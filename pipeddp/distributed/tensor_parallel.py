@@ -20,12 +20,18 @@ meta device too), so a wrong plan is refused on every rank alike, before a
 group or a tensor exists: a pattern that matches no module, a style on a
 module it cannot shard, a ``tp`` size that does not divide the dimension a
 style splits (a Linear's outputs for ``colwise``, inputs for ``rowwise``, an
-attention's heads), a parameter tied to another place (an embedding tied to
-the head) that is not split alike at every place, and dropout (the
-tensor-parallel ranks of a stage would draw different masks: refused rather
-than made to agree). A tie split alike (``embedding_rowwise`` with
-``colwise_gather_output``: both by rows of the vocabulary) is kept one weight
-shard by shard (``ties``, over the ranks of one tp coordinate).
+attention's heads), and a parameter tied to another place (an embedding tied
+to the head) that is not split alike at every place. A tie split alike
+(``embedding_rowwise`` with ``colwise_gather_output``: both by rows of the
+vocabulary) is kept one weight shard by shard (``ties``, over the ranks of one
+tp coordinate).
+
+Dropout and other random ops draw the plain model's numbers (``spanned``):
+every tp rank of a stage runs from the stage's seed, so an activation
+replicated over tp draws one mask on all of them; between a module whose
+style leaves its output split (``colwise``) and the next whose style takes a
+split input (``rowwise``) the activations are split, and each random op there
+draws the whole tensor and keeps the rank's part (``runtime.shard_draws``).
 
 A head sharded on the vocabulary (transformers' ``colwise_gather_output``)
 gathers its logits, so every tp rank holds them whole and the user's loss
@@ -38,13 +44,15 @@ offered).
 from __future__ import annotations
 
 from fnmatch import fnmatch
+from functools import lru_cache, partial
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 from torch import nn
 
+from ..runtime.draws import split_draws
 from ..runtime.names import Names, recorded_source
 
-__all__ = ["STYLE_NAMES", "resolve_plan", "check_tp_plan_arg", "layer_plan"]
+__all__ = ["STYLE_NAMES", "resolve_plan", "check_tp_plan_arg", "layer_plan", "spanned"]
 
 PlanArg = Union[str, Mapping[str, Any], None]
 
@@ -135,7 +143,6 @@ def resolve_plan(model: nn.Sequential, tp_plan: PlanArg, size: int) -> Dict[str,
     _check_heads(model, {names.original(k) for k in out}, size)
     _check_output(model, out, names)
     _check_ties(model, out, names)
-    _check_dropout(model)
     return out
 
 
@@ -252,29 +259,69 @@ def _used_twice(model: nn.Sequential, path: str) -> bool:
     return sum(1 for _, m in model.named_modules(remove_duplicate=False) if m is target) > 1
 
 
-def _check_dropout(model: nn.Sequential) -> None:
-    """Dropout is refused: the tp ranks of a stage draw apart, so a replicated activation would differ between them."""
-    from torch.nn.modules.dropout import _DropoutNd
-
-    for name, m in model.named_modules():
-        if isinstance(m, _DropoutNd) and m.p > 0:
-            raise ValueError(f"{name} drops with p={m.p}; with tp_plan the tensor-parallel ranks of a stage would draw "
-                             "different masks, which is not supported: set its p to 0, or train without tp_plan")
-    config = getattr(recorded_source(model), "config", None)
-    settings = config.to_dict() if config is not None and hasattr(config, "to_dict") else {}
-    for key, value in settings.items():
-        if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, float) and value > 0:
-            raise ValueError(f"config.{key}={value}: with tp_plan the tensor-parallel ranks of a stage would draw "
-                             "different dropout masks, which is not supported: build the model with it 0, or train "
-                             "without tp_plan")
-
-
 def layer_plan(styles: Mapping[str, Any], layer: str) -> Optional[Dict[str, Any]]:
-    """The styles of the modules under the model's layer ``layer``, by their paths in it (``""``: the layer)."""
+    """The styles of the modules under the model's layer ``layer``, by their paths in it (``""``: the layer), each
+    that splits an activation or takes a split one wrapped by ``spanned``."""
     out = {}
     for path, style in styles.items():
         if path == layer:
-            out[""] = style
+            out[""] = spanned(style)
         elif path.startswith(layer + "."):
-            out[path[len(layer) + 1:]] = style
+            out[path[len(layer) + 1:]] = spanned(style)
     return out or None
+
+
+def _splits(style: Any) -> Optional[bool]:
+    """True where ``style`` leaves its module's output split over tp (``colwise``), False where it takes a split
+    input (``rowwise`` on a Linear), None where neither (a gathered output, an embedding, a style of another kind)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if isinstance(style, ColwiseParallel):
+        return True if any(isinstance(p, Shard) for p in style.output_layouts) else None
+    if isinstance(style, RowwiseParallel):
+        return False if any(isinstance(p, Shard) for p in style.input_layouts) else None
+    return None
+
+
+def _split_from(parts: int, index: int, module: nn.Module, inputs: Any, output: Any) -> None:
+    split_draws(parts, index)
+
+
+def _whole_from(module: nn.Module, inputs: Any) -> None:
+    split_draws(None)
+
+
+def spanned(style: Any) -> Any:
+    """``style``, wrapped where its module's forward starts or ends the span of activations split over tp.
+
+    After the forward of a module that leaves its output split, this thread's random ops act on parts of split
+    tensors (``draws.split_draws``: each draws the whole tensor's numbers and keeps the rank's part); from the
+    forward of a module that takes the split input, on whole tensors again. Every forward of a stage starts
+    outside the span (``draws.stage_generator``), so a recompute runs through the same spans as its first forward.
+    """
+    splits = _splits(style)
+    return style if splits is None else _spanned_style()(style, splits)
+
+
+@lru_cache(maxsize=None)
+def _spanned_style() -> type:
+    """The ParallelStyle ``spanned`` wraps with (made at the first use: DTensor is loaded with it, not before)."""
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class Spanned(ParallelStyle):
+        """``style`` applied, then the hook that starts (``splits``) or ends the span on its module."""
+
+        def __init__(self, style: Any, splits: bool) -> None:
+            self.style, self.splits = style, splits
+
+        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+            self.style.src_data_rank = self.src_data_rank  # parallelize_module sets it on the style it is given
+            module = self.style._apply(module, device_mesh)
+            if self.splits:
+                module.register_forward_hook(partial(_split_from, device_mesh.size(), device_mesh.get_local_rank()))
+            else:
+                module.register_forward_pre_hook(_whole_from)
+            return module
+
+    return Spanned

@@ -42,7 +42,9 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-__all__ = ["stage_generator", "settled", "stop_handing", "HostDraws", "register_kernels"]
+from .shard_draws import whole_then_part
+
+__all__ = ["stage_generator", "settled", "stop_handing", "split_draws", "HostDraws", "register_kernels"]
 
 _PARSED = torch._C._parse_dispatch_key("VmapMode")  # not among the Python enum's names
 if _PARSED is None:
@@ -63,6 +65,7 @@ class _Hand(threading.local):
 
     generator: Any = None
     seed: Optional[int] = None
+    split: Optional[Tuple[int, int]] = None  # (parts, index) while the ops act on a part of a split tensor
 
 
 _state = _Hand()
@@ -138,14 +141,20 @@ def _kernel(op: Any) -> Optional[Callable[..., Any]]:
         def hand(generator: torch.Generator, args: Any, kwargs: Dict[str, Any]) -> Any:
             return overload(*args, generator=generator, **kwargs)
 
-    def kernel(*args: Any, **kwargs: Any) -> Any:
+    def call(args: Any, kwargs: Dict[str, Any]) -> Any:
         generator = _state.generator
-        if generator is None:  # not in a stage: torch's legacy vmap included the key
+        if generator is _PROCESS or not _on_cpu(args, kwargs):
+            return op(*args, **kwargs)
+        return hand(settled(), args, dict(kwargs))
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        if _state.generator is None:  # not in a stage: torch's legacy vmap included the key
             raise RuntimeError(_LEGACY)
         with torch._C._ExcludeDispatchKeyGuard(_KEYSET):
-            if generator is _PROCESS or not _on_cpu(args, kwargs):
-                return op(*args, **kwargs)
-            return hand(settled(), args, dict(kwargs))
+            split = _state.split
+            if split is not None and args and isinstance(args[0], torch.Tensor) and args[0].dim():
+                return whole_then_part(call, op, args, kwargs, *split)
+            return call(args, kwargs)
 
     return kernel
 
@@ -183,23 +192,23 @@ class stage_generator:  # noqa: N801 (used as a context, like torch.no_grad)
     """Every random op of the CPU run in this thread by the body draws from ``generator`` (seeded with ``seed``
     first, where one is given). Entered around every forward of a stage: kept to a few attribute writes."""
 
-    __slots__ = ("generator", "seed", "before", "included")
+    __slots__ = ("generator", "seed", "before", "included")  # (the split is reset for the body, then restored)
 
     def __init__(self, generator: torch.Generator, seed: Optional[int] = None) -> None:
         self.generator, self.seed = generator, seed
 
     def __enter__(self) -> None:
         state = _state
-        self.before = (state.generator, state.seed)
+        self.before = (state.generator, state.seed, state.split)
         self.included = _is_included(_KEY)
-        state.generator, state.seed = self.generator, self.seed  # seeded at the first draw: none, no cost
+        state.generator, state.seed, state.split = self.generator, self.seed, None  # seeded at the first draw
         if not self.included:
             _set_included(_KEY, True)
 
     def __exit__(self, *exc: Any) -> None:
         if not self.included:
             _set_included(_KEY, False)
-        _state.generator, _state.seed = self.before
+        _state.generator, _state.seed, _state.split = self.before
 
 
 def settled() -> torch.Generator:
@@ -209,6 +218,13 @@ def settled() -> torch.Generator:
         generator.manual_seed(_state.seed)
         _state.seed = None
     return generator
+
+
+def split_draws(parts: Optional[int] = None, index: int = 0) -> None:
+    """From here to the end of the body of ``stage_generator`` in this thread (or the next call), each random op on
+    a tensor acts on part ``index`` of one split in ``parts`` (tensor parallelism): it draws the whole tensor's
+    numbers and keeps its part (``shard_draws``); ``parts=None``: the ops act on whole tensors again."""
+    _state.split = None if parts is None else (parts, index)
 
 
 def stop_handing() -> None:
