@@ -2,14 +2,18 @@
 
 Counted, not timed (counts do not depend on the host's load): N processes on this host (``pipeddp.spawn``, gloo,
 one intra-op thread each), a tiny MLP, three configurations per N: ``stage`` (2 stages x N/2 replicas, one stage per
-process), ``replica`` (every process holds both stages, N replicas) and plain DDP of the whole model over N. Per
-process:
+process), ``replica`` (every process holds both stages, N replicas) and plain DDP of the whole model over N. The
+engine starts the process group itself (``env://``, as a script that leaves it to the engine), so its groups are
+made as the engine makes them: full meshes by default, connected on first use with ``--lazy-groups``
+(``PIPEDDP_LAZY_GROUPS=1``, ``distributed.lazy``); the DDP script starts its own (a full mesh; ``--lazy`` sets
+``TORCH_GLOO_LAZY_INIT=1`` in every process, for every group). Per process:
 
-    sockets     /proc/self/fd entries that are sockets after the engine is built, less those held before
-                ``init_process_group`` (the store's client), on every rank but 0 (which also serves the store)
-    store ops   set/get/add/wait/compare_set/check/delete calls on the store the job is given (a counting
-                ``torch.distributed.Store`` wrapped around the TCPStore, passed to ``init_process_group``; every
-                group's ``PrefixStore`` goes through it) from before ``init_process_group`` to the engine built
+    sockets     /proc/self/fd entries that are sockets after the engine is built, less those held once the
+                store's TCPStore exists (its client), on every rank but 0 (which also serves the store)
+    store ops   set/get/add/wait/compare_set/check/delete calls on the job's store (a counting
+                ``torch.distributed.Store`` wrapped around the TCPStore: handed to ``init_process_group`` by the
+                ``env://`` rendezvous, or passed to it by the DDP script; every group's ``PrefixStore`` goes through
+                it) from the store made to the engine built ("setup"), then during the steps (connections made late)
     per step    calls into torch.distributed's messages and collectives during one training step (the functions
                 wrapped in the job process; DDP's all-reduces counted by a comm hook that runs the default one)
                 and the bytes the agreements (``rows``) send
@@ -23,6 +27,7 @@ of ranks: messages and rounds per rank per agreement, connections per rank (docs
 from __future__ import annotations
 
 import datetime
+import importlib
 import math
 import os
 import resource
@@ -135,6 +140,19 @@ def model() -> nn.Sequential:
                          nn.Linear(32, 4))
 
 
+def _counted_rendezvous(box: List[Any]) -> None:
+    """The ``env://`` rendezvous of ``init_process_group`` (what the engine calls where it starts the process
+    group) hands out a counting store, put in ``box`` with the sockets held once the TCPStore exists."""
+    rendezvous: Any = importlib.import_module("torch.distributed.rendezvous")  # the module, not dist.rendezvous
+    real = rendezvous._create_c10d_store
+
+    def create(*args: Any, **kwargs: Any) -> dist.Store:
+        box[:] = [CountingStore(real(*args, **kwargs)), sockets()]
+        return box[0]
+
+    rendezvous._create_c10d_store = create
+
+
 def job(config: str, steps: int) -> Dict[str, Any]:
     """One process's counts for ``config`` (see the module docstring)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -148,26 +166,28 @@ def job(config: str, steps: int) -> Dict[str, Any]:
 
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     t0 = time.perf_counter()
-    store = CountingStore(dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0,
-                                        timeout=timeout))
-    before = sockets()  # the store's client (and on rank 0 its server, whose clients' sockets come later)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
-    after_init, store_init = sockets(), sum(store.calls.values())
     loss = nn.functional.mse_loss
-    if config == "ddp":
+    box: List[Any] = []
+    if config == "ddp":  # the script starts the process group (eager unless TORCH_GLOO_LAZY_INIT=1, --lazy)
+        box[:] = [CountingStore(dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                                              rank == 0, timeout=timeout)), sockets()]
+        dist.init_process_group("gloo", store=box[0], rank=rank, world_size=world, timeout=timeout)
         engine: Any = nn.parallel.DistributedDataParallel(model())
         engine.register_comm_hook(None, hook)
         opt = torch.optim.SGD(engine.parameters(), lr=0.01)
 
         def step(x: torch.Tensor, y: torch.Tensor) -> None:
             loss(engine(x), y).backward()
-    else:
+    else:  # the engine starts it, as a torchrun or spawn script that leaves it to the engine does
+        _counted_rendezvous(box)
         engine = pipeddp.HybridParallel(model(), stages=2, mode=config, chunks=2, balance="uniform", comm_hook=hook,
-                                        devices=["cpu"] * (2 if config == "replica" else 1), log_every=None)
+                                        devices=["cpu"] * (2 if config == "replica" else 1), log_every=None,
+                                        timeout=timeout)
         opt = torch.optim.SGD(engine.parameters(), lr=0.01)
 
         def step(x: torch.Tensor, y: torch.Tensor) -> None:
             engine.train_step(x if engine.is_first else None, y if engine.is_last else None, loss)
+    store, before = box  # before: the store's client (and on rank 0 its server, whose clients' sockets come later)
     setup_s = time.perf_counter() - t0
     built, store_setup = sockets(), dict(store.calls)
     x, y = torch.randn(8, 16), torch.randn(8, 4)
@@ -183,17 +203,18 @@ def job(config: str, steps: int) -> Dict[str, Any]:
         if s > 0:
             per_step.append({"calls": dict(count.calls), "ddp_allreduces": hook_calls[0],
                              "agreement_bytes": count.agreement_bytes})
-    after_steps = sockets()
+    after_steps, store_steps = sockets(), sum(store.calls.values()) - sum(store_setup.values())
     if config != "ddp":
-        engine.close()
-    dist.barrier()
-    store.add("left", 1)  # rank 0 serves the store: it stays until every rank is past the barrier, which with
-    while rank == 0 and store.add("left", 0) < world:  # TORCH_GLOO_LAZY_INIT may still connect through it
-        time.sleep(0.01)
-    dist.destroy_process_group()
-    return {"rank": rank, "sockets_before": before, "sockets_after_init": after_init - before,
-            "sockets_built": built - before, "sockets_after_steps": after_steps - before,
-            "store_init": store_init, "store_setup": sum(store_setup.values()), "store_by_op": store_setup,
+        engine.close()  # it started the process group: rank 0, which serves the store, waits for every rank first
+    else:
+        dist.barrier()
+        store.add("left", 1)  # rank 0 serves the store: it stays until every rank is past the barrier, which with
+        while rank == 0 and store.add("left", 0) < world:  # TORCH_GLOO_LAZY_INIT may still connect through it
+            time.sleep(0.01)
+        dist.destroy_process_group()
+    return {"rank": rank, "sockets_before": before, "sockets_built": built - before,
+            "sockets_after_steps": after_steps - before, "store_setup": sum(store_setup.values()),
+            "store_steps": store_steps, "store_by_op": store_setup,
             "setup_s": setup_s, "steps": per_step,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
@@ -213,6 +234,7 @@ def summarise(ranks: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     return {"sockets_built": stat([r["sockets_built"] for r in others]),
             "sockets_after_steps": stat([r["sockets_after_steps"] for r in others]),
             "store_setup": stat([r["store_setup"] for r in ranks]),
+            "store_steps": stat([r["store_steps"] for r in ranks]),
             "p2p_per_step": stat(msgs), "agreement_p2p_per_step": stat(agreement),
             "collectives_per_step": stat(collectives), "agreement_bytes": stat([s["agreement_bytes"] for s in last]),
             "setup_s": stat([r["setup_s"] for r in ranks]), "peak_rss_mb": stat([r["peak_rss_mb"] for r in ranks]),
@@ -295,21 +317,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--ns", default="4,8,16", help="the numbers of processes, comma-separated")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"some of {CONFIGS}")
     p.add_argument("--steps", type=int, default=2, help="counted steps after one warm-up step")
-    p.add_argument("--lazy", action="store_true", help="TORCH_GLOO_LAZY_INIT=1 in every process")
+    p.add_argument("--lazy", action="store_true", help="TORCH_GLOO_LAZY_INIT=1 in every process (ddp's group too)")
+    p.add_argument("--lazy-groups", action="store_true", help="PIPEDDP_LAZY_GROUPS=1: the engine's groups lazily")
     p.add_argument("--simulate", default="4096,16384", help="N of the simulated job (P = 8 stages); '' for none")
     args = p.parse_args(argv)
     ns = [4, 8] if args.quick else [int(n) for n in args.ns.split(",")]
     steps = 1 if args.quick else args.steps
     run = Run("scale", args, "counts per process (not timed); one spawned gloo job per (configuration, N)")
-    env = {"TORCH_GLOO_LAZY_INIT": "1"} if args.lazy else {}
+    env = {**({"TORCH_GLOO_LAZY_INIT": "1"} if args.lazy else {}),
+           **({"PIPEDDP_LAZY_GROUPS": "1"} if args.lazy_groups else {})}
     results: Dict[str, Dict[int, Dict[str, Any]]] = {}
     for config in args.configs.split(","):
         for n in ns:
             ranks = pipeddp.spawn(job, n, args=(config, steps), timeout=args.timeout, threads=1, env=env)
             results.setdefault(config, {})[n] = {**summarise(ranks), "ranks": ranks}
             print(f"  {config} N={n}: done", flush=True)
-    keys = ("sockets_built", "sockets_after_steps", "store_setup", "p2p_per_step", "agreement_p2p_per_step",
-            "collectives_per_step", "agreement_bytes", "peak_rss_mb")
+    keys = ("sockets_built", "sockets_after_steps", "store_setup", "store_steps", "p2p_per_step",
+            "agreement_p2p_per_step", "collectives_per_step", "agreement_bytes", "peak_rss_mb")
     table, fits = [], {}
     star = [n for n in ns if n <= rows.STAR_UP_TO]  # the agreements' shape changes above: a fit over both is neither
     for config, by_n in results.items():
@@ -317,8 +341,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             table.append([f"{config}: {key} (max)", *(by_n[n][key]["max"] for n in ns)])
             over = star if key in STAR_SHAPED and len(star) >= 2 else ns
             fits[f"{config}/{key}"] = {**fit(over, [by_n[n][key]["max"] for n in over]), "ns": over}
-    run.table(f"per process, counted{' (TORCH_GLOO_LAZY_INIT=1)' if args.lazy else ''}", ["count", *map(str, ns)],
-              table)
+    how = "".join(f" ({v})" for k, v in (("lazy", "TORCH_GLOO_LAZY_INIT=1"), ("lazy_groups", "PIPEDDP_LAZY_GROUPS=1"))
+                  if getattr(args, k))
+    run.table(f"per process, counted{how}", ["count", *map(str, ns)], table)
     run.table("fits and projections", ["count", "fit", "over N", "1,024", "4,096", "16,384"],
               [[k, f["form"], ",".join(map(str, f["ns"])), *(f"{v:.0f}" for v in f["projection"].values())]
                for k, f in fits.items()])
@@ -329,7 +354,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    "step peers"],
                   [[n, s["rounds"], s["messages_max"], f"{2 * s['log2_n']:.0f}", s["gloo_job"],
                     s["nccl_job_gloo_twins"], s["step_peers"]] for n, s in sim.items()])
-    run.finish({"lazy": args.lazy, "ns": ns}, counted=results, fits=fits, simulated=sim)
+    run.finish({"lazy": args.lazy, "lazy_groups": args.lazy_groups, "ns": ns}, counted=results, fits=fits,
+               simulated=sim)
     return 0
 
 

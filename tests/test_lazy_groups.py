@@ -1,4 +1,5 @@
-"""pipeddp's gloo groups connect a pair of ranks on first use (``distributed.lazy``): a 2 x 2 stage-mode job that
+"""With ``PIPEDDP_LAZY_GROUPS=1`` pipeddp's gloo groups connect a pair of ranks on first use (``distributed.lazy``):
+a 2 x 2 stage-mode job that
 starts its own process group holds after setup fewer connections than its groups' full meshes, trains exactly as
 the plain model, and two ranks whose first connection comes after world rank 0 (which serves the store) is done
 still make it: rank 0's exit waits for them."""
@@ -66,7 +67,7 @@ def lazy_job(steps: int):
 @pytest.mark.timeout(120)
 def test_lazy_groups_connect_less_train_exactly_and_outlive_rank0():
     steps = 2
-    results = pipeddp.spawn(lazy_job, 4, args=(steps,), timeout=100)
+    results = pipeddp.spawn(lazy_job, 4, args=(steps,), timeout=100, env={"PIPEDDP_LAZY_GROUPS": "1"})
     for rank, r in enumerate(results):
         assert r["lazy_env"] is None  # torch's variable restored as it was (unset)
         # eager: the world's mesh (3), the stage group's (1), the pipeline's (1) on every rank
