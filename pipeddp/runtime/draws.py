@@ -44,7 +44,8 @@ import torch
 
 from .shard_draws import whole_then_part
 
-__all__ = ["stage_generator", "settled", "stop_handing", "split_draws", "HostDraws", "register_kernels"]
+__all__ = ["stage_generator", "settled", "stop_handing", "split_draws", "process_draws", "HostDraws",
+           "register_kernels"]
 
 _PARSED = torch._C._parse_dispatch_key("VmapMode")  # not among the Python enum's names
 if _PARSED is None:
@@ -221,10 +222,14 @@ def settled() -> torch.Generator:
 
 
 def split_draws(parts: Optional[int] = None, index: int = 0) -> None:
-    """From here to the end of the body of ``stage_generator`` in this thread (or the next call), each random op on
-    a tensor acts on part ``index`` of one split in ``parts`` (tensor parallelism): it draws the whole tensor's
-    numbers and keeps its part (``shard_draws``); ``parts=None``: the ops act on whole tensors again."""
+    """To the end of this thread's ``stage_generator`` body, each random op on a tensor takes it for part ``index``
+    of ``parts`` (tp): it draws the whole tensor and keeps that part (``shard_draws``); None: whole tensors again."""
     _state.split = None if parts is None else (parts, index)
+
+
+def process_draws() -> stage_generator:
+    """A body whose random ops draw from the process's generator but reach the kernels (a split applies to them)."""
+    return stage_generator(_PROCESS)  # type: ignore[arg-type]  # the marker the kernels pass to the op as it is
 
 
 def stop_handing() -> None:

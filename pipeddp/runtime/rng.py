@@ -30,8 +30,11 @@ state the stage's own has reached, and the rest of the forward draws from
 it, so the numbers are the same either way. Such a stage holds that lock
 through its backwards too (``backward_guard``): the layer's replay there
 sets and draws from the process's generator, which another stage's seeded
-forward must not meet. A thread that pipeddp does not own can shift its
-numbers, as it would ``torch.utils.checkpoint``'s own replay; pipeddp's own
+forward must not meet. Its random ops still reach the kernels there and in
+its forwards (``draws.process_draws``), so a tensor-parallel split
+(``draws.split_draws``) applies alike in a forward and the layer's replay.
+A thread that pipeddp does not own can shift its numbers, as it would
+``torch.utils.checkpoint``'s own replay; pipeddp's own
 (``prefetch``) takes the lock (``ForeignDraws``). A compiled stage, whose ops
 no kernel can reach, draws from the process's generator the same way, with
 what it draws (which generators) found on its first forward in each mode.
@@ -60,7 +63,7 @@ from typing import Any, Callable, ContextManager, Dict, FrozenSet, Hashable, Ite
 
 import torch
 
-from .draws import HostDraws, register_kernels, settled, stage_generator, stop_handing
+from .draws import HostDraws, process_draws, register_kernels, settled, stage_generator, stop_handing
 
 __all__ = ["Replay", "ForeignDraws", "draw_base_seed", "is_checkpointing", "is_recomputing", "checkpointing",
            "recomputing"]
@@ -185,8 +188,11 @@ class Replay:
     def backward_guard(self, mode: Hashable) -> ContextManager[Any]:
         """What a backward of this stage holds: the CPU generator's lock where the stage keeps the process's
         generator and draws from it (a layer that checkpoints itself replays its forward in backward from the
-        generator state it stashed, which another stage's seeded forward must not meet halfway); else nothing."""
-        if self._keeps.get(mode, False) or "cpu" in self._draws.get(mode, ()):
+        generator state it stashed, which another stage's seeded forward must not meet halfway), its random ops
+        reaching the kernels as in its forward (``_kept``); else nothing."""
+        if self._keeps.get(mode, False):
+            return _kept()
+        if "cpu" in self._draws.get(mode, ()):
             return _lock("cpu")
         return _FREE
 
@@ -214,7 +220,8 @@ class Replay:
         shared = self.candidates if keeps is not False else self.candidates[1:]  # a CUDA device's, always
         with _seeded_shared(shared, seed):
             if keeps:
-                yield
+                with process_draws():  # the ops reach the kernels as in the first forward: a tp split applies
+                    yield
                 return
             watch = _StateWatch() if keeps is None else None
             with stage_generator(self._generator, seed), watch.watching() if watch else contextlib.nullcontext():
@@ -234,6 +241,13 @@ class Replay:
             finally:
                 if start is not None:
                     self._draws[mode] = frozenset(k for k in keys if not torch.equal(_get(k), start[k]))
+
+
+@contextlib.contextmanager
+def _kept() -> Iterator[None]:
+    """A backward of a stage that keeps the process's generator: its lock held, random ops through the kernels."""
+    with _lock("cpu"), process_draws():
+        yield
 
 
 @contextlib.contextmanager
