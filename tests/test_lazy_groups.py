@@ -6,6 +6,7 @@ still make it: rank 0's exit waits for them."""
 
 import os
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -78,3 +79,16 @@ def test_lazy_groups_connect_less_train_exactly_and_outlive_rank0():
     state = results[0]["state"]
     for name, p in zip(make_mlp().state_dict(), params):
         torch.testing.assert_close(state[name], p, rtol=0, atol=1e-12)
+
+
+def test_the_setting_is_checked_and_torch_s_variable_restored_as_the_user_set_it(monkeypatch):
+    from pipeddp.distributed import lazy
+
+    monkeypatch.setenv("PIPEDDP_LAZY_GROUPS", "yes")
+    with pytest.raises(ValueError, match="PIPEDDP_LAZY_GROUPS='yes': set it to 1"):
+        lazy.enabled()
+    monkeypatch.setenv("PIPEDDP_LAZY_GROUPS", "1")
+    monkeypatch.setenv("TORCH_GLOO_LAZY_INIT", "0")  # the user's own groups eager: kept so after pipeddp's
+    with lazy.made_lazily(timedelta(seconds=5)):
+        assert os.environ["TORCH_GLOO_LAZY_INIT"] == "1"
+    assert os.environ["TORCH_GLOO_LAZY_INIT"] == "0"
