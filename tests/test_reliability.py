@@ -36,7 +36,11 @@ def start_job(script, args, nprocs):
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("how,twins", [("kill", False), ("stall", False), ("stall", True)])
 def test_survivors_fail_with_a_named_error_within_the_timeout(how, twins):
-    """With ``twins`` (as on an nccl job) the survivor next to the victim waits for a header on the gloo twin."""
+    """With ``twins`` (as on an nccl job) the survivor next to the victim waits for a header on the gloo twin.
+
+    Every survivor's ``PeerFailed`` names the victim as the rank that stopped answering, though the first rank whose
+    own wait gives up may have waited on a healthy peer (held up by the victim), or, its peer killed, on nobody named
+    (a DDP all-reduce fails with gloo's address and port)."""
     timeout, margin, victim = 10.0, 25.0, 2 if twins else 3
     procs = start_job("fault_job.py", [victim, how, timeout] + (["twins"] if twins else []), 4)
     try:
@@ -66,6 +70,9 @@ def test_survivors_fail_with_a_named_error_within_the_timeout(how, twins):
         assert "finished" not in err
         assert took < timeout + margin
         assert f"rank {rank}" in err and "stage" in err and "micro-batch" in err, err[-3000:]
+        headline = (f"PeerFailed: rank {rank} (stage {rank % 2}) stopped its train_step: rank {victim} "
+                    f"(stage {victim % 2}) stopped answering")
+        assert headline in err, (rank, err[-3000:])
     if twins:  # the victim's next stage waited for micro-batch 1's header
         assert "got no activation of micro-batch 1 for stage 1 from rank 2" in outcomes[3][1], outcomes[3][1][-3000:]
 
