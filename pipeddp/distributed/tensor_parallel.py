@@ -26,12 +26,14 @@ to the head) that is not split alike at every place. A tie split alike
 vocabulary) is kept one weight shard by shard (``ties``, over the ranks of one
 tp coordinate).
 
-Dropout and other random ops draw the plain model's numbers (``spanned``):
-every tp rank of a stage runs from the stage's seed, so an activation
-replicated over tp draws one mask on all of them; between a module whose
-style leaves its output split (``colwise``) and the next whose style takes a
-split input (``rowwise``) the activations are split, and each random op there
-draws the whole tensor and keeps the rank's part (``runtime.shard_draws``).
+Dropout and other random ops draw the numbers they draw without tp
+(``spanned``): every tp rank of a stage runs from the stage's seed, so an
+activation replicated over tp draws one mask on all of them; between a module
+whose style leaves its output split (``colwise``) and the next whose style
+takes a split input (``rowwise``) the activations are split, and each random
+op there draws the whole tensor and keeps the rank's part
+(``runtime.shard_draws``; docs/parallelism.md says where that part is the
+plain model's).
 
 A head sharded on the vocabulary (transformers' ``colwise_gather_output``)
 gathers its logits, so every tp rank holds them whole and the user's loss
@@ -271,17 +273,17 @@ def layer_plan(styles: Mapping[str, Any], layer: str) -> Optional[Dict[str, Any]
     return out or None
 
 
-def _splits(style: Any) -> Optional[bool]:
-    """True where ``style`` leaves its module's output split over tp (``colwise``), False where it takes a split
-    input (``rowwise`` on a Linear), None where neither (a gathered output, an embedding, a style of another kind)."""
+def _spans(style: Any) -> Tuple[bool, bool]:
+    """Whether ``style``'s module takes an input split over tp (a span of split activations ends at its forward:
+    ``rowwise``) and whether it leaves its output split (one starts after it: ``colwise``; a row-wise output split
+    on the sequence), read from torch's column- and row-wise styles' layouts; neither for a style of another kind."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    if isinstance(style, ColwiseParallel):
-        return True if any(isinstance(p, Shard) for p in style.output_layouts) else None
-    if isinstance(style, RowwiseParallel):
-        return False if any(isinstance(p, Shard) for p in style.input_layouts) else None
-    return None
+    if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
+        return False, False
+    return (any(isinstance(p, Shard) for p in style.input_layouts),
+            any(isinstance(p, Shard) for p in style.output_layouts))
 
 
 def _split_from(parts: int, index: int, module: nn.Module, inputs: Any, output: Any) -> None:
@@ -300,8 +302,8 @@ def spanned(style: Any) -> Any:
     forward of a module that takes the split input, on whole tensors again. Every forward of a stage starts
     outside the span (``draws.stage_generator``), so a recompute runs through the same spans as its first forward.
     """
-    splits = _splits(style)
-    return style if splits is None else _spanned_style()(style, splits)
+    ends, starts = _spans(style)
+    return _spanned_style()(style, ends, starts) if ends or starts else style
 
 
 @lru_cache(maxsize=None)
@@ -310,18 +312,19 @@ def _spanned_style() -> type:
     from torch.distributed.tensor.parallel import ParallelStyle
 
     class Spanned(ParallelStyle):
-        """``style`` applied, then the hook that starts (``splits``) or ends the span on its module."""
+        """``style`` applied, then the hooks on its module that end the span before its forward (``ends``) and
+        start one after it (``starts``)."""
 
-        def __init__(self, style: Any, splits: bool) -> None:
-            self.style, self.splits = style, splits
+        def __init__(self, style: Any, ends: bool, starts: bool) -> None:
+            self.style, self.ends, self.starts = style, ends, starts
 
         def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
             self.style.src_data_rank = self.src_data_rank  # parallelize_module sets it on the style it is given
             module = self.style._apply(module, device_mesh)
-            if self.splits:
-                module.register_forward_hook(partial(_split_from, device_mesh.size(), device_mesh.get_local_rank()))
-            else:
+            if self.ends:
                 module.register_forward_pre_hook(_whole_from)
+            if self.starts:
+                module.register_forward_hook(partial(_split_from, device_mesh.size(), device_mesh.get_local_rank()))
             return module
 
     return Spanned
