@@ -23,6 +23,8 @@ the close of an engine that started the process group, before it is destroyed, e
 the process that serves the store waits at its exit until every process counted in has left. The wait is
 bounded by the engine's timeout and skipped where the job is failing anyway: a failure notice posted
 (``watch``; ``notice``) or this process ending on an exception, which must not keep the peers waiting on it.
+Not covered: a job on a mesh whose world rank 0 builds no engine (it never waits), and a process group the user
+destroys and makes again on the same port while the old store is held (the new one would share its server).
 """
 
 from __future__ import annotations
@@ -107,7 +109,6 @@ def _hold(timeout: timedelta) -> None:
         sys.excepthook = on_uncaught
         _hooks_set[0] = True
     _stay[0] = _Stay(dist.distributed_c10d._get_default_store(), timeout)
-
 
 
 @contextlib.contextmanager
