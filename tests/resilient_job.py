@@ -1,18 +1,28 @@
 """A torchrun job that checkpoints every 2 steps and resumes from the newest checkpoint on (re)start.
 
     torchrun --nproc_per_node=4 --max-restarts=1 tests/resilient_job.py DIR STEPS KILL_AT OUT
+    python tests/resilient_job.py --standalone --nproc_per_node=4 --max-restarts=1 -- DIR STEPS KILL_AT OUT
 
 On the first attempt (TORCHELASTIC_RESTART_COUNT=0) rank 2 (replica 1, stage 0) SIGKILLs itself in the
 middle of step KILL_AT (0: never). torchrun restarts the job; it resumes from the
 newest checkpoint (model, optimizer, every rank's RNG, data position) and must end
 exactly where an uninterrupted job ends. The model has dropout, so the RNG matters.
+
+The second form is torchrun (its arguments, its agent, rendezvous and
+restarts) with ``main`` as the entry point in place of this script: the
+workers fork from a forkserver that imported torch and pipeddp once, where a
+script's workers import them again in every process of every attempt (5-7 s
+of CPU each).
 """
 
 import os
 import signal
 import sys
+import uuid
+from typing import List
 
 import torch
+import torch.multiprocessing as mp
 from torch import nn
 
 import pipeddp
@@ -72,5 +82,25 @@ def main(argv=None) -> None:
     engine.close()
 
 
+def torchrun(argv: List[str]) -> None:
+    """torchrun's own launch (as ``torch.distributed.run.run``) of ``main``, the workers forked (see above)."""
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, parse_args
+
+    import resilient_job  # main by its module's name (this file runs as __main__ here), for the workers to import
+    from pipeddp.distributed import launch
+
+    cut = argv.index("--")
+    args = parse_args([*argv[:cut], "--start-method=forkserver", __file__])
+    if args.standalone:  # what torchrun's run() does with --standalone: a rendezvous on a free local port
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    config, _, _ = config_from_args(args)
+    mp.get_context("forkserver").set_forkserver_preload(launch.PRELOAD)
+    elastic_launch(config, entrypoint=resilient_job.main)(argv[cut + 1:])
+
+
 if __name__ == "__main__":
-    main()
+    if "--" in sys.argv:
+        torchrun(sys.argv[1:])
+    else:
+        main()

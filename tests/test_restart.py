@@ -1,4 +1,9 @@
-"""A real torchrun job killed mid-step restarts, resumes and ends exactly like an uninterrupted one."""
+"""A torchrun job killed mid-step restarts, resumes and ends exactly like an uninterrupted one.
+
+torchrun's agent restarts it (its arguments, rendezvous, store and restart
+count), with the job's ``main`` as the entry point so that the workers fork
+from a forkserver that imported torch once (``resilient_job.torchrun``).
+"""
 
 import os
 import subprocess
@@ -18,8 +23,8 @@ def torchrun(tmp_path, name, kill_at, steps=9):
     directory, out = tmp_path / f"{name}-ckpt", tmp_path / f"{name}.pt"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "--max-restarts=1",
-         str(JOB), str(directory), str(steps), str(kill_at), str(out)],
+        [sys.executable, str(JOB), "--standalone", "--nproc_per_node=4", "--max-restarts=1", "--",
+         str(directory), str(steps), str(kill_at), str(out)],
         env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return torch.load(out), proc.stdout + proc.stderr
