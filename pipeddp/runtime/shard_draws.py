@@ -16,6 +16,12 @@ back. DTensor's own tracker (``OffsetBasedRNGTracker``) reaches the same end
 on CUDA by moving the Philox offset to the part's block of the stream, which
 is the whole tensor's slice only where the split is on the first dimension;
 the CPU's Mersenne Twister has no offset to move, so the whole is drawn.
+This holds for the ops that draw element by element (dropout's
+``bernoulli_``, ``rand_like``, ``normal_``, ...); ``multinomial`` draws on
+the part as it is, and so does a factory draw (``torch.rand(shape)``: no
+tensor to read the part from), the same numbers on every tp rank. A fused
+CUDA attention kernel's dropout (sdpa's flash and efficient kernels) takes
+no generator and is not reached here at all.
 
 The split dimension is not carried by a plain tensor: it is read from the
 shape, as transformers and a column-wise Linear lay the parts out: the heads
@@ -34,6 +40,11 @@ import torch
 __all__ = ["split_dim", "whole_then_part"]
 
 
+#: random ops whose numbers are not drawn element by element (a row of probabilities samples an index): drawn on
+#: the part as it is
+_ROWS = frozenset({"aten::multinomial"})
+
+
 def split_dim(t: torch.Tensor) -> int:
     """The dimension ``t`` (a rank's part) is taken to be split on: the heads of a 4-D tensor, else the last."""
     return 1 if t.dim() == 4 else t.dim() - 1
@@ -43,6 +54,8 @@ def whole_then_part(call: Callable[[Any, Dict[str, Any]], Any], op: Any, args: A
                     parts: int, index: int) -> Any:
     """``call(args, kwargs)`` (the random op ``op``) run on the whole tensor of which ``args[0]`` is part ``index``
     of ``parts``: each tensor argument of its shape repeated along the split dimension, each result cut back."""
+    if op._schema.name in _ROWS:
+        return call(args, kwargs)
     first: torch.Tensor = args[0]
     shape, dim = first.shape, split_dim(first)
     size = shape[dim]
