@@ -36,9 +36,9 @@ from ..runtime.clip import Combine
 from ..runtime.dtensors import local
 from ..runtime.gradsync import GradSync
 from ..runtime.materialize import is_meta
+from ..runtime.names import recorded_source
 from ..runtime.settings import Settings
 from ..runtime.stage import Stage
-from .shard import split_backward
 from .tensor_parallel import PlanArg, layer_plan, resolve_plan
 
 __all__ = ["TensorParallel", "TPGradSync", "tensor_parallel"]
@@ -65,17 +65,49 @@ def _over_tp(p: torch.Tensor) -> bool:
 def tensor_parallel(model: nn.Sequential, mesh: Any, tp_plan: PlanArg, settings: Settings, *, stages: int,
                     shard: str, ddp_options: bool) -> "TensorParallel":
     """This process's ``TensorParallel`` for ``tp_plan`` over ``mesh`` (the 1-D tp mesh); refuses, before anything is
-    allocated and on every rank alike, a plan that cannot apply and what is not made to work with it yet."""
+    allocated and on every rank alike, a plan that cannot apply and what is not made to work with it yet.
+
+    Zero-bubble schedules need nothing of their own: a split layer's collectives sit on the input side of its
+    backward (the all-reduce of a column-wise layer's input gradient, in the backward of its input's
+    ``from_local``), so they run in the input half (I); the weight half (W) computes local shards from what I left,
+    with no collective, except on a stage whose input takes no gradient (the first), whose whole backward, its
+    collectives with it, is W's. Either way every tp rank of a stage runs the same actions in the same order, so
+    the collectives pair up as in a whole backward."""
     if ddp_options:
         raise ValueError("with tp_plan the replicas' gradients are averaged by pipeddp itself (DDP takes no DTensor "
                          "parameters), so ddp_kwargs and comm_hook have nothing to configure: leave them out")
-    if settings.compile is not None:
-        raise ValueError("compile= with tp_plan is not verified: leave compile out (eager stages)")
-    if split_backward(settings.schedule, stages, settings.virtual_stages, settings.placement):
-        raise ValueError(f"schedule={settings.schedule!r} splits backward into input and weight halves, which is not "
-                         "verified with tp_plan's DTensor layers: use '1f1b', 'gpipe' or 'interleaved'")
     styles = resolve_plan(model, tp_plan, mesh.size())
+    if settings.compile is not None:
+        _check_compile(model, styles)
     return TensorParallel(mesh, styles, built_whole=not is_meta(model), sharded=shard != "none")
+
+
+def _check_compile(model: nn.Sequential, styles: Dict[str, Any]) -> None:
+    """``compile=`` with tp: refused where a compiled stage would not compute the plain model's numbers.
+
+    An Embedding split by rows of the vocabulary returns a partial sum with a mask (DTensor's ``MaskPartial``),
+    reduced by its module's hook; a flattened model's stage breaks its graph above the embedding, so the layer's
+    forward is compiled alone, and torch 2.14 fails tracing it ("Mixing fake modes": the mask made under one fake
+    mode is read under AOT autograd's). Dropout between split layers draws each part from the whole tensor's
+    numbers through pipeddp's kernels (``runtime.shard_draws``), which a compiled graph's ops do not reach.
+    """
+    from torch.nn.modules.dropout import _DropoutNd
+
+    split = [k for k in styles if isinstance(model.get_submodule(k), nn.Embedding)]
+    if split:
+        raise ValueError(f"compile= with an Embedding split over tp ({', '.join(split)}) fails in torch's tracing of "
+                         "the vocabulary-split lookup (its masked partial sum): leave compile out, or the embedding "
+                         "out of tp_plan")
+    config = getattr(recorded_source(model), "config", None)
+    settings: Dict[str, Any] = config.to_dict() if config is not None and hasattr(config, "to_dict") else {}
+    drops = [f"{k} (p={m.p})" for k, m in model.named_modules() if isinstance(m, _DropoutNd) and m.p > 0]
+    drops += [f"config.{k}={v}" for k, v in settings.items()
+              if ("dropout" in k or k.endswith("pdrop")) and isinstance(v, float) and v > 0]
+    if drops:
+        raise ValueError(f"compile= with tp_plan and dropout ({', '.join(drops)}) would draw each tp rank's part of a "
+                         "split activation from the start of the numbers, not the plain model's: a compiled graph's "
+                         "random ops do not reach the kernels that draw the whole tensor and keep the part; leave "
+                         "compile out, or set the dropout to 0")
 
 
 class TensorParallel:
