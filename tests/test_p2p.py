@@ -30,7 +30,8 @@ def round_trip(value):
     container, tensors = flatten(value)
     header = encode(container, tensors)
     assert header.dtype == torch.int64 and header.shape == (HEADER,)
-    return decode(header)
+    container, members = decode(header)
+    return container, list(members)
 
 
 def test_header_round_trip_of_a_tensor_of_every_supported_dtype():

@@ -10,6 +10,7 @@ header where the shapes are not predicted (``predicted``).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
@@ -26,8 +27,8 @@ _NONE = -1  # a member's dtype code where it is None
 
 #: a member's (dtype, shape); (None, ()) where the member is None
 Spec = Tuple[Optional[torch.dtype], Tuple[int, ...]]
-#: (container code, a spec per member)
-Meta = Tuple[int, List[Spec]]
+#: (container code, a spec per member); hashable, so what depends on it alone is worked out once (``predicted.plan``)
+Meta = Tuple[int, Tuple[Spec, ...]]
 
 
 def flatten(value: Any) -> Tuple[int, List[Optional[torch.Tensor]]]:
@@ -44,12 +45,14 @@ def flatten(value: Any) -> Tuple[int, List[Optional[torch.Tensor]]]:
 
 def meta_of(container: int, members: Sequence[Optional[torch.Tensor]]) -> Meta:
     """The ``Meta`` of a flattened activation (what ``decode(encode(...))`` gives back)."""
-    return container, [(None, ()) if t is None else (t.dtype, tuple(t.shape)) for t in members]
+    return container, tuple((None, ()) if t is None else (t.dtype, tuple(t.shape)) for t in members)
 
 
-def specs(meta: Meta) -> List[Tuple[torch.dtype, Tuple[int, ...]]]:
-    """The (dtype, shape) of each tensor that crosses, in order (the members that are not None)."""
-    return [(d, s) for d, s in meta[1] if d is not None]
+@functools.lru_cache(maxsize=1024)
+def specs(meta: Meta) -> Tuple[Tuple[torch.dtype, Tuple[int, ...]], ...]:
+    """The (dtype, shape) of each tensor that crosses, in order (the members that are not None); cached, as shapes
+    that repeat ask it of the same ``Meta`` at every message."""
+    return tuple((d, s) for d, s in meta[1] if d is not None)
 
 
 def encode(container: int, members: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
@@ -76,7 +79,7 @@ def decode(header: torch.Tensor) -> Meta:
         code, ndim = f[pos], f[pos + 1]
         metas.append((None if code == _NONE else DTYPES[code], tuple(f[pos + 2:pos + 2 + ndim])))
         pos += 2 + ndim
-    return container, metas
+    return container, tuple(metas)
 
 
 def wants_grad(dtype: torch.dtype) -> bool:

@@ -151,7 +151,7 @@ class Posting:
         per tensor of the activation (None where that takes none)."""
         m = self.order[i]
         if m.kind == "F":
-            container, members = posted.meta if posted.meta is not None else (0, [])
+            container, members = posted.meta if posted.meta is not None else (0, ())
             tensors = posted.late if posted.known is None else \
                 predicted.unpack(posted.known, (container, members), posted.bufs, posted.late, self.flag)
             got = iter(t.to(device) for t in tensors)
