@@ -154,12 +154,16 @@ class Posting:
             container, members = posted.meta if posted.meta is not None else (0, ())
             tensors = posted.late if posted.known is None else \
                 predicted.unpack(posted.known, (container, members), posted.bufs, posted.late, self.flag)
-            got = iter(t.to(device) for t in tensors)
+            if device != self.comm_device:
+                tensors = [t.to(device) for t in tensors]
+            if container == 0 and members[0][0] is not None:  # a tensor alone, the common case
+                return tensors[0]
+            got = iter(tensors)
             value = [None if d is None else next(got) for d, _ in members]
             if container == 0:
                 return value[0]
             return tuple(value) if container == 1 else list(value)
-        grads = iter(b.to(device) for b in posted.bufs)
+        grads = iter(posted.bufs if device == self.comm_device else [b.to(device) for b in posted.bufs])
         return [next(grads) if wants_grad(d) else None for d, _ in
                 specs(self.shapes.take(activation_of(m.kind, m.stage, m.mb)))]
 

@@ -158,7 +158,7 @@ def unpack(known: Meta, meta: Meta, bufs: Sequence[torch.Tensor], extra: Sequenc
     slots = list(bufs[1:]) if flag and f is None else list(bufs)
     if known == meta:
         if f is not None and f >= 0:
-            slots[f] = slots[f][:-1].view(p.specs[f][1])
+            slots[f] = slots[f].narrow(0, 0, slots[f].numel() - 1).view(p.specs[f][1])
         return slots
     actual = specs(meta)
     late = iter(extra)
