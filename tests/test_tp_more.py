@@ -3,15 +3,16 @@ not run, each against the plain model materialized from the same seed on one dev
 as ``(total, count)``, a step skipped for an inf in one tp rank's gradient shard and the exact step after it,
 ``evaluate``, a step under CPU autocast to bfloat16, and an embedding tied to its head across the stages, both split
 by rows of the vocabulary (saved whole, read back by transformers); a head whose logits would stay split is
-refused, and a tie split differently at its two places."""
+refused, and a tie split differently at its two places. At dp2 x pp2 x tp2: that tie over two replicas under "zb" and
+under shard="optimizer", and a step skipped for an inf in one rank's shard under shard="full"."""
 
 from typing import Any, Dict, List
 
 import pytest
 import torch
 from conftest import max_diff
-from tp_jobs import LR, SEED, lm_loss
-from tp_more_jobs import N, batches, counted, metrics, model, tp_more_job
+from tp_jobs import LR, SEED, lm_loss, mlp, mlp_batches, mse
+from tp_more_jobs import N, batches, counted, metrics, model, tp_more_job, tp_replicas_job
 
 import pipeddp
 from pipeddp.runtime.names import Names
@@ -93,10 +94,12 @@ def test_pp2_tp2_llama_loss_over_tokens_skipped_step_evaluate_autocast_and_tied_
     check_tied(results, tmp_path)
 
 
-def tied_reference() -> Dict[str, Any]:
+def tied_reference(both: bool = False) -> Dict[str, Any]:
     """The tied Llama on one device, materialized from the seed: weights, one step's loss and gradients (every
-    place of the tied weight named), the weights after, and the model itself."""
-    (x, y), _ = batches()
+    place of the tied weight named), the weights after, and the model itself; on the first batch, or ``both``."""
+    (x, y), (xb, yb) = batches()
+    if both:
+        x, y = torch.cat([x, xb]), torch.cat([y, yb])
     m = model(torch.float64, tied=True)
     pipeddp.materialize(m, seed=SEED)
     out: Dict[str, Any] = {"before": {k: p.detach().clone() for k, p in m.named_parameters(remove_duplicate=False)}}
@@ -171,3 +174,31 @@ def check(results: List[Dict[str, Any]]) -> None:
             assert relative(got[part], cast[part]) < 2 * bf16, (part, relative(got[part], cast[part]), bf16)
             assert relative(got[part], full[part]) > bf16 / 4, (part, relative(got[part], full[part]), bf16)
         assert abs(got["loss"] - cast["loss"]) < 1e-3  # a mean of about 3.7, where one bfloat16 rounding is 0.015
+
+
+@pytest.mark.timeout(300)
+def test_dp2_pp2_tp2_tied_llama_under_zb_and_fsdp2_and_a_step_skipped_under_full_shard_equal_the_plain_model():
+    """dp2 x pp2 x tp2 (8 processes): the tied Llama ('auto': embedding and head split by vocabulary rows) over two
+    replicas, under the zero-bubble schedule and under shard="optimizer", each equal to the plain tied model on the
+    global batch; the MLP under shard="full" with an inf in one rank's gradient shard: every rank skips, the weights
+    stay, and the same step again equals the plain model's."""
+    results = pipeddp.spawn(tp_replicas_job, 8, timeout=250)
+    want = tied_reference(both=True)
+    for res in results:
+        for kind in ("tied-zb", "tied-optimizer"):
+            got = res[kind]
+            assert abs(got["loss"] - want["loss"]) < 1e-10, kind
+            for part in ("before", "grads", "after"):
+                assert got[part].keys() <= want[part].keys() and close(got[part], want[part]) < 1e-10, (kind, part)
+    plain = mlp()
+    pipeddp.materialize(plain, seed=SEED)
+    x, y = mlp_batches(2 * N)[0]
+    loss = mse(plain(x), y)  # equal halves: the replicas' mean of means is the batch's mean
+    loss.backward()
+    torch.optim.SGD(plain.parameters(), lr=LR).step()
+    after = snapshot(plain)
+    for res in results:
+        got = res["full-skip"]
+        assert got["skipped"] == 1 and got["skipped2"] == 1
+        assert all(torch.equal(got["unchanged"][k], got["before"][k]) for k in got["before"])
+        assert abs(got["loss"] - loss.item()) < 1e-10 and close(got["after"], after) < 1e-10

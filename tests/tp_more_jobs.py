@@ -158,3 +158,66 @@ def tp_more_job(tmp: str) -> Dict[str, Any]:
     return {"place": tuple(mesh.get_coordinate() or ()), "refused": refused_head(mesh),
             "float64": float64_steps(mesh), "bf16": autocast_step(mesh), "vocab": VOCAB,
             "refused_tie": refused_tie(mesh), "tied": tied_step(mesh, tmp)}
+
+
+def tied_replicas(mesh: Any, **kwargs: Any) -> Dict[str, Any]:
+    """The tied Llama of ``tied_step`` over two replicas, each taking its half of the two batches (one global batch
+    of 2 * N, the loss over its tokens): weights before, loss, gradients, weights after a step."""
+    x, y = batches()[mesh.get_local_rank("dp")]
+    with pipeddp.HybridParallel(model(torch.float64, tied=True), stages=mesh.size(1), mode="stage", seed=SEED,
+                                mesh=mesh, tp_plan="auto", chunks=2, balance="params", **kwargs) as engine:
+        out: Dict[str, Any] = {"before": whole(engine.named_parameters())}
+        opt = torch.optim.SGD(engine.parameters(), lr=LR)
+        out["loss"] = engine.train_step(x if engine.is_first else None, y if engine.is_last else None, counted).item()
+        out["grads"] = whole((k, p.grad) for k, p in engine.named_parameters())
+        opt.step()
+        out["after"] = whole(engine.named_parameters())
+    return out
+
+
+def skipped_full(mesh: Any) -> Dict[str, Any]:
+    """The MLP under shard="full" and skip_nonfinite: a step whose gradient holds an inf in one rank's shard (replica
+    0, stage 0, t = 1: its gathered fc1 weight's gradient, before the reduce-scatter), then the same batch again."""
+    from tp_jobs import MLP_PLAN, mlp, mlp_batches, mse
+
+    x, y = (t[mesh.get_local_rank("dp") * N:][:N] for t in mlp_batches(2 * N)[0])
+    armed = [tuple(mesh.get_coordinate() or ()) == (0, 0, 1)]
+
+    def poison(grad: torch.Tensor) -> torch.Tensor:  # FSDP2 keeps the gathered weight, and its hooks, for step 2
+        if not armed[0]:
+            return grad
+        grad = grad.clone()
+        local(grad).view(-1)[0] = float("inf")
+        return grad
+
+    def hook(module: nn.Module, args: Any) -> None:  # the weight as FSDP2 gathered it for this forward
+        if armed[0] and module.weight.requires_grad:
+            module.weight.register_hook(poison)
+
+    with pipeddp.HybridParallel(mlp(), stages=mesh.size(1), mode="stage", seed=SEED, mesh=mesh, tp_plan=MLP_PLAN,
+                                chunks=2, balance="params", shard="full", skip_nonfinite=True) as engine:
+        opt = torch.optim.SGD(engine.parameters(), lr=LR)
+        before = whole(engine.named_parameters())
+        fc1 = [m for k, m in engine.stages[0].module.named_modules() if k.endswith("fc1")][0]
+        handle = fc1.register_forward_pre_hook(hook)
+        first = engine.train_step(x if engine.is_first else None, y if engine.is_last else None, mse).item()
+        opt.step()
+        opt.zero_grad()
+        out = {"skipped": engine.skipped_steps, "unchanged": whole(engine.named_parameters()), "before": before}
+        armed[0] = False
+        handle.remove()
+        out["loss1"] = first
+        out["loss"] = engine.train_step(x if engine.is_first else None, y if engine.is_last else None, mse).item()
+        opt.step()
+        out["after"] = whole(engine.named_parameters())
+        out["skipped2"] = engine.skipped_steps
+    return out
+
+
+def tp_replicas_job() -> Dict[str, Any]:
+    """dp2 x pp2 x tp2: the tied Llama under 'zb' and under shard="optimizer"; a skipped step under shard="full"."""
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "pp", "tp"))
+    return {"place": tuple(mesh.get_coordinate() or ()), "tied-zb": tied_replicas(mesh, schedule="zb"),
+            "tied-optimizer": tied_replicas(mesh, shard="optimizer"), "full-skip": skipped_full(mesh)}
