@@ -27,9 +27,11 @@ every layer is first put on one of its tp devices (``tp_costs``: the
 parameters the plan splits, their share of the work, the all-reduces of the
 split modules on ``tp_link``), and the same sweep runs on what is left of
 the devices; what a stage sends and keeps is its whole output (replicated
-over tp), its replicas reduce its split gradients only. As the engine runs
-them, tensor-parallel layouts keep whole copies on their replicas (no
-``shard=``) and a backward in one action (no zero-bubble schedule).
+over tp), its replicas reduce its split gradients only. The estimates of
+tensor-parallel layouts assume whole copies on their replicas (no
+``shard=``) and a backward in one action: zero-bubble schedules, which the
+engine runs with tp too, are not estimated there (where their tp
+collectives fall between the input and weight halves is not modelled).
 """
 
 from __future__ import annotations
@@ -225,7 +227,7 @@ def _configurations(layers: Sequence[LayerModel], stages: int, replicas: int, m:
     for schedule in (schedules[:1] if m == 1 or stages == 1 else schedules):
         v = virtual_stages if schedule == "interleaved" else 1
         if stages * v > len(layers) or (tp > 1 and stages > 1 and split_backward(schedule, stages, v)):
-            continue  # the engine runs tensor-parallel stages under schedules whose backward is one action
+            continue  # zero-bubble with tp: where its collectives fall between I and W is not modelled
         balance = solve(cost, stages * v, comm)
         stage_costs, saved = _stages(layers, balance, b)
         for placement in PLACEMENTS if v > 1 else ("loop",):  # the V: first and last stage on device 0
