@@ -74,6 +74,8 @@ def test_pp2_tp2_dropout_on_replicated_and_split_activations_equals_the_plain_mo
             for pp in (0, 1):  # what the plan leaves whole is the same on both tp ranks, bit for bit
                 a, b = (by_place[(0, pp, t)][(kind, checkpoint)]["replicated"] for t in (0, 1))
                 assert a.keys() == b.keys() and a and all(torch.equal(a[k], b[k]) for k in a), (kind, pp)
+    for res in results:  # tp ranks seeded apart would draw different masks on what they share: refused, on every rank
+        assert "Seed every rank alike" in res.get("seeded apart", ""), res["place"]
 
 
 class SplitDrop(nn.Module):

@@ -148,6 +148,12 @@ def dropout_job() -> Dict[str, Any]:
                                             tp_plan=plan, chunks=CHUNKS, balance=BALANCE[kind],
                                             checkpoint=checkpoint) as engine:
                     out[(kind, checkpoint)] = train(engine, kind)
+        torch.manual_seed(dist.get_rank())  # seeded apart: every rank refuses the build alike
+        try:
+            pipeddp.HybridParallel(mlp(), stages=SHAPE[1], mode="stage", seed=SEED, mesh=mesh, tp_plan=MODELS["mlp"][1],
+                                   chunks=CHUNKS, balance=BALANCE["mlp"])
+        except ValueError as exc:
+            out["seeded apart"] = str(exc)
     finally:
         step_module.draw_base_seed = draw_base_seed  # type: ignore[attr-defined]
     return out

@@ -52,7 +52,7 @@ from .stage_runner import ProcessRunner
 from .tensor_parallel import PlanArg
 from .ties import TieExchange
 from .topology import Topology
-from .tp_stages import TensorParallel, tensor_parallel
+from .tp_stages import TensorParallel, check_seeded_alike, tensor_parallel
 
 __all__ = ["build_replica"]
 
@@ -89,6 +89,8 @@ def build_replica(owner: nn.Module, model: nn.Sequential, topology: Topology, se
     topo = with_job_group(topo, settings.timeout_delta)  # placed on a mesh: the job's collectives on its own ranks
     agreement = Agreement(topo, devs[0] if backend == "nccl" and topo.world_size > 1 else torch.device("cpu"),
                           host_group=host_group(topo, None, backend, topo.group, settings.timeout_delta))
+    if tp is not None:
+        check_seeded_alike(model, tp, agreement.gather_to_all)
     from_rank0 = tp.on_first(agreement.from_rank0) if tp is not None else agreement.from_rank0
     cut = from_rank0(lambda: partition(devs[0]))
     if settings.choose_virtual or settings.placement == "auto":  # from the profile, on rank 0 for every rank

@@ -25,6 +25,7 @@ pair up as the pipeline's messages do.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
@@ -80,6 +81,39 @@ def tensor_parallel(model: nn.Sequential, mesh: Any, tp_plan: PlanArg, settings:
     if settings.compile is not None:
         _check_compile(model, styles)
     return TensorParallel(mesh, styles, built_whole=not is_meta(model), sharded=shard != "none")
+
+
+def _drops(model: nn.Sequential) -> bool:
+    """Whether the model may draw dropout masks: a dropout module with p > 0, or a config's dropout above 0 (a
+    transformers model's attention dropout is a functional call, no module)."""
+    from torch.nn.modules.dropout import _DropoutNd
+
+    if any(isinstance(m, _DropoutNd) and m.p > 0 for m in model.modules()):
+        return True
+    config = getattr(recorded_source(model), "config", None)
+    values = config.to_dict() if config is not None and hasattr(config, "to_dict") else {}
+    return any(("dropout" in k or k.endswith("pdrop")) and isinstance(v, float) and v > 0 for k, v in values.items())
+
+
+def check_seeded_alike(model: nn.Sequential, tp: "TensorParallel", gather: Callable[[Any], List[Any]]) -> None:
+    """Refuse tp ranks whose CPU generators differ where the model drops: each step's base seed is drawn from the
+    process's generator, so tp ranks seeded apart (``torch.manual_seed(rank)``) would draw different masks on a
+    replicated activation and train apart without a word. Checked once at build over the tp group, each group's
+    verdict then told through ``gather`` (every rank of this tp slice's value on each), so every rank refuses alike."""
+    if tp.size == 1 or not _drops(model):
+        return
+    state = hashlib.sha1(torch.random.get_rng_state().numpy().tobytes()).hexdigest()
+    states: List[Optional[str]] = [None] * tp.size
+    dist.all_gather_object(states, state, group=tp.group)
+    ranks = dist.get_process_group_ranks(tp.group)
+    apart = sorted({tuple(r for r, s in zip(ranks, states) if s == one) for one in states})
+    told = [a for a in gather(apart if len(apart) > 1 else []) if a]  # each tp group's verdict, through this slice
+    if told:
+        raise ValueError(f"tensor-parallel ranks of one stage start from different random states (ranks grouped by "
+                         f"state: {told[0]}), and the model drops: their dropout masks on the activations they share "
+                         "would differ and the ranks would train apart. Seed every rank alike "
+                         "(torch.manual_seed(same_seed) on every process before building), and draw what must differ "
+                         "by rank from a torch.Generator of its own")
 
 
 def _check_compile(model: nn.Sequential, styles: Dict[str, Any]) -> None:
