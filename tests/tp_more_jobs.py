@@ -132,6 +132,17 @@ def refused_tie(mesh: Any) -> str:
     return "built"
 
 
+def one_step(engine: pipeddp.HybridParallel, x: torch.Tensor, y: torch.Tensor) -> Dict[str, Any]:
+    """The engine's weights (whole) before a step of SGD on ``(x, y)``, its loss, gradients and weights after."""
+    out: Dict[str, Any] = {"before": whole(engine.named_parameters())}
+    opt = torch.optim.SGD(engine.parameters(), lr=LR)
+    out["loss"] = engine.train_step(x if engine.is_first else None, y if engine.is_last else None, counted).item()
+    out["grads"] = whole((k, p.grad) for k, p in engine.named_parameters())
+    opt.step()
+    out["after"] = whole(engine.named_parameters())
+    return out
+
+
 def tied_step(mesh: Any, tmp: str) -> Dict[str, Any]:
     """A Llama whose embedding is tied to its head (stage 0 and stage 1), both split by rows of the vocabulary under
     'auto', meta-built from the seed: its weights at the start, one step's loss, gradients, weights after; saved
@@ -139,12 +150,7 @@ def tied_step(mesh: Any, tmp: str) -> Dict[str, Any]:
     (x, y), _ = batches()
     with pipeddp.HybridParallel(model(torch.float64, tied=True), stages=mesh.size(1), mode="stage", seed=SEED,
                                 mesh=mesh, tp_plan="auto", chunks=2, balance="params") as engine:
-        out: Dict[str, Any] = {"before": whole(engine.named_parameters())}
-        opt = torch.optim.SGD(engine.parameters(), lr=LR)
-        out["loss"] = engine.train_step(x if engine.is_first else None, y if engine.is_last else None, counted).item()
-        out["grads"] = whole((k, p.grad) for k, p in engine.named_parameters())
-        opt.step()
-        out["after"] = whole(engine.named_parameters())
+        out = one_step(engine, x, y)
         engine.save(os.path.join(tmp, "tied.pt"))
         engine.save_pretrained(os.path.join(tmp, "tied"))
     return out
@@ -166,12 +172,7 @@ def tied_replicas(mesh: Any, **kwargs: Any) -> Dict[str, Any]:
     x, y = batches()[mesh.get_local_rank("dp")]
     with pipeddp.HybridParallel(model(torch.float64, tied=True), stages=mesh.size(1), mode="stage", seed=SEED,
                                 mesh=mesh, tp_plan="auto", chunks=2, balance="params", **kwargs) as engine:
-        out: Dict[str, Any] = {"before": whole(engine.named_parameters())}
-        opt = torch.optim.SGD(engine.parameters(), lr=LR)
-        out["loss"] = engine.train_step(x if engine.is_first else None, y if engine.is_last else None, counted).item()
-        out["grads"] = whole((k, p.grad) for k, p in engine.named_parameters())
-        opt.step()
-        out["after"] = whole(engine.named_parameters())
+        out = one_step(engine, x, y)
     return out
 
 
