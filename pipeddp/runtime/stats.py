@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, ContextManager, Dict, Iterator, Optional, Sequence, Set, Union
+from typing import Any, ContextManager, Dict, Optional, Sequence, Set, Union
 
 import torch
 
@@ -143,6 +143,31 @@ class Clock(Trace):
             self.inner.note_memory(row, in_flight, device)
 
 
+class _Agreeing:
+    """``Recorder.agreeing``'s span: a plain context manager (entered twice a step; a generator-based one costs
+    several times more)."""
+
+    __slots__ = ("recorder", "inner", "start")
+
+    def __init__(self, recorder: "Recorder", inner: ContextManager[Any]) -> None:
+        self.recorder, self.inner = recorder, inner
+        self.start = 0.0
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+        try:
+            self.inner.__enter__()
+        except BaseException:
+            self.recorder._agreed += time.perf_counter() - self.start
+            raise
+
+    def __exit__(self, *exc: Any) -> Optional[bool]:
+        try:
+            return self.inner.__exit__(*exc)
+        finally:
+            self.recorder._agreed += time.perf_counter() - self.start
+
+
 def _peak(device: torch.device) -> int:
     """``torch.cuda.max_memory_allocated(device)`` without flattening every counter of the allocator into one dict
     (which costs about as much as a small step's bookkeeping): read from the nested statistics."""
@@ -163,6 +188,9 @@ class Recorder:
         for st in stages:
             self.devices.setdefault(row_of(st.index, rows, placement), st.device)
         cpu = [r for r, d in self.devices.items() if d.type == "cpu"]
+        # once per configuration, not per step: the rows in order, and the CUDA devices whose peaks a step reads
+        self._rows = sorted(self.devices.items())
+        self._cuda = [d for d in dict.fromkeys(d for _, d in self._rows) if d.type == "cuda"]
         #: None where no device of this process is a CPU: nothing is timed per action
         self.clock: Optional[Clock] = Clock(cpu) if cpu else None
         #: whether the next step times its actions (``idle``, and in stage mode the waits on messages)
@@ -205,15 +233,9 @@ class Recorder:
         self.clock.inner, self.clock.waits = trace, self.peers
         return self.clock
 
-    @contextlib.contextmanager
-    def agreeing(self, inner: ContextManager[Any]) -> Iterator[None]:
+    def agreeing(self, inner: ContextManager[Any]) -> ContextManager[Any]:
         """Around one of a step's agreement collectives: its seconds count as waiting for peers."""
-        start = time.perf_counter()
-        try:
-            with inner:
-                yield
-        finally:
-            self._agreed += time.perf_counter() - start
+        return _Agreeing(self, inner)
 
     def end(self, count: Union[None, float, torch.Tensor]) -> StepStats:
         """The step is over (``count``: its count, every replica's, where the loss_fn counted)."""
@@ -223,8 +245,8 @@ class Recorder:
         idle: Dict[int, Optional[float]] = {}
         memory: Dict[int, Optional[int]] = {}
         waited = self._agreed
-        peaks = {d: _peak(d) for d in set(self.devices.values()) if d.type == "cuda"}
-        for r, dev in sorted(self.devices.items()):
+        peaks = {d: _peak(d) for d in self._cuda}
+        for r, dev in self._rows:
             idle[r] = None
             if clock is not None and r in clock.busy and r not in clock.untimed and seconds > 0:
                 idle[r] = min(max(1.0 - clock.busy[r] / seconds, 0.0), 1.0)
