@@ -56,9 +56,8 @@ import torch
 from torch import nn
 
 from ..distributed.agreement import Agreement
-from ..distributed.shard import is_sharded
 from ..distributed.topology import Topology
-from ..runtime.dtensors import local
+from ..runtime.dtensors import is_dtensor, local
 from ..runtime.materialize import recorded_init
 from ..runtime.names import recorded_source
 from . import catalog, slices
@@ -256,12 +255,12 @@ def _write_blocks(directory: str, plan: _Plan, held: Dict[str, torch.Tensor], ra
         for key in sorted(held):
             value, owner = held[key], plan.writer[key]
             block = slices.block(value)
-            if is_sharded(value) and block is None:
-                value = value.full_tensor()  # type: ignore[attr-defined]  # a DTensor (is_sharded)
+            if is_dtensor(value) and block is None:
+                value = value.full_tensor()  # type: ignore[attr-defined]  # a DTensor (is_dtensor)
                 mine = owner == rank
-            elif is_sharded(value):
+            elif is_dtensor(value):
                 mine = slices.writes_block(value, owner)
-                value = value.to_local()  # type: ignore[attr-defined]  # a DTensor (is_sharded)
+                value = value.to_local()  # type: ignore[attr-defined]  # a DTensor (is_dtensor)
             else:
                 mine = owner == rank
             if not mine or error:

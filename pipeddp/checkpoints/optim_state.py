@@ -24,7 +24,8 @@ from typing import Any, Dict, Iterable, List, Optional
 import torch
 from torch import nn
 
-from ..distributed.shard import is_sharded, shard_like
+from ..distributed.shard import shard_like
+from ..runtime.dtensors import is_dtensor
 from ..runtime.names import names_of
 
 __all__ = ["named_optimizer_state", "merge_optimizer_states", "load_named_optimizer_state", "flat_optimizer_state",
@@ -48,7 +49,7 @@ def _flat_options() -> Any:
 def _whole_options(module: nn.Module) -> Any:
     """Where ``module``'s parameters are FSDP2 shards (DTensors), the named form gathered whole to save and cut to
     each rank's shards to load (``full_state_dict``); else None (the default form)."""
-    sharded = any(is_sharded(p) for p in module.parameters())
+    sharded = any(is_dtensor(p) for p in module.parameters())
     return _dcp().StateDictOptions(full_state_dict=True) if sharded else None
 
 
@@ -97,8 +98,8 @@ def load_named_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimiz
         groups.append(dict(g, params=[p for p in g["params"] if p in names]))
     own: Dict[str, Any] = {"state": {k: v for k, v in state["state"].items() if k in names}, "param_groups": groups}
     held = dict(module.named_parameters())
-    # mypy: is_sharded checks for a DTensor, which mypy cannot narrow through a helper
-    if any(is_sharded(p) and p.device_mesh.ndim > 1 for p in held.values()):  # type: ignore[attr-defined]
+    # mypy: is_dtensor checks for a DTensor, which mypy cannot narrow through a helper
+    if any(is_dtensor(p) and p.device_mesh.ndim > 1 for p in held.values()):  # type: ignore[attr-defined]
         # FSDP2 over tensor-parallel shards (2-D DTensors): DCP's whole-state load scatters each tensor from rank 0,
         # which torch 2.14 fails with an AssertionError in _StridedShard's scatter (an MLP's 10-wide head, dp2 x
         # tp2); every rank holds the whole state here, so each cuts its own piece (no communication)

@@ -31,8 +31,8 @@ import torch.distributed as dist
 
 from ..distributed.agreement import Agreement
 from ..distributed.groups import subgroup
-from ..distributed.shard import is_sharded
 from ..distributed.topology import Topology
+from ..runtime.dtensors import is_dtensor
 from . import catalog, optim_state, sharded
 from . import checkpoint as files
 from .peers import Peers, peers_of
@@ -170,7 +170,7 @@ def _whole_share(engine: Engine, keep: bool) -> Dict[str, Any]:
     process that holds part of it, one tensor at a time in the share's order, and dropped where not kept."""
     local: Dict[str, Any] = {}
     for key, value in engine.local_state_dict().items():
-        whole = value.full_tensor() if is_sharded(value) else value  # a collective over the tensor's mesh
+        whole = value.full_tensor() if is_dtensor(value) else value  # a collective over the tensor's mesh
         if keep:
             local[key] = whole.detach().cpu()
         del whole

@@ -29,7 +29,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from ..distributed.shard import is_sharded, shard_like
+from ..distributed.shard import shard_like
+from ..runtime.dtensors import is_dtensor
 
 __all__ = ["Block", "block", "writes_block", "local_part", "from_block", "Layout", "create_file", "write_block",
            "CODES"]
@@ -50,7 +51,7 @@ for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), (
 def block(t: Any) -> Optional[Block]:
     """The block of the whole tensor that the ``DTensor`` ``t``'s local tensor is; None for a plain tensor, and
     for a layout whose local tensor is no single block (strided shards, partial sums)."""
-    if not is_sharded(t):
+    if not is_dtensor(t):
         return None
     from torch.distributed.tensor import Shard
 
@@ -92,7 +93,7 @@ def local_part(whole: torch.Tensor, target: Any) -> Any:
     b = block(target)
     if b is not None:
         return from_block(whole[_index(b)].clone(), target)
-    return shard_like(whole, target) if is_sharded(target) else whole
+    return shard_like(whole, target) if is_dtensor(target) else whole
 
 
 # -- a safetensors file written in place, block by block ------------------------------------------------------------

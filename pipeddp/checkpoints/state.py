@@ -35,8 +35,8 @@ import torch
 from torch import nn
 
 from ..distributed.agreement import Agreement
-from ..distributed.shard import is_sharded
 from ..distributed.topology import Topology
+from ..runtime.dtensors import is_dtensor
 from ..runtime.warn import warn
 from . import catalog, optim_state, pretrained, sharded, slices
 from . import checkpoint as files
@@ -160,7 +160,7 @@ def _own_value(whole: Any, own: Any) -> Any:
     """A saved whole tensor as this process holds it: its block (a ``DTensor``), or a copy of the whole."""
     if not isinstance(whole, torch.Tensor) or not isinstance(own, torch.Tensor):
         return whole
-    return slices.local_part(whole, own) if is_sharded(own) else whole.clone()
+    return slices.local_part(whole, own) if is_dtensor(own) else whole.clone()
 
 
 def _cloned(value: Any) -> Any:
@@ -216,7 +216,7 @@ def _first_places(where: Dict[str, str], tied: Dict[str, str]) -> Dict[str, str]
 def _buffer(own: torch.Tensor, saved: Tuple[Any, torch.dtype]) -> torch.Tensor:
     """A new tensor to read a saved entry into: the saved shape and dtype, cut like ``own`` where that is a shard
     (``shard=``: DCP then reads only this rank's rows, nothing whole)."""
-    if is_sharded(own):
+    if is_dtensor(own):
         return torch.empty_like(own, dtype=saved[1])
     return torch.empty(tuple(saved[0]), dtype=saved[1])
 

@@ -61,7 +61,7 @@ from ..runtime.gradsync import GradSync
 from ..runtime.stage import Stage
 from ..runtime.trace import Span, Trace
 
-__all__ = ["SHARD_MODES", "StageShard", "attach_shards", "check_shard", "split_backward", "is_sharded",
+__all__ = ["SHARD_MODES", "StageShard", "attach_shards", "check_shard", "split_backward",
            "whole_tensors", "shard_like"]
 
 #: the ``shard=`` settings: DDP (nothing sharded), optimizer state + gradients (+ params between steps), everything
@@ -276,17 +276,11 @@ def attach_shards(stages: Sequence[Stage], groups: Dict[int, Any], mode: str,
     return out
 
 
-def is_sharded(t: Any) -> bool:
-    """Whether ``t`` is a ``DTensor`` (a sharded parameter, gradient or optimizer state); a job that never shards
-    never imports ``torch.distributed.tensor`` to answer (``runtime.dtensors``)."""
-    return is_dtensor(t)
-
-
 def whole_tensors(state: Dict[str, Any]) -> Dict[str, Any]:
     """``state`` with every ``DTensor`` gathered whole (a collective over each tensor's mesh, on every replica)."""
     out: Dict[str, Any] = {}
     for key, value in state.items():
-        out[key] = value.full_tensor().detach() if is_sharded(value) else value
+        out[key] = value.full_tensor().detach() if is_dtensor(value) else value
     return out
 
 

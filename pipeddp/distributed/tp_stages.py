@@ -83,16 +83,16 @@ def tensor_parallel(model: nn.Sequential, mesh: Any, tp_plan: PlanArg, settings:
     return TensorParallel(mesh, styles, built_whole=not is_meta(model), sharded=shard != "none")
 
 
-def _drops(model: nn.Sequential) -> bool:
-    """Whether the model may draw dropout masks: a dropout module with p > 0, or a config's dropout above 0 (a
+def _dropouts(model: nn.Sequential) -> List[str]:
+    """Where the model may draw dropout masks: its dropout modules with p > 0, and a config's dropout above 0 (a
     transformers model's attention dropout is a functional call, no module)."""
     from torch.nn.modules.dropout import _DropoutNd
 
-    if any(isinstance(m, _DropoutNd) and m.p > 0 for m in model.modules()):
-        return True
     config = getattr(recorded_source(model), "config", None)
-    values = config.to_dict() if config is not None and hasattr(config, "to_dict") else {}
-    return any(("dropout" in k or k.endswith("pdrop")) and isinstance(v, float) and v > 0 for k, v in values.items())
+    settings: Dict[str, Any] = config.to_dict() if config is not None and hasattr(config, "to_dict") else {}
+    drops = [f"{k} (p={m.p})" for k, m in model.named_modules() if isinstance(m, _DropoutNd) and m.p > 0]
+    return drops + [f"config.{k}={v}" for k, v in settings.items()
+                    if ("dropout" in k or k.endswith("pdrop")) and isinstance(v, float) and v > 0]
 
 
 def check_seeded_alike(model: nn.Sequential, tp: "TensorParallel", gather: Callable[[Any], List[Any]]) -> None:
@@ -100,7 +100,7 @@ def check_seeded_alike(model: nn.Sequential, tp: "TensorParallel", gather: Calla
     process's generator, so tp ranks seeded apart (``torch.manual_seed(rank)``) would draw different masks on a
     replicated activation and train apart without a word. Checked once at build over the tp group, each group's
     verdict then told through ``gather`` (every rank of this tp slice's value on each), so every rank refuses alike."""
-    if tp.size == 1 or not _drops(model):
+    if tp.size == 1 or not _dropouts(model):
         return
     state = hashlib.sha1(torch.random.get_rng_state().numpy().tobytes()).hexdigest()
     states: List[Optional[str]] = [None] * tp.size
@@ -125,18 +125,12 @@ def _check_compile(model: nn.Sequential, styles: Dict[str, Any]) -> None:
     mode is read under AOT autograd's). Dropout between split layers draws each part from the whole tensor's
     numbers through pipeddp's kernels (``runtime.shard_draws``), which a compiled graph's ops do not reach.
     """
-    from torch.nn.modules.dropout import _DropoutNd
-
     split = [k for k in styles if isinstance(model.get_submodule(k), nn.Embedding)]
     if split:
         raise ValueError(f"compile= with an Embedding split over tp ({', '.join(split)}) fails in torch's tracing of "
                          "the vocabulary-split lookup (its masked partial sum): leave compile out, or the embedding "
                          "out of tp_plan")
-    config = getattr(recorded_source(model), "config", None)
-    settings: Dict[str, Any] = config.to_dict() if config is not None and hasattr(config, "to_dict") else {}
-    drops = [f"{k} (p={m.p})" for k, m in model.named_modules() if isinstance(m, _DropoutNd) and m.p > 0]
-    drops += [f"config.{k}={v}" for k, v in settings.items()
-              if ("dropout" in k or k.endswith("pdrop")) and isinstance(v, float) and v > 0]
+    drops = _dropouts(model)
     if drops:
         raise ValueError(f"compile= with tp_plan and dropout ({', '.join(drops)}) would draw each tp rank's part of a "
                          "split activation from the start of the numbers, not the plain model's: a compiled graph's "
