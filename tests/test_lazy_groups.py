@@ -92,3 +92,46 @@ def test_the_setting_is_checked_and_torch_s_variable_restored_as_the_user_set_it
     with lazy.made_lazily(timedelta(seconds=5)):
         assert os.environ["TORCH_GLOO_LAZY_INIT"] == "1"
     assert os.environ["TORCH_GLOO_LAZY_INIT"] == "0"
+
+
+def cut_job(groups: int):
+    """Rank 1 cuts ``groups`` lazy groups of two that never carried anything (on each, one rank of the pair is the
+    one that accepts the connection, by the listening ports: a coin toss per group), then one that did, while rank 0
+    waits there for a message that never comes."""
+    from pipeddp.distributed import cut
+
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))  # the world's group eager: the test's own signals
+    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
+    idle = [dist.new_group([0, 1], timeout=timedelta(seconds=60)) for _ in range(groups)]
+    used = dist.new_group([0, 1], timeout=timedelta(seconds=60))
+    del os.environ["TORCH_GLOO_LAZY_INIT"]
+    token = torch.zeros(1)
+    dist.broadcast(token, 0, group=used)  # the pair of ``used`` connects
+    out = {}
+    if rank == 1:
+        start = time.monotonic()
+        out["closed"] = [cut.cut_group(g, [0]) for g in idle]
+        out["idle_s"] = time.monotonic() - start
+        dist.barrier()  # rank 0 now waits on ``used``
+        time.sleep(0.5)
+        out["used_closed"] = cut.cut_group(used, [0])
+    else:
+        dist.barrier()
+        start = time.monotonic()
+        with pytest.raises(RuntimeError):
+            dist.recv(token, 1, group=used)  # fails when rank 1 cuts, not at the group's timeout (60 s)
+        out["woken_s"] = time.monotonic() - start
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_the_cut_skips_a_lazy_pair_never_connected_and_still_closes_a_connected_one():
+    """Before, the cut's receive on a pair never connected waited for the peer to connect (40 s) where this rank
+    was the accepting side of the pair; now its posting is left behind after ``cut.POSTING`` seconds."""
+    groups = 10
+    results = pipeddp.spawn(cut_job, 2, args=(groups,), timeout=80)
+    cutter, waiter = results[1], results[0]
+    assert cutter["idle_s"] < groups * 0.25 + 3.0, cutter  # at most POSTING per group that accepts, not 40 s
+    assert not all(cutter["closed"]), cutter  # rank 1 accepted on some group (1 in 1,024 it connects on all ten)
+    assert cutter["used_closed"] and waiter["woken_s"] < 3.0, (cutter, waiter)

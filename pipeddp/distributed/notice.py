@@ -27,10 +27,11 @@ rank but the one named has read the notice, a few seconds at most: every wait he
 
 Why not wait in slices, polling the store: gloo cannot. A gloo wait with a timeout that expires closes every
 connection of its group (gloo signals the timeout to every pair of the context, ``unbound_buffer.cc``), and a gloo
-send or receive is never ``is_completed()`` before it is waited for. ``cut`` uses the first on purpose, on a receive
-that nothing sends. The healthy path pays nothing: no poll, no thread, no timed wait. Over nccl the agreements and
-the activations' headers travel over gloo twins, which are cut alike; a rank blocked on its GPU (a kernel waiting
-for an nccl receive) still waits for NCCL's own timeout.
+send or receive is never ``is_completed()`` before it is waited for. ``cut`` (its own module) uses the first on
+purpose, on a receive that nothing sends, and skips a pair of a lazy group never connected. The healthy path pays
+nothing: no poll, no thread, no timed wait. Over nccl the agreements and the activations' headers travel over gloo
+twins, which are cut alike; a rank blocked on its GPU (a kernel waiting for an nccl receive) still waits for
+NCCL's own timeout.
 """
 
 from __future__ import annotations
@@ -40,20 +41,17 @@ import json
 import os
 import re
 import time
-from datetime import timedelta
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
 
-import torch
 import torch.distributed as dist
 
 from .agreement import CollectiveError
-from .p2p import PeerError, spare_tag
+from .cut import cut
+from .p2p import PeerError
 from .topology import Topology
 
 __all__ = ["Notices", "PeerFailed", "cut"]
 
-#: the tag of the receive that cuts a gloo group's connections (nothing ever sends it)
-CUT_TAG = spare_tag(31)
 #: the longest error message a notice carries
 LONGEST = 2000
 #: how long the process that holds the store waits at most for every rank to have read the notice (``linger``)
@@ -71,48 +69,6 @@ NAMED = re.compile(r"rank (\d+)(?: \(stage \d+\))?(?: within [^:]*)?: that proce
 
 class PeerFailed(RuntimeError):
     """Another rank failed inside the step this rank was in; the message names it, its stage and its error."""
-
-
-def cut(groups: Sequence[Any], rank: int) -> None:
-    """Close this process's connections of every gloo group in ``groups`` (see the module's docstring): every
-    operation posted there, here or by a peer with this process, fails at once. The groups are unusable after."""
-    seen: List[Any] = []
-    for group in groups:
-        if group is None or group is dist.GroupMember.NON_GROUP_MEMBER or any(group is g for g in seen):
-            continue
-        seen.append(group)
-        try:
-            if dist.get_backend(group) != "gloo":
-                continue
-            members = dist.get_process_group_ranks(group)
-        except (RuntimeError, ValueError):  # destroyed: nothing left to close
-            continue
-        if rank in members:
-            _cut_group(group, [r for r in members if r != rank])
-
-
-def _cut_group(group: Any, peers: Sequence[int]) -> None:
-    """Wait 1 ms for the cut's receive from each of ``peers`` in turn, until one such wait expires: gloo closes the
-    group's every connection then. A receive from a peer that cut its connections first fails at once, on that
-    closed connection alone, and leaves this process's others open (a rank blocked on one of them, in a collective
-    that the peers' cuts do not reach, would wait out the timeout): so the next peer is tried."""
-    for peer in peers:
-        try:
-            _cut_receive(group, peer).wait(timedelta(milliseconds=1))
-        except (RuntimeError, ValueError) as exc:
-            if "Timed out" in str(exc):  # the wait expired: every connection is closed (no need to try the rest)
-                return
-            continue  # that peer's connection was closed already (or closed while waiting): try the next
-        return
-
-
-def _cut_receive(group: Any, peer: int) -> Any:
-    """The receive that cuts ``group``: posted on the process group object, as ``dist.irecv`` posts it, but past
-    whatever wraps ``dist.irecv`` to order the pipeline's messages (NCCL's one stream per pair of ranks, as the
-    tests emulate it on gloo, queues a receive behind the pair's earlier operations and waits for it on a thread:
-    there this wait would expire on the queue, and the connections would stay open). It is no message of the
-    pipeline and must act at once."""
-    return group.recv([torch.empty(1)], dist.get_group_rank(group, peer), CUT_TAG)
 
 
 def _causes(exc: BaseException) -> Iterator[BaseException]:
