@@ -14,8 +14,9 @@ import torch
 import torch.distributed as dist
 
 import pipeddp
-from pipeddp.distributed.headers import DTYPES, HEADER, decode, encode, flatten
+from pipeddp.distributed.headers import DTYPES, HEADER, decode, encode, flatten, meta_of
 from pipeddp.distributed.p2p import EAGER_BYTES, P2PChannel, PeerError
+from pipeddp.distributed.predicted import plan
 from pipeddp.distributed.tags import tag as _tag
 from pipeddp.runtime.schedule import Kind, crossings, interleaved, one_f_one_b
 
@@ -78,6 +79,19 @@ def test_channel_refuses_a_dict_before_sending_anything():
     with pytest.raises(TypeError, match="got dict; restructure the layer at the cut"):
         ch.send("F", 1, 0, {"h": torch.zeros(2, 3)})
     assert ch.shapes.pending == 0 and ch._inflight == [] and ch._next == 0
+
+
+def test_a_plan_fits_exactly_the_activations_of_its_header():
+    """``Plan.fits`` (the sender's check of an activation against its prediction, without a header) says yes
+    exactly where the activation's header would describe the predicted one."""
+    t, u = torch.zeros(4, 3), torch.zeros(4, dtype=torch.int64)
+    values = [t, t.t(), torch.zeros(4, 3, dtype=torch.float64), torch.zeros(5, 3), (t, u), (t, None), (None, u),
+              (t, u, None), [t, u], [t, None], (t,), [t], (None,), (), torch.zeros(()), (torch.zeros(4, 3), u)]
+    for predicted_value in values:
+        known = plan(meta_of(*flatten(predicted_value)))
+        for value in values:
+            assert known.fits(value) == (meta_of(*flatten(value)) == known.meta), (predicted_value, value)
+    assert not plan(meta_of(*flatten(t))).fits(torch.nn.Parameter(t))  # a subclass: the path with its header
 
 
 def test_tags_are_unique_per_kind_stage_micro_batch_and_slot():
@@ -360,7 +374,7 @@ def repeat_job():
                     timeout=timedelta(seconds=30), side_group=dist.new_group([0, 1]))
     plan = interleaved(2, len(REPEAT_SIZES[0]), 2)
     got, headers, ahead = [], [], []
-    for step, repeat in enumerate([False, True, True, True]):
+    for step, repeat in enumerate(REPEATS):
         ch.begin(crossings(plan)[(0, 1)], key="train_step/0", repeat=repeat)
         ahead.append(ch._next)
         dist.barrier()  # nothing is sent before both ranks have looked
@@ -372,7 +386,10 @@ def repeat_job():
     return {"got": got, "headers": headers, "ahead": ahead}
 
 
-REPEAT_SIZES = [[5, 3, 4], [5, 3, 4], [5, 3, 4], [5, 4, 4]]
+# then larger activations (above p2p.EAGER_BYTES: kept in flight), predicted twice: the flag on a tensor's buffer kept
+# per message and filled again the next step, or, where every tensor is large, a byte of its own
+REPEAT_SIZES = [[5, 3, 4], [5, 3, 4], [5, 3, 4], [5, 4, 4], [3000, 2500, 9], [3000, 2500, 9], [3000, 2500, 9]]
+REPEATS = [False, True, True, True, False, True, True]
 
 
 @pytest.mark.timeout(120)
@@ -382,10 +399,11 @@ def test_activations_whose_shapes_repeat_cross_without_headers(rules):
     for rank, res in enumerate(results):
         sends = [a for a in interleaved(2, 3, 2)[rank] if a.kind is Kind.F and a.stage < 3]
         changed = sum(1 for a in sends if a.mb == 1)
-        assert changed > 0 and res["headers"] == [len(sends), 0, 0, changed]  # the first step's, the changed ones
+        # the first step's, the changed ones, the first larger step's
+        assert changed > 0 and res["headers"] == [len(sends), 0, 0, changed, len(sends), 0, 0]
         # rank 1's order starts with two activations: with shapes predicted both are posted before the first arrives
         # (no flag read first), while a header must be in before the receives of its tensors
-        assert res["ahead"] == ([0, 2, 2, 2] if rank else [0, 0, 0, 0])
+        assert res["ahead"] == ([0, 2, 2, 2, 0, 2, 2] if rank else [0] * 7)
         for kind, step, stage, mb, value in res["got"]:
             if kind != "F":
                 continue
@@ -395,4 +413,4 @@ def test_activations_whose_shapes_repeat_cross_without_headers(rules):
             else:
                 assert type(value) is type(expected)
                 assert len(value) == len(expected) and all(same(a, b) for a, b in zip(value, expected))
-        assert {step for kind, step, _, _, _ in res["got"] if kind == "F"} == {0, 1, 2, 3}
+        assert {step for kind, step, _, _, _ in res["got"] if kind == "F"} == set(range(len(REPEATS)))

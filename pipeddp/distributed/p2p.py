@@ -67,12 +67,12 @@ import torch.distributed as dist
 from ..runtime.channels import describe
 from ..runtime.schedule.messages import Message
 from . import predicted
-from .headers import encode, flatten, meta_of, specs, wants_grad
+from .headers import encode, flatten, meta_of
 from .ordering import Ordering
 from .posting import Posting
+from .predicted import Plan
 from .shapes import Shapes
-from .tags import activation_of, spare_tag
-from .tags import tag as _tag
+from .tags import Route, routes, spare_tag
 
 __all__ = ["P2PChannel", "PeerError", "Ordering", "spare_tag"]
 
@@ -83,6 +83,8 @@ class PeerError(RuntimeError):
 
 #: over gloo, a message of at most this many bytes is waited for as soon as it is sent (see the module's docstring)
 EAGER_BYTES = 64 << 10
+#: a send in flight with the tensors it sends (kept alive until it completes)
+Sent = Tuple[Any, torch.Tensor]
 
 
 class P2PChannel:
@@ -106,7 +108,10 @@ class P2PChannel:
         self.comm_device = comm_device
         self.timeout = timeout
         self._order: Sequence[Message] = ()
+        self._routes: List[Route] = []
         self._index: Dict[Tuple[bool, str, int, int], int] = {}
+        #: the routes of the orders this channel was given (by the order's id, the order kept so the id stays its own)
+        self._known_orders: Dict[int, Tuple[Sequence[Message], List[Route], Dict[Tuple[bool, str, int, int], int]]] = {}
         self._next = 0  # the first message of the order whose operations are not all issued yet
         #: the activations' shapes of this step so far and of the last completed step of each kind
         self.shapes = Shapes()
@@ -117,10 +122,14 @@ class P2PChannel:
         #: the twin says it; a device buffer without a twin, or gloo without a side group, gets no prediction
         self._flag = header_group is None and side_group is not None
         self._predicts = header_group is not None or (self._flag and comm_device.type == "cpu")
+        self._eager = comm_device.type == "cpu"  # gloo: a small send is waited for at once
         self._reads = -1  # the last activation sent whose header the peer reads before it posts the next message
-        self._incoming = Posting(peer, rank=rank, shapes=self.shapes, comm_device=comm_device,
+        #: per message of the order, the buffer its flagged tensor is sent from where it is as predicted
+        #: (``predicted.staging``): its plan, the buffer and the tensor's place in it
+        self._staged: Dict[int, Tuple[Plan, torch.Tensor, torch.Tensor]] = {}
+        self._incoming = Posting(peer, rank=rank, shapes=self.shapes, device=device, comm_device=comm_device,
                                  header_group=header_group, side_group=side_group, flag=self._flag, wait=self._wait)
-        self._inflight: List[Tuple[Any, List[torch.Tensor]]] = []
+        self._inflight: List[Sent] = []
         self._broken: Optional[str] = None
         #: the order in which this process issues its operations: of all its links, or of this one alone
         self.ordering = Ordering([])
@@ -141,10 +150,14 @@ class P2PChannel:
                 "that step's are still posted, so no later message could be trusted. Restart the job from its last "
                 "checkpoint (torchrun --max-restarts=N restarts it by itself; pipeddp.resume picks up the newest)"
             )
-        self._order = order
-        self._index = {(m.src == self.stage, m.kind, m.stage, m.mb): i for i, m in enumerate(order)}
+        got = self._known_orders.get(id(order))
+        if got is None or got[0] is not order:
+            if len(self._known_orders) >= 16:
+                self._known_orders.clear()
+            got = self._known_orders[id(order)] = (order, *routes(order, self.stage))
+        self._order, self._routes, self._index = got
         self._next, self._reads = 0, -1
-        self._incoming.begin(order)
+        self._incoming.begin(self._routes)
         self.shapes.begin(key, repeat and self._predicts)
         self.ordering = ordering if ordering is not None else Ordering([(self, i) for i in range(len(order))])
         if ordering is None:
@@ -162,14 +175,14 @@ class P2PChannel:
     def post_ahead(self, j: int) -> bool:
         """Post the receives of this link's message ``j`` if it is incoming and that needs no wait; False: the
         process's order stops here for now (a send, or a header, flag or activation not in yet)."""
-        if self._order[j].src == self.stage or not self._incoming.post(j, block=False):
+        if self._routes[j].outgoing or not self._incoming.post(j, block=False):
             return False
         self._next = j + 1
         return True
 
     def post_next(self, j: int) -> None:
         """Post the receives of this link's next message, ``j`` (a send there means the step left its order)."""
-        if j != self._next or self._order[j].src == self.stage:
+        if j != self._next or self._routes[j].outgoing:
             m = self._order[j]
             raise RuntimeError(f"pipeddp: rank {self.rank} must first send {m.kind}{m.mb} of stage {m.stage}: the "
                                "step does not run in the order of its schedule")
@@ -196,69 +209,117 @@ class P2PChannel:
             self.ordering.issued()
         posted = self._incoming.arrived(i)
         self.ordering.advance()
-        return self._incoming.value(i, posted, self.device)
+        return self._incoming.value(i, posted)
 
     # -- sending -----------------------------------------------------------------------------------
 
     def send(self, kind: str, stage: int, mb: int, value: Any) -> None:
         """Send ``stage`` its input (``"F"``) or the gradient of its output (``"B"``) for micro-batch ``mb``."""
         i = self._find(True, kind, stage, mb)
-        m, header, known = self._order[i], None, None
-        gated = i > 0 and self._reads == i - 1  # the peer reads a header before it posts this message's receives
-        side: List[Tuple[torch.Tensor, int]] = []  # over gloo, what a changed activation sends on the side group
-        if kind == "F":
-            container, members = flatten(value)  # refuses what cannot cross before anything is posted
-            meta = meta_of(container, members)
-            known = self.shapes.predicted((stage, mb))
-            if known is None or known != meta or not self._flag:
-                header = encode(container, members)
-            self.ordering.catch_up(self, i)
-            self.shapes.crossed((stage, mb), meta)
-            tensors = [t.detach().to(self.comm_device) for t in members if t is not None]
-            late = [(tensors[k], 1 + k) for k in (range(len(tensors)) if known is None else
-                                                    predicted.missing(known, meta))]
-            # in the link's order: the header (unless it goes on the twin or the side group), the predicted slots,
-            # the tensors they did not carry (over gloo on the side group, after the header)
-            first = [] if known is None else predicted.outgoing(known, meta, tensors, self._flag, self.comm_device)
-            out = [] if known is None else list(zip(first, predicted.slots(known, self._flag, len(first))))
-            side, late = (late, []) if known is not None and self._flag else ([], late)
-            out += late
-            self.headers += header is not None
-            self._reads = i if known is None or not self._flag else -1  # the peer reads its header before going on
+        r = self._routes[i]
+        if not r.forward:
+            self._send_gradient(i, r, value)
         else:
-            # Gradients of the activation this process received: one per floating tensor, zeros where unused.
-            metas = specs(self.shapes.take(activation_of(kind, stage, mb)))
-            grads = [g if g is not None else torch.zeros(shape, dtype=dtype, device=self.device)
-                     for (dtype, shape), g in zip(metas, value) if wants_grad(dtype)]
-            out = [(g.detach().to(self.comm_device), 1 + k) for k, g in enumerate(grads)]
-            self.ordering.catch_up(self, i)
-        sent = [(t.contiguous(), k) for t, k in out]
-        aside = header is not None and known is not None and self._flag  # changed, over gloo
-        works = [self._send_header(header, m, self.header_group)] if header is not None and not aside else []
-        works += [(dist.isend(t, self.peer, tag=_tag(m.kind, m.stage, m.mb, k)), [t]) for t, k in sent]
-        self._next = i + 1
-        self.ordering.issued()
-        size = sum(t.numel() * t.element_size() for t, _ in sent)
-        if self.comm_device.type == "cpu" and not gated and size <= EAGER_BYTES:
-            self._delivered(works)  # gloo, a small message: delivered now (see the module's docstring)
-        else:
-            self._inflight = [(w, ts) for w, ts in self._inflight if not w.is_completed()] + works
-        if aside and header is not None:  # the peer posts their receives once it has read the flag: in flight
-            self._incoming.resolve(i - 1)  # the side group's operations in the link's order at both ends
-            self._inflight += [self._send_header(header, m, self.side_group)]
-            self._inflight += [(dist.isend(t.contiguous(), self.peer, group=self.side_group,
-                                           tag=_tag(m.kind, m.stage, m.mb, k)), [t]) for t, k in side]
+            known = self.shapes.predicted(r.at)
+            if known is not None and self._flag and known.fits(value):
+                self._send_predicted(i, r, known, value)
+            else:
+                self._send_activation(i, r, known, value)
         self.ordering.advance()
 
-    def _send_header(self, header: torch.Tensor, m: Message, group: Any) -> Tuple[Any, List[torch.Tensor]]:
-        """Post ``header`` (built on the host) of message ``m``: on ``group`` (a gloo twin or the side group) as it
+    def _send_predicted(self, i: int, r: Route, known: Plan, value: Any) -> None:
+        """Send an activation as predicted, over gloo: in the predicted slots, the flag not raised (``predicted``);
+        the flagged tensor from the buffer kept for message ``i``, its flag element already down."""
+        gated = i > 0 and self._reads == i - 1  # the peer reads a header before it posts this message's receives
+        self.ordering.catch_up(self, i)
+        self.shapes.crossed(r.at, known)
+        cd = self.comm_device
+        members = [value] if known.tensor else [t for t in value if t is not None]
+        f = known.inline
+        if f is None:
+            out = [predicted.flag_byte(False)] + [t.detach().to(cd).contiguous() for t in members]
+        else:
+            staged = self._staged.get(i)
+            if staged is None or staged[0] is not known:
+                staged = self._staged[i] = (known, *predicted.staging(known, cd))
+            t = members[f]
+            staged[2].copy_(t.detach() if t.requires_grad else t)
+            out = [staged[1]] if len(members) == 1 else \
+                [staged[1] if k == f else t.detach().to(cd).contiguous() for k, t in enumerate(members)]
+        self._reads = -1
+        self._issue(i, r.tag + known.first, out, known.flagged_bytes, gated)
+
+    def _send_activation(self, i: int, r: Route, known: Optional[Plan], value: Any) -> None:
+        """Send an activation with its header: none was predicted, it is not the predicted one, or its header is
+        the flag (over nccl, on the twin)."""
+        gated = i > 0 and self._reads == i - 1
+        container, members = flatten(value)  # refuses what cannot cross before anything is posted
+        actual = predicted.plan(meta_of(container, members))
+        if known is not None and known.meta == actual.meta:
+            actual = known
+        header = encode(container, members) if known is not actual or not self._flag else None
+        self.ordering.catch_up(self, i)
+        self.shapes.crossed(r.at, actual)
+        tensors = [t.detach().to(self.comm_device).contiguous() for t in members if t is not None]
+        late = list(range(len(tensors))) if known is None else predicted.missing(known, actual)
+        aside = header is not None and known is not None and self._flag  # changed, over gloo
+        self.headers += header is not None
+        self._reads = i if known is None or not self._flag else -1  # the peer reads its header before going on
+        # in the link's order: the header (unless it goes on the twin or the side group), the predicted slots, the
+        # tensors they did not carry (over gloo on the side group, after the header)
+        works = [self._send_header(header, r, self.header_group)] if header is not None and not aside else []
+        sent: List[torch.Tensor] = []
+        if known is not None:
+            sent = predicted.outgoing(known, actual, tensors, self._flag, self.comm_device)
+            works += self._isend(sent, r.tag + (known.first if self._flag else 1))
+        if not aside:
+            works += [(dist.isend(tensors[k], self.peer, tag=r.tag + 1 + k), tensors[k]) for k in late]
+            sent += [tensors[k] for k in late]
+        self._issued(i, works, sum(t.nbytes for t in sent), gated)
+        if aside and header is not None:  # the peer posts their receives once it has read the flag: in flight
+            self._incoming.resolve(i - 1)  # the side group's operations in the link's order at both ends
+            self._inflight.append(self._send_header(header, r, self.side_group))
+            self._inflight += [(dist.isend(tensors[k], self.peer, group=self.side_group, tag=r.tag + 1 + k),
+                                tensors[k]) for k in late]
+
+    def _send_gradient(self, i: int, r: Route, value: Any) -> None:
+        """Send the gradient of the activation this process received: one per floating tensor, zeros where unused."""
+        gated = i > 0 and self._reads == i - 1
+        shapes = self.shapes.take(r.at)
+        cd = self.comm_device
+        out = [(g.detach() if g.requires_grad else g).to(cd).contiguous() if g is not None else
+               torch.zeros(s, dtype=d, device=cd) for (d, s), w, g in zip(shapes.specs, shapes.wants, value) if w]
+        self.ordering.catch_up(self, i)
+        self._issue(i, r.tag + 1, out, shapes.grad_bytes, gated)
+
+    def _isend(self, tensors: Sequence[torch.Tensor], tag: int) -> List[Sent]:
+        """Send ``tensors`` in the link's order, the first tagged ``tag``, the next ``tag + 1`` and so on."""
+        peer = self.peer
+        return [(dist.isend(t, peer, tag=tag + k), t) for k, t in enumerate(tensors)]
+
+    def _issue(self, i: int, tag: int, tensors: Sequence[torch.Tensor], size: int, gated: bool) -> None:
+        """Send message ``i``'s ``tensors`` (contiguous, on the channel's device, ``size`` bytes), tagged from
+        ``tag`` on."""
+        self._issued(i, self._isend(tensors, tag), size, gated)
+
+    def _issued(self, i: int, works: List[Sent], size: int, gated: bool) -> None:
+        """Message ``i``'s operations in the link's order are issued (``works``, of ``size`` bytes of tensors)."""
+        self._next = i + 1
+        self.ordering.issued()
+        if self._eager and not gated and size <= EAGER_BYTES:
+            self._delivered(works)  # gloo, a small message: delivered now (see the module's docstring)
+        else:
+            self._inflight = [s for s in self._inflight if not s[0].is_completed()] + works
+
+    def _send_header(self, header: torch.Tensor, r: Route, group: Any) -> Sent:
+        """Post ``header`` (built on the host) of message ``r``: on ``group`` (a gloo twin or the side group) as it
         is, or where None on the tensors' device and group, ahead of its tensors."""
         if group is None:
             header = header.to(self.comm_device)
-        return dist.isend(header, self.peer, group=group, tag=_tag(m.kind, m.stage, m.mb, 0)), [header]
+        return dist.isend(header, self.peer, group=group, tag=r.tag), header
 
-    def _delivered(self, works: List[Tuple[Any, List[torch.Tensor]]]) -> None:
-        """Wait for ``works`` (sends, each with the tensors it sends)."""
+    def _delivered(self, works: List[Sent]) -> None:
+        """Wait for ``works`` (sends, each with the tensor it sends)."""
         try:
             for work, _ in works:
                 work.wait(self.timeout)
@@ -287,6 +348,7 @@ class P2PChannel:
         self._incoming.clear()
         self.shapes.clear()
         self._inflight = []
+        self._staged.clear()  # a send of the failed step may still read them
 
     def _error(self, what: str, exc: BaseException) -> PeerError:
         return PeerError(

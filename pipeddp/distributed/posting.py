@@ -17,9 +17,10 @@ import torch.distributed as dist
 
 from ..runtime.schedule.messages import Message
 from . import predicted
-from .headers import HEADER, Meta, decode, specs, wants_grad
+from .headers import HEADER, decode
+from .predicted import Plan
 from .shapes import Shapes
-from .tags import activation_of, tag
+from .tags import Route
 
 __all__ = ["Posted", "Posting"]
 
@@ -31,12 +32,14 @@ class Posted:
     """The receives of one incoming message: a gradient's tensors; an activation's header, then its tensors; or its
     predicted slots, then, where it differs, its header and the tensors they did not carry (``predicted``)."""
 
+    __slots__ = ("started", "done", "known", "header", "shapes", "works", "bufs", "late")
+
     def __init__(self) -> None:
         self.started = False
         self.done = False  # every receive of the message is posted
-        self.known: Optional[Meta] = None  # the prediction the slots were posted for
+        self.known: Optional[Plan] = None  # the prediction the slots were posted for
         self.header: Optional[Tuple[Any, torch.Tensor]] = None
-        self.meta: Optional[Meta] = None
+        self.shapes: Optional[Plan] = None  # what crossed (the prediction itself where it held)
         self.works: List[Any] = []
         self.bufs: List[torch.Tensor] = []  # a gradient's tensors, or the predicted slots
         self.late: List[torch.Tensor] = []  # the tensors posted once the header was in
@@ -45,12 +48,14 @@ class Posted:
 class Posting:
     """The receives of the messages from ``peer`` on one link, for ``P2PChannel`` (see the module's docstring)."""
 
-    def __init__(self, peer: int, *, rank: int, shapes: Shapes, comm_device: torch.device, header_group: Any,
-                 side_group: Any, flag: bool, wait: Wait) -> None:
+    def __init__(self, peer: int, *, rank: int, shapes: Shapes, device: torch.device, comm_device: torch.device,
+                 header_group: Any, side_group: Any, flag: bool, wait: Wait) -> None:
         self.peer = peer
         self.rank = rank
         self.shapes = shapes
         self.comm_device = comm_device
+        self.device = device
+        self._moves = device != comm_device  # what arrives is copied to ``device``
         #: where headers travel (the gloo twin beside nccl), None: in the link's order
         self.header_group = header_group
         #: a predicted activation's flag travels in-band (gloo), a changed one's header and tensors on
@@ -58,13 +63,13 @@ class Posting:
         self.flag = flag
         self.side_group = side_group
         self.wait = wait
-        self.order: Sequence[Message] = ()
+        self.routes: Sequence[Route] = ()
         self.posted: Dict[int, Posted] = {}
         self._flagged: Deque[int] = collections.deque()  # predicted activations whose flag is not read yet, in order
 
-    def begin(self, order: Sequence[Message]) -> None:
-        """A step whose messages on this link are ``order``."""
-        self.order = order
+    def begin(self, routes: Sequence[Route]) -> None:
+        """A step whose messages on this link have ``routes``."""
+        self.routes = routes
         self.clear()
 
     def clear(self) -> None:
@@ -75,52 +80,53 @@ class Posting:
     def post(self, i: int, *, block: bool) -> bool:
         """Post the receives of incoming message ``i``; False where that needs what is not in yet and not ``block``
         (an activation's header or flag, or the gradient of an activation not sent yet)."""
-        m = self.order[i]
-        posted = self.posted.setdefault(i, Posted())
-        if posted.done:
+        posted = self.posted.get(i)
+        if posted is None:
+            posted = self.posted[i] = Posted()
+        elif posted.done:
             return True
-        if m.kind == "B":
-            meta = self.shapes.sent(activation_of(m.kind, m.stage, m.mb))
-            if meta is None:
+        r = self.routes[i]
+        if not r.forward:
+            sent = self.shapes.sent(r.at)
+            if sent is None:
                 if not block:
                     return False
-                raise RuntimeError(f"pipeddp: rank {self.rank} expects the gradient of micro-batch {m.mb} from rank "
-                                   f"{self.peer} before it sent that activation")
-            posted.bufs = [torch.empty(s, dtype=d, device=self.comm_device) for d, s in specs(meta) if wants_grad(d)]
-            posted.works, posted.done = self._irecv(posted.bufs, m, range(1, 1 + len(posted.bufs))), True
+                raise RuntimeError(f"pipeddp: rank {self.rank} expects the gradient of micro-batch {r.m.mb} from "
+                                   f"rank {self.peer} before it sent that activation")
+            cd = self.comm_device
+            posted.bufs = bufs = [torch.empty(s, dtype=d, device=cd) for d, s in sent.grads]
+            posted.works, posted.done = self._irecv(bufs, r.tag + 1), True
             return True
         known = posted.known
         if not posted.started:  # the predicted slots at once (a flag of their own first, where it goes apart)
-            posted.started, known = True, self.shapes.predicted((m.stage, m.mb))
+            posted.started, known = True, self.shapes.predicted(r.at)
             if known is not None:
-                posted.known, posted.bufs = known, predicted.buffers(known, self.flag, self.comm_device)
-                posted.works = self._irecv(posted.bufs, m, predicted.slots(known, self.flag, len(posted.bufs)))
+                posted.known = known
+                posted.bufs = bufs = predicted.buffers(known, self.flag, self.comm_device)
+                posted.works = self._irecv(bufs, r.tag + known.first if self.flag else r.tag + 1)
                 if self.flag:  # the flag is read when the activation is taken (``resolve``): the next one at once
                     self._flagged.append(i)
                     posted.done = True
                     return True
-            self._post_header(posted, m)
-        if posted.meta is None and posted.header is not None:
+            self._post_header(posted, r)
+        if posted.shapes is None and posted.header is not None:
             work, buf = posted.header
-            if not self._ready(work, m, block):
+            if not self._ready(work, r.m, block):
                 return False
-            posted.meta = decode(buf if buf.device.type == "cpu" else buf.cpu())
-        if posted.meta is None:  # post reads every activation's header or flag before its tensors
-            raise RuntimeError(f"pipeddp: the header of micro-batch {m.mb} for stage {m.stage} was never read")
-        self.shapes.crossed((m.stage, m.mb), posted.meta)
-        have = specs(posted.meta)
-        late = range(len(have)) if known is None else predicted.missing(known, posted.meta)
-        posted.late = [torch.empty(have[k][1], dtype=have[k][0], device=self.comm_device) for k in late]
-        posted.works += self._irecv(posted.late, m, [1 + k for k in late])
+            posted.shapes = self._crossed(known, buf if buf.device.type == "cpu" else buf.cpu())
+        if posted.shapes is None:  # post reads every activation's header or flag before its tensors
+            raise RuntimeError(f"pipeddp: the header of micro-batch {r.m.mb} for stage {r.m.stage} was never read")
+        self.shapes.crossed(r.at, posted.shapes)
+        self._post_late(posted, r, known, posted.shapes, None)
         posted.done = True
         return True
 
     def arrived(self, i: int) -> Posted:
         """Incoming message ``i`` once all of it is in (every receive of it posted first)."""
-        if self.order[i].kind == "F":
+        if self.routes[i].forward:
             self.resolve(i)
         posted = self.posted.pop(i)
-        self.wait(posted.works, self.order[i])
+        self.wait(posted.works, self.routes[i].m)
         return posted
 
     def resolve(self, upto: int) -> None:
@@ -129,51 +135,61 @@ class Posting:
         predicted receives did not carry, on ``side_group``: the peer sent them there right after its predicted
         slots. In the link's order at both ends, so they meet under NCCL's rules too (the peer reads the flags that
         come before a changed activation of its own before it sends that one's header)."""
-        while self._flagged and self._flagged[0] <= upto:
-            j = self._flagged.popleft()
-            posted, m = self.posted[j], self.order[j]
+        flagged = self._flagged
+        while flagged and flagged[0] <= upto:
+            j = flagged.popleft()
+            posted, r = self.posted[j], self.routes[j]
             known = posted.known
             assert known is not None  # only predicted activations are flagged
-            self.wait([posted.works.pop(predicted.flag_index(known))], m)  # a gloo receive is not waited twice
-            meta = known
+            # the flag's receive, waited for here, is not waited for again
+            self.wait([posted.works.pop(0 if known.inline is None else known.inline)], r.m)
+            shapes = known
             if predicted.raised(known, posted.bufs):
                 buf = torch.empty((HEADER,), dtype=torch.int64)
-                self.wait(self._irecv([buf], m, [0], self.side_group), m)
-                meta = decode(buf)
-                have, late = specs(meta), predicted.missing(known, meta)
-                posted.late = [torch.empty(have[k][1], dtype=have[k][0], device=self.comm_device) for k in late]
-                posted.works += self._irecv(posted.late, m, [1 + k for k in late], self.side_group)
-            posted.meta = meta
-            self.shapes.crossed((m.stage, m.mb), meta)
+                self.wait(self._irecv([buf], r.tag, self.side_group), r.m)
+                shapes = self._crossed(known, buf)
+                self._post_late(posted, r, known, shapes, self.side_group)
+            posted.shapes = shapes
+            self.shapes.crossed(r.at, shapes)
 
-    def value(self, i: int, posted: Posted, device: torch.device) -> Any:
-        """What ``arrived`` message ``i`` carries, on ``device``: an activation as its sender gave it, or a gradient
-        per tensor of the activation (None where that takes none)."""
-        m = self.order[i]
-        if m.kind == "F":
-            container, members = posted.meta if posted.meta is not None else (0, ())
-            tensors = posted.late if posted.known is None else \
-                predicted.unpack(posted.known, (container, members), posted.bufs, posted.late, self.flag)
-            if device != self.comm_device:
-                tensors = [t.to(device) for t in tensors]
-            if container == 0 and members[0][0] is not None:  # a tensor alone, the common case
-                return tensors[0]
-            got = iter(tensors)
-            value = [None if d is None else next(got) for d, _ in members]
-            if container == 0:
-                return value[0]
-            return tuple(value) if container == 1 else list(value)
-        grads = iter(posted.bufs if device == self.comm_device else [b.to(device) for b in posted.bufs])
-        return [next(grads) if wants_grad(d) else None for d, _ in
-                specs(self.shapes.take(activation_of(m.kind, m.stage, m.mb)))]
+    def value(self, i: int, posted: Posted) -> Any:
+        """What ``arrived`` message ``i`` carries, on the channel's device: an activation as its sender gave it, or
+        a gradient per tensor of the activation (None where that takes none)."""
+        r = self.routes[i]
+        if r.forward:
+            shapes, known = posted.shapes, posted.known
+            assert shapes is not None  # every activation's header or flag is read before it arrives
+            tensors = posted.late if known is None else \
+                predicted.taken(known, self.flag, posted.bufs) if shapes is known else \
+                predicted.unpack(known, shapes, posted.bufs, posted.late, self.flag)
+            if self._moves:
+                tensors = [t.to(self.device) for t in tensors]
+            return shapes.value(tensors)
+        bufs = posted.bufs if not self._moves else [b.to(self.device) for b in posted.bufs]
+        return self.shapes.take(r.at).gradient(bufs)
 
-    def _irecv(self, bufs: Sequence[torch.Tensor], m: Message, slots: Sequence[int], group: Any = None) -> List[Any]:
-        return [dist.irecv(b, self.peer, group=group, tag=tag(m.kind, m.stage, m.mb, k)) for b, k in zip(bufs, slots)]
+    def _crossed(self, known: Optional[Plan], header: torch.Tensor) -> Plan:
+        """The plan of the activation whose ``header`` came in: the prediction itself where it has its shapes."""
+        meta = decode(header)
+        return known if known is not None and known.meta == meta else predicted.plan(meta)
 
-    def _post_header(self, posted: Posted, m: Message) -> None:
-        """Post the receive of message ``m``'s header: on ``header_group``, else in the link's order."""
+    def _post_late(self, posted: Posted, r: Route, known: Optional[Plan], shapes: Plan, group: Any) -> None:
+        """Post the receives of the tensors of an activation of ``shapes`` that no predicted slot carried (all of
+        them where none was predicted), after its header: on ``group``."""
+        late = range(len(shapes.specs)) if known is None else predicted.missing(known, shapes)
+        cd = self.comm_device
+        posted.late = bufs = [torch.empty(shapes.specs[k][1], dtype=shapes.specs[k][0], device=cd) for k in late]
+        posted.works += [dist.irecv(b, self.peer, group=group, tag=r.tag + 1 + k) for b, k in zip(bufs, late)]
+
+    def _irecv(self, bufs: Sequence[torch.Tensor], tag: int, group: Any = None) -> List[Any]:
+        """Post the receives of ``bufs``, the first with ``tag``, the next with ``tag + 1`` and so on."""
+        peer = self.peer
+        return [dist.irecv(b, peer, group=group, tag=tag + k) for k, b in enumerate(bufs)]
+
+    def _post_header(self, posted: Posted, r: Route) -> None:
+        """Post the receive of message ``r``'s header: on ``header_group``, else in the link's order."""
         buf = torch.empty((HEADER,), dtype=torch.int64, device=self.comm_device if self.header_group is None else "cpu")
-        posted.header = (self._irecv([buf], m, [0], self.header_group)[0], buf)
+        posted.header = (self._irecv([buf], r.tag, self.header_group)[0], buf)
 
     def _ready(self, work: Any, m: Message, block: bool) -> bool:
         """Whether ``work`` (a receive of message ``m``) is in: waited for where ``block``, else looked at."""

@@ -5,14 +5,15 @@ the shapes of the previous call of its kind (``Agreement.repeated``), each activ
 at the same (stage, micro-batch) then (``predicted``), and its receives are posted without a header. This step's
 activations are kept too, because a gradient crosses back with its activation's shapes and needs no header.
 A class of its own because both halves of a channel read and write it: its sends (``p2p``) and the posting of its
-receives (``posting``).
+receives (``posting``). What it keeps of each activation is its ``predicted.Plan`` (its ``Meta`` and all that
+follows from it), so that an activation that crossed as predicted is kept as the very plan it was predicted by.
 """
 
 from __future__ import annotations
 
 from typing import Dict, Optional, Tuple
 
-from .headers import Meta
+from .predicted import Plan
 
 __all__ = ["Shapes"]
 
@@ -23,10 +24,10 @@ class Shapes:
     """The activations' shapes of this step so far and of the last completed step of each kind (a key)."""
 
     def __init__(self) -> None:
-        self._last: Dict[str, Dict[Key, Meta]] = {}  # per key: every activation of its last completed step
-        self._known: Dict[Key, Meta] = {}  # the prediction of this step (empty where its batch does not repeat)
-        self._seen: Dict[Key, Meta] = {}  # what crossed this step, kept for the next step of its key
-        self._open: Dict[Key, Meta] = {}  # activations whose gradient has not crossed back yet
+        self._last: Dict[str, Dict[Key, Plan]] = {}  # per key: every activation of its last completed step
+        self._known: Dict[Key, Plan] = {}  # the prediction of this step (empty where its batch does not repeat)
+        self._seen: Dict[Key, Plan] = {}  # what crossed this step, kept for the next step of its key
+        self._open: Dict[Key, Plan] = {}  # activations whose gradient has not crossed back yet
         self._key = ""
 
     def begin(self, key: str, repeat: bool) -> None:
@@ -35,19 +36,19 @@ class Shapes:
         self._open.clear()
         self._known = self._last.get(key, {}) if repeat and key else {}
 
-    def predicted(self, at: Key) -> Optional[Meta]:
+    def predicted(self, at: Key) -> Optional[Plan]:
         """The shapes the activation at ``at`` is expected to have (None: it crosses after a header)."""
         return self._known.get(at)
 
-    def crossed(self, at: Key, meta: Meta) -> None:
-        """The activation at ``at`` was sent or received with the shapes ``meta``."""
-        self._open[at] = self._seen[at] = meta
+    def crossed(self, at: Key, shapes: Plan) -> None:
+        """The activation at ``at`` was sent or received with the shapes of ``shapes``."""
+        self._open[at] = self._seen[at] = shapes
 
-    def sent(self, at: Key) -> Optional[Meta]:
+    def sent(self, at: Key) -> Optional[Plan]:
         """The shapes of the activation at ``at`` if it crossed this step and its gradient has not (else None)."""
         return self._open.get(at)
 
-    def take(self, at: Key) -> Meta:
+    def take(self, at: Key) -> Plan:
         """The shapes of the activation at ``at``, whose gradient crosses now."""
         return self._open.pop(at)
 
