@@ -48,7 +48,7 @@ def worker(case: str, victim: int, timeout: float, at: int) -> int:
     from torch import nn
 
     import pipeddp
-    from pipeddp.distributed import agreement
+    from pipeddp.distributed import rows
 
     torch.set_num_threads(1)
     if os.environ.get("PIPEDDP_NCCL_RULES_FROM"):  # the suite's run: point-to-point messages under NCCL's rules
@@ -58,13 +58,13 @@ def worker(case: str, victim: int, timeout: float, at: int) -> int:
     rank = int(os.environ["RANK"])
     step = [0]
     if rank == victim and case in ("batch", "loss"):
-        kind, real = CASES.index(case), agreement.gather_rows
+        kind, real = CASES.index(case), rows.gather_rows
 
         def gather(*args: Any, **kwargs: Any) -> None:
             if step[0] == 2 and kwargs["kind"] == kind:
                 _die(rank, f"step 2, agreement kind {kind}")
             real(*args, **kwargs)
-        agreement.gather_rows = gather  # type: ignore[assignment]  # this process's own engine only
+        rows.gather_rows = gather  # type: ignore[assignment]  # this process's own engine only
     if rank == victim and case == "groups":
         calls, new_group = [0], dist.new_group
 

@@ -1,8 +1,8 @@
 """``rows.gather_rows``: every rank's row on every rank, as the agreements gather it (over gloo a ping-pong through
 the group's first rank, or over a binomial tree beyond ``rows.STAR_UP_TO`` members, in place of an all-gather).
 Compared with torch's own all-gather of the same rows, on the whole job and on a group of some of its ranks, under
-NCCL's rules for messages (tags stripped) and gloo's; and its messages carry tags no pipeline message has,
-whatever the schedule."""
+NCCL's rules for messages (tags stripped) and gloo's, with its receives posted ahead (``Gathering.post``) or not; and
+its messages carry tags no pipeline message has, whatever the schedule."""
 
 from datetime import timedelta
 
@@ -11,9 +11,10 @@ import torch
 import torch.distributed as dist
 
 import pipeddp
-from pipeddp.distributed.p2p import _tag, spare_tag
 from pipeddp.distributed import rows
 from pipeddp.distributed.rows import gather_rows
+from pipeddp.distributed.tags import spare_tag
+from pipeddp.distributed.tags import tag as _tag
 from pipeddp.runtime.schedule import SCHEDULES, accepts_virtual_stages, crossings, get_schedule
 
 
@@ -30,7 +31,11 @@ def rows_job(star_up_to: int = rows.STAR_UP_TO):
         for dtype in (torch.int64, torch.float64):
             mine = (torch.arange(6, dtype=dtype) + 7 * rank) * (-1) ** rank
             got = [torch.zeros_like(mine) for _ in ranks]
-            gather_rows(got, mine, group=group, ranks=ranks, rank=rank, kind=3)
+            ahead = None
+            if dtype == torch.float64:  # its receives posted first, as the loss agreement's are (``step_end``)
+                ahead = rows.Gathering(mine, group=group, ranks=ranks, rank=rank, kind=3)
+                ahead.post()
+            gather_rows(got, mine, group=group, ranks=ranks, rank=rank, kind=3, ahead=ahead)
             expected = [torch.zeros_like(mine) for _ in ranks]
             dist.all_gather(expected, mine, group=group)
             out[(name, str(dtype))] = (torch.stack(got), torch.stack(expected))

@@ -12,7 +12,8 @@ then all ranks raise, or proceed, alike::
                     flag, shapes, flag); where every rank's row equals the previous call's, the shapes repeat
                     (``repeated``) and activations cross between processes without a header; ``flagged``:
                     whether any rank raised its flag (a tied weight changed since the processes last synchronised it)
-    the loss        one float64 row per rank, gathered: (local loss, loss not finite, grads not finite)
+    the loss        one float64 row per rank, gathered: (local loss, grads not finite, count, counted)
+                    (``step_end``; the call check is ``calls``)
     replicas        a CRC32 of every parameter, gathered once, compared between each stage's copies
     a partition     rank 0 measures, every rank uses rank 0's cut (DDP needs identical replicas)
     metrics         sample-weighted sums, gathered once after an evaluation
@@ -20,35 +21,21 @@ then all ranks raise, or proceed, alike::
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import math
 import zlib
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from ..runtime.counted import Count, scalar_on
-from ..runtime.dtensors import local
 from ..runtime.microbatch import batch_size
-from ..runtime.warn import warn
-from .rows import gather_rows
+from .calls import COLLECTIVES, CallCheck, CollectiveError
+from .step_end import StepEnd
 from .topology import Topology
 
 __all__ = ["Agreement", "CallCheck", "CollectiveError", "COLLECTIVES", "shapes_of"]
 
 T = TypeVar("T")
-
-#: The engine's calls that are collectives: every rank must make them together.
-COLLECTIVES = ("train_step", "forward", "save", "save_checkpoint", "state_dict", "load", "resume", "evaluate",
-               "save_pretrained", "clip_grad_norm_", "check_replicas")
-
-
-class CollectiveError(RuntimeError):
-    """The ranks did not enter the same collective call (or one never came)."""
-
 
 def shapes_of(x: Any, y: Any) -> int:
     """A digest of the batch's structure, shapes and dtypes, and of the autocast state (which sets the dtypes at a
@@ -68,25 +55,6 @@ def shapes_of(x: Any, y: Any) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-def _not_finite(grads: Sequence[torch.Tensor], dev: torch.device) -> torch.Tensor:
-    """1.0 where any of ``grads`` holds a NaN or an infinity, else 0.0 (float64 on ``dev``; no host sync).
-
-    One fused inf-norm per device and dtype (a largest magnitude is finite exactly when every element is, and
-    NaN propagates through it), not two ops per gradient. A sharded gradient votes with its own shard (the gather
-    joins every rank's); an empty one has nothing to vote with.
-    """
-    groups: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
-    for g in grads:
-        t = local(g)
-        if t.numel():
-            groups.setdefault((t.device, t.dtype), []).append(t)
-    if not groups:
-        return torch.zeros((), dtype=torch.float64, device=dev)
-    largest = torch.cat([torch.stack(torch._foreach_norm(ts, math.inf)).to(dev, torch.float64)
-                         for ts in groups.values()])
-    return (~largest.isfinite().all()).to(torch.float64)
-
-
 def _means(parts: Sequence[Tuple[int, Dict[str, float], Dict[str, float]]]) -> Dict[str, float]:
     """Every rank's ``(count, sums, counts)`` merged into means (see ``Agreement.mean_metrics``)."""
     total = sum(c for c, _, _ in parts)
@@ -102,62 +70,7 @@ def _means(parts: Sequence[Tuple[int, Dict[str, float], Dict[str, float]]]) -> D
     return result
 
 
-class CallCheck:
-    """Which of the engine's collective calls each rank is in: checked by the first collective of every one.
-
-    ``topology`` and ``host_group`` are the agreement's (``Agreement`` is one).
-    """
-
-    topology: Topology
-    host_group: Any
-
-    @property
-    def distributed(self) -> bool:
-        return self.topology.world_size > 1
-
-    def enter(self, call: str) -> None:
-        """Every rank enters the collective ``call`` together (see ``_calls``); nothing else is exchanged."""
-        if self.distributed:
-            self._calls(call, [0, 0, 0, 0, 0], self.host_group, self.topology.job_ranks)
-
-    def _calls(self, call: str, payload: List[int], group: Any, ranks: List[int]) -> List[List[int]]:
-        """Every rank's ``payload`` (five ints), gathered with the name of the collective call each rank is in.
-
-        The same small gathering (``gather_rows``) opens every collective call, so a rank in
-        ``save`` meets a rank in ``train_step`` here and both raise naming the
-        calls, instead of entering collectives that do not match (a gloo abort,
-        or a hang). A rank that never comes leaves the others an error after the
-        process group's timeout that says what to do.
-        """
-        t = torch.tensor([COLLECTIVES.index(call), *payload], dtype=torch.int64)  # host values, gathered on the host
-        gathered = [torch.zeros_like(t) for _ in ranks]
-        with self._waiting(f"entered {call}, a collective, and not every rank came: each must call {call} too, "
-                           "together (not under `if rank == 0:`); or a rank stalled or died"):
-            gather_rows(gathered, t, group=group, ranks=ranks, rank=self.topology.rank, kind=0)
-        rows = [[int(v) for v in row] for row in torch.stack(gathered).tolist()]
-        calls = [COLLECTIVES[row[0]] if 0 <= row[0] < len(COLLECTIVES) else "?" for row in rows]
-        if len(set(calls)) > 1:
-            listing = ", ".join(f"rank {r} {c}" for r, c in zip(ranks, calls))
-            raise CollectiveError(
-                f"rank {self.topology.rank}: the ranks entered different collective calls ({listing}). "
-                f"{', '.join(COLLECTIVES[:1] + COLLECTIVES[2:])} (and state_dict in stage mode or with shard=) run "
-                "on every rank together: call each on every rank, not under `if rank == 0:`"
-            )
-        return [row[1:] for row in rows]
-
-    @contextlib.contextmanager
-    def _waiting(self, what: str) -> Iterator[None]:
-        """A collective whose failure (a timeout, a peer gone) becomes a ``CollectiveError`` naming this rank (and
-        its stage) and ``what`` it was doing, the process group's own error kept as the cause."""
-        try:
-            yield
-        except RuntimeError as exc:
-            topo = self.topology
-            where = f"rank {topo.rank}" + (f" (stage {topo.stage})" if topo.mode == "stage" else "")
-            raise CollectiveError(f"{where} {what} ({exc})") from exc
-
-
-class Agreement(CallCheck):
+class Agreement(StepEnd):
     """The collectives of one engine (``comm_device``: where the job's backend wants its tensors; ``last_row``: the
     pipeline's device row that holds the last stage, whose rank passes the targets in stage mode; ``host_group``:
     the job's ranks over gloo for its tables and objects of host values, default the job's group; see
@@ -271,75 +184,6 @@ class Agreement(CallCheck):
             listing = ", ".join(f"rank {r} {what}={n}" for r, n, what in needs)
             raise ValueError(f"the ranks disagree on the local batch size ({listing}); {advice}")
         return sizes.pop()
-
-    # -- the loss and non-finite steps -----------------------------------------------------------------
-
-    def finish_step(self, local_loss: Optional[torch.Tensor], params: Iterable[nn.Parameter], *, skip_nonfinite: bool,
-                    skipped: int, overflow_to_scaler: bool = False, count: Optional[Count] = None,
-                    carried: bool = False) -> Tuple[torch.Tensor, bool, Optional[float]]:
-        """Average the loss over replicas (one collective); vote on non-finite gradients.
-
-        ``local_loss``: this rank's loss, a tensor (None where it runs no last stage); it, the vote and the count
-        come to the host in one copy, the step's one synchronisation with a device, and travel in one row.
-
-        ``count``: where the loss_fn returned ``(total, count)``, ``local_loss``
-        is this rank's sum of totals and ``count`` its sum of counts; the loss is
-        then the sum of totals over the sum of counts of every rank, and that
-        global count is returned (else None) for the gradients to be divided by.
-
-        With ``overflow_to_scaler`` (a GradScaler judges the step): if any rank's
-        gradients are not finite, every rank marks one of its own gradients inf,
-        so that every rank's scaler skips the step and backs off its scale alike
-        (each scaler sees only its own process's gradients). Otherwise, with
-        ``skip_nonfinite``: a step with a non-finite loss or gradients anywhere is
-        skipped, every rank drops its gradients (set to None, so
-        ``optimizer.step()`` changes nothing) and a warning names the ranks.
-        ``carried``: an earlier call of this optimizer step was skipped on this
-        rank (``skipped.OpenSkip``); then this call is skipped on every rank too.
-        Returns the global mean loss, whether the step was skipped and the global count.
-        """
-        params = list(params)
-        grads = [p.grad for p in params if p.grad is not None]
-        f64, vote = torch.float64, (skip_nonfinite or overflow_to_scaler) and bool(grads) and not carried
-        on = [t.device for t in (local_loss, count) if isinstance(t, torch.Tensor)]
-        dev = on[0] if on else local(grads[0]).device if vote else torch.device("cpu")
-        # (loss, grads not finite, count): on the device until one copy brings them to the host (none: all numbers)
-        bad = _not_finite(grads, dev) if vote else scalar_on(2.0 if carried else 0.0, dev)
-        head = torch.stack([scalar_on(local_loss, dev), bad, scalar_on(count, dev)])
-        mine = torch.cat([head.cpu() if on or vote else head, torch.tensor([count is not None], dtype=f64)])
-        if self.distributed:
-            everyone = [torch.zeros_like(mine) for _ in range(self.topology.world_size)]
-            with self._waiting("waited for every rank's loss at the end of a step: a rank stalled or died in its "
-                               "step, or skipped train_step (a collective: call it on every rank)"):
-                gather_rows(everyone, mine, group=self.host_group, ranks=self.topology.job_ranks,
-                            rank=self.topology.rank, kind=1)
-        else:
-            everyone = [mine]
-        table = torch.stack(everyone).tolist()  # every rank's row (loss, bad grads, count, counted), on the host
-        total = sum(t[0] for t in table)
-        counted = any(t[3] > 0 for t in table)
-        n = sum(t[2] for t in table) if counted else None
-        loss = torch.tensor(total / self.topology.replicas if n is None else (total / n if n else float("nan")),
-                            dtype=torch.float64)
-        ranks = self.topology.job_ranks if self.distributed else [self.topology.rank]
-        losses = [r for r, t in zip(ranks, table) if skip_nonfinite and not math.isfinite(t[0])]
-        grads_bad = [r for r, t in zip(ranks, table) if t[1] == 1]
-        held = any(t[1] == 2 for t in table)  # the step was skipped at an earlier call: this one goes with it
-        if overflow_to_scaler and grads_bad:
-            if grads:
-                grads[0].fill_(float("inf"))  # any layout; the scaler only needs to find one inf
-            return loss, False, n
-        if not (losses or grads_bad or held):
-            return loss, False, n
-        for p in params:
-            p.grad = None
-        where = "; ".join(part for part in (
-            f"non-finite loss on rank(s) {losses}" if losses else "",
-            f"non-finite gradients on rank(s) {grads_bad}" if grads_bad else "",
-            "an earlier call since the last optimizer.step() was skipped" if held else "") if part)
-        warn(f"pipeddp: skipped a training step: {where}; gradients were dropped on every rank "
-             f"({skipped + (0 if held else 1)} skipped so far)", RuntimeWarning)
-        return loss, True, n
 
     # -- a gradient norm over stages --------------------------------------------------------------------
 

@@ -3,13 +3,45 @@
 Both ends of a link issue its operations in the order ``crossings`` computes from the schedule; a process with
 several links issues those of all of them in one order (``in_order``), so that it stays right even where every send
 and receive of a rank, to any peer, runs on one stream (see ``p2p``).
+
+Once a process has issued every operation of its step's order, whatever it issues next to the same peers comes after
+them at both ends: ``when_issued`` lets the loss agreement post its receives there, in the middle of the process's
+last computations, instead of after them (``rows.Gathering``).
 """
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence, Tuple
+import contextlib
+from typing import Callable, Iterator, Optional, Protocol, Sequence, Tuple
 
-__all__ = ["Ordering", "Link"]
+__all__ = ["Ordering", "Link", "when_issued"]
+
+
+class _Watch:
+    """A call waiting for the ``left``-th order begun from now to be wholly issued (``when_issued``)."""
+
+    def __init__(self, callback: Callable[[], None], runs: int) -> None:
+        self.callback, self.left = callback, runs
+
+
+_watch: Optional[_Watch] = None
+
+
+@contextlib.contextmanager
+def when_issued(callback: Optional[Callable[[], None]], runs: int = 1) -> Iterator[None]:
+    """Call ``callback`` (None: nothing) as soon as this process has issued every operation of the ``runs``-th
+    order begun in the block (a step run ``runs`` times for accumulation: its last), then never again.
+
+    Not called where no such order is wholly issued in the block (a process without links to other processes, or a
+    step that failed): the caller then does what it would have done at once, after the block. The runner runs on the
+    caller's thread, so the watch is this process's while the block lasts.
+    """
+    global _watch
+    outer, _watch = _watch, (None if callback is None else _Watch(callback, runs))
+    try:
+        yield
+    finally:
+        _watch = outer
 
 
 class Link(Protocol):
@@ -34,6 +66,11 @@ class Ordering:
     def __init__(self, entries: Sequence[Tuple[Link, int]]) -> None:
         self.entries = list(entries)  # (channel, index in its link's order)
         self.next = 0
+        self._watch: Optional[_Watch] = None  # the call due once this order is wholly issued (``when_issued``)
+        if _watch is not None and self.entries:
+            _watch.left -= 1
+            if _watch.left == 0:
+                self._watch = _watch
 
     def catch_up(self, channel: Link, upto: int) -> None:
         """Post every receive that comes before ``channel``'s message ``upto`` (waiting for headers and flags)."""
@@ -48,6 +85,8 @@ class Ordering:
     def issued(self) -> None:
         """The operation the order stands at was issued (a send, or a receive posted)."""
         self.next += 1
+        if self.next == len(self.entries):
+            self._done()
 
     def advance(self) -> None:
         """Post the receives that come next, as far as their shapes are known (never waits)."""
@@ -56,3 +95,10 @@ class Ordering:
             if not ch.post_ahead(j):
                 return
             self.next += 1
+        self._done()
+
+    def _done(self) -> None:
+        """Every operation of the order is issued: the call ``when_issued`` keeps for it, once."""
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.callback()

@@ -4,7 +4,8 @@
 Around it, a replica adds what the ranks must agree on::
 
     train:    batch sizes (one collective) -> Step.train_passes (accumulation, DDP on the last pass)
-              -> the global mean loss, a non-finite step skipped on every rank alike
+              -> the global mean loss, a non-finite step skipped on every rank alike (its receives posted
+              as soon as the last pass's messages are issued: ``step_end``)
               (each collective an "agree" span when tracing)
     forward:  in stage mode the pipeline's processes agree on the batch size first
     evaluate: every sample counted once, metrics summed over the ranks that see outputs
@@ -37,6 +38,7 @@ from .agreement import Agreement, CollectiveError
 from .elastic import GlobalBatch
 from .groups import Groups
 from .notice import Notices, from_transport
+from .ordering import when_issued
 from .shard import StageShard
 from .skipped import OpenSkip
 from .ties import TieExchange
@@ -101,8 +103,11 @@ class Replica:
             scaler.scale(torch.ones((), device=self.devices[0]))  # every rank's scaler is set up, not only the last's
         if plan is not None:
             plan.check(n, self.topology.rank)
-        with self.notices.guard("train_step"):
-            loss = self.step.train_passes(x, y, loss_fn, n, plan.accumulation if plan is not None else 1,
+        passes = plan.accumulation if plan is not None else 1
+        # the loss agreement's receives posted once this process has issued the last pass's messages (``step_end``)
+        end = self.agreement.gathering() if self.agreement.distributed else None
+        with self.notices.guard("train_step"), when_issued(end.post if end is not None else None, passes):
+            loss = self.step.train_passes(x, y, loss_fn, n, passes,
                                           loss_scale=scaler.scale if scaler is not None else None)
             if self.tp is not None:
                 self.tp.after_backward(params, self.agreement.comm_device, skip_nonfinite or scaler is not None)
@@ -112,7 +117,7 @@ class Replica:
                                                               skipped=self.skipped_steps,
                                                               overflow_to_scaler=scaler is not None,
                                                               count=self.step.count,
-                                                              carried=self.open_skip.open)
+                                                              carried=self.open_skip.open, gathering=end)
         self.step.finish_counted(count is not None, count or 0.0, self.topology.replicas)
         if skipped:
             self.skipped_steps += 0 if self.open_skip.open else 1
