@@ -5,7 +5,7 @@
     topology (torchrun's env, or the user's mesh) -> devices, backend -> the current CUDA device (this process's
         first) -> process group (unless one exists; a mesh's job: a group of its ranks) -> Agreement
         -> partition: measured on rank 0, the same on every rank (with tp_plan: every tp slice takes t = 0's)
-        -> stage groups (and pipeline groups in stage mode)
+        -> stage groups (and pipeline groups in stage mode), then the roll call: every rank there (``rollcall``)
         -> [SyncBatchNorm] -> this process's stages, registered on the owner under the model's names (with
            tp_plan: each layer sharded over tp as it is built, ``tp_stages``)
         -> runner: ThreadRunner (replica mode: every stage, on threads) | ProcessRunner (stage mode: one stage)
@@ -47,6 +47,7 @@ from .agreement import Agreement
 from .ddp import CommHook, attach_stages, check_ddp_kwargs, with_sync_batchnorm
 from .groups import Groups, choose_backend, host_group, init_process_group, local_devices, make_groups, with_job_group
 from .replica import Replica
+from .rollcall import Rollcall
 from .shard import StageShard, attach_shards
 from .stage_runner import ProcessRunner
 from .tensor_parallel import PlanArg
@@ -101,7 +102,7 @@ def build_replica(owner: nn.Module, model: nn.Sequential, topology: Topology, se
     balance = list(cut.balance)
     placement = settings.placement
     agreement.last_row = row_of(n_stages - 1, topo.stages, placement)
-    groups = make_groups(topo, backend, settings.timeout_delta, virtual, placement)
+    groups = _groups(topo, backend, settings, virtual, placement)
     if sync_batchnorm:  # after profiling: a SyncBatchNorm would wait for the other ranks there
         model = with_sync_batchnorm(model, devs, topo.replicas, topo.rank)
     if topo.mode == "replica":
@@ -136,6 +137,21 @@ def build_replica(owner: nn.Module, model: nn.Sequential, topology: Topology, se
         raise
     return Replica(topo, devs, backend, owns_group=owns_group, agreement=agreement, partition=cut, groups=groups,
                    step=step, runner=runner, ties=exchange, ddps=ddps, shards=shards, settings=settings, tp=tp)
+
+
+def _groups(topo: Topology, backend: str, settings: Settings, virtual: int, placement: str) -> Groups:
+    """``make_groups``, then the roll call (``rollcall``): a rank lost while the groups are made is named by every
+    other rank, within the timeout, instead of leaving them waiting on it where nothing names it."""
+    if len(topo.job_ranks) == 1:
+        return make_groups(topo, backend, settings.timeout_delta, virtual, placement)
+    call = Rollcall(topo, settings.timeout_delta)
+    try:
+        groups = make_groups(topo, backend, settings.timeout_delta, virtual, placement)
+    except Exception as exc:  # noqa: BLE001 - told to the others, and raised again naming who is missing
+        call.failed(exc)
+        raise
+    call.made()
+    return groups
 
 
 def _layout(cut: Partition, settings: Settings, devices: int, layers: int) -> Tuple[int, str]:
