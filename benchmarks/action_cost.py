@@ -62,7 +62,8 @@ def ladder(args: argparse.Namespace) -> Dict[str, Any]:
             p.grad = None
 
     def spec() -> StepSpec:
-        return StepSpec(grad=True, seed=step._seed(), loss_fn=loss, targets=ys, weights=weights,  # noqa: SLF001
+        seed, drawing, calls = step._seed(loss)  # noqa: SLF001
+        return StepSpec(grad=True, seed=seed, drawing=drawing, calls=calls, loss_fn=loss, targets=ys, weights=weights,
                         autocast=Autocast.capture())
 
     def raw() -> None:
@@ -124,7 +125,7 @@ def pieces(args: argparse.Namespace) -> Dict[str, float]:
     pipe = pipeddp.Pipeline(mlp(4, 64, 64, 64), ["cpu"], chunks=args.chunks, threads=1)
     step = pipe._step  # noqa: SLF001
     st = step.stages[0]
-    s = StepSpec(grad=True, seed=step._seed(), autocast=Autocast.capture())  # noqa: SLF001
+    s = StepSpec(grad=True, seed=3, autocast=Autocast.capture())  # seeded, as a stage that may draw is
     t = torch.randn(8, 64)
     inbox = Inbox(0)
     chan = LocalChannel(st.streams, st.streams, inbox, inbox, 60.0)
@@ -148,7 +149,9 @@ def pieces(args: argparse.Namespace) -> Dict[str, float]:
 
     calls = {
         "empty call": lambda: None,
-        "seeded-random context (a CPU stage's own generator)": enter(seeded),
+        "seeded-random context (a CPU stage's own generator; a stage that may draw)": enter(seeded),
+        "the stage's layers read (may they draw, what calls them: Stage.read_step, once a step)":
+            lambda: st.read_step(nn.functional.mse_loss),
         "stage's training flags (Stage._mode)": st._mode,  # noqa: SLF001
         "backward's generator guard": enter(lambda: st.replay.backward_guard(st._mode())),  # noqa: SLF001
         "autocast context (none on)": enter(s.autocast),

@@ -18,7 +18,9 @@ handed to the op), so no other thread, the user's included, can shift the
 numbers, and stages never take turns on a lock. Nothing is found out first:
 a layer that starts drawing late (a dropout probability raised from 0, a
 layer switched to training) is seeded like any other. A CUDA stage seeds its
-device's generator too, under that generator's lock.
+device's generator too, under that generator's lock. (A stage made only of
+torch's layers that never draw, read once a step, runs without any of this:
+``quiet``.)
 
 A stage whose forward reads or sets the process's CPU generator state itself
 (``torch.utils.checkpoint`` in a layer stashes it to replay the layer in
@@ -179,6 +181,8 @@ class Replay:
         self._draws: Dict[Hashable, FrozenSet[str]] = {}
         #: per mode: whether the stage's layers read or set the process's CPU generator (it keeps that one)
         self._keeps: Dict[Hashable, bool] = {}
+        #: whether any mode keeps the process's generator (else a backward holds nothing, whatever its mode)
+        self._keeping = False
         self._generator = torch.Generator()
         #: Python's random and NumPy's, for the forwards that recompute replays
         self.host = HostDraws()
@@ -190,6 +194,8 @@ class Replay:
         generator and draws from it (a layer that checkpoints itself replays its forward in backward from the
         generator state it stashed, which another stage's seeded forward must not meet halfway), its random ops
         reaching the kernels as in its forward (``_kept``); else nothing."""
+        if not (self._keeping or self._draws):  # the rule: no mode keeps, nothing compiled found drawing
+            return _FREE
         if self._keeps.get(mode, False):
             return _kept()
         if "cpu" in self._draws.get(mode, ()):
@@ -228,6 +234,7 @@ class Replay:
                 yield
             if watch is not None:
                 self._keeps[mode] = watch.touched
+                self._keeping = self._keeping or watch.touched
 
     @contextlib.contextmanager
     def _found(self, seed: int, mode: Hashable) -> Iterator[None]:

@@ -13,7 +13,7 @@ The saved state lives in the step, not in the stage, so several outstanding
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -59,6 +59,10 @@ class StepSpec:
     counted: Optional[bool] = None
     #: per stage, the training flags of its layers in this step (``Stage._step_mode``: read once, at its first action)
     modes: Dict[int, Tuple[bool, ...]] = field(default_factory=dict)
+    #: the stages that may draw random numbers this step (``Stage.may_draw``; None: every stage may)
+    drawing: Optional[FrozenSet[int]] = None
+    #: per stage, what runs its layers this step (``Stage._layers``: found once, at its first forward)
+    calls: Dict[int, Callable[[Any], Any]] = field(default_factory=dict)
 
     def count(self, mb: int, count: Optional[Union[int, float, torch.Tensor]]) -> None:
         """Record the kind of loss micro-batch ``mb`` returned (and its count): one kind for the whole step."""

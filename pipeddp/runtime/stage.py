@@ -27,23 +27,26 @@ What a step asks of the stage and what it keeps per micro-batch are in
 from __future__ import annotations
 
 import contextlib
-import copy
 from collections import OrderedDict
+from functools import partial
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
 
+from .autograd_call import backward as run_backward
 from .batchnorm import batch_norms, frozen_statistics
 from .compiled import Compiled
 from .gradsync import NO_SYNC, GradSync
 from .materialize import Init, SharedPlaces, check_init, is_meta, materialize_layer, original_names, recorded_init
 from .microbatch import tree_map, tree_tensors
+from .owned import own_layers, register_layers
+from .quiet import loss_draws_nothing, read, run_layers
 from .rng import Replay, checkpointing, recomputing
 from .spec import Grads, Saved, StepSpec
 from .split import backward_input
 from .streams import StageStreams
-from .tied import layers_of, stage_of_layers
+from .tied import layers_of
 
 # StepSpec and Grads are handed on: callers that drive a stage name them with it
 __all__ = ["Stage", "StepSpec", "Grads", "build_stages", "register_layers"]
@@ -108,10 +111,19 @@ class Stage:
         not the stage's own container)."""
         return tuple(layer.training for layer in self.module)
 
-    def may_draw(self) -> bool:
-        """Whether this stage's forward may draw random numbers in its current mode (see ``rng``); an eager stage
-        always may, so only a compiled one reads its layers' flags (asked once a step)."""
-        return self.replay.own_cpu or self.replay.may_draw(self._mode())
+    def read_step(self, loss_fn: Optional[Callable[..., Any]] = None) -> Tuple[bool, Callable[[Any], Any]]:
+        """What the layers need this step, read once at its start (``quiet``): whether the forward (and, on the last
+        stage, ``loss_fn``) may draw random numbers (not where only torch's layers that never draw make it; else an
+        eager stage always may, a compiled one unless its first forward in this mode drew nothing: ``rng``), and
+        what runs the layers (their ``forward`` calls in a row where no hook needs ``Module.__call__``)."""
+        quiet, calls = read(self.module)
+        call = self.call if calls is None or self.call is not self.module else partial(run_layers, calls)
+        if quiet and (not self.last or loss_draws_nothing(loss_fn)):
+            return False, call
+        return self.replay.own_cpu or self.replay.may_draw(self._mode()), call
+
+    def may_draw(self, loss_fn: Optional[Callable[..., Any]] = None) -> bool:
+        return self.read_step(loss_fn)[0]
 
     def _step_mode(self, spec: StepSpec) -> Tuple[bool, ...]:
         """The training flags for this step, read at its first action (a step's layers keep one mode throughout;
@@ -122,14 +134,21 @@ class Stage:
         return mode
 
     def _seeded(self, spec: StepSpec, mb: int) -> ContextManager[None]:
-        if spec.seed is None:  # no stage of this step draws: nothing to seed (and no per-action cost)
-            return _NOTHING
+        if spec.seed is None or (spec.drawing is not None and self.index not in spec.drawing):
+            return _NOTHING  # no stage of this step draws, or not this one: nothing to seed (no per-action cost)
         mode = self._step_mode(spec)
         if not self.replay.may_draw(mode):
             return _NOTHING
         return self.replay.seeded(spec.seed + 1_000_003 * self.index + mb, mode)
 
-    def _run(self, value: Any, keep: bool = False) -> Any:
+    def _layers(self, spec: StepSpec) -> Callable[[Any], Any]:
+        """What runs the layers this step (``read_step``; read here, once, where the step's maker did not)."""
+        call = spec.calls.get(self.index)
+        if call is None:
+            call = spec.calls[self.index] = self.read_step()[1]
+        return call
+
+    def _run(self, value: Any, spec: StepSpec, keep: bool = False) -> Any:
         """The layers on ``value``: on a copy of it where a layer may write its input in place; with ``keep``
         (a forward that recompute will replay from ``value``), on a copy of every tensor the layers could change
         (one that requires grad is a leaf, which autograd refuses to write in place). One copy at most."""
@@ -137,7 +156,7 @@ class Stage:
             value = tree_map(_clone, value)
         elif keep:
             value = tree_map(_clone_writable, value)
-        return self.call(value)
+        return self._layers(spec)(value)
 
     def _root(self, loss: torch.Tensor, spec: StepSpec) -> torch.Tensor:
         """What backward starts from: the weighted loss, scaled for mixed precision when asked."""
@@ -173,7 +192,7 @@ class Stage:
         with self._seeded(spec, mb):
             if not spec.grad:
                 with torch.no_grad():
-                    out = self._run(value)
+                    out = self._run(value, spec)
                     loss = self._loss(out, Saved(value, None, target, weight), spec, mb) if wants_loss else None
                 return out, loss
 
@@ -183,11 +202,11 @@ class Stage:
                 # on copies: an in-place op must not change what the replay will see; with grad, as the replay
                 # runs (a kernel may take another path without: an LSTM's oneDNN inference kernel differs by 3e-8)
                 with torch.enable_grad(), checkpointing(), self.replay.host.first(mb):
-                    out = self._run(inputs, keep=True)
+                    out = self._run(inputs, spec, keep=True)
                     loss = self._loss(out, saved, spec, mb) if wants_loss else None
             else:
                 with _NOTHING if torch.is_grad_enabled() else torch.enable_grad():
-                    out = self._run(inputs)
+                    out = self._run(inputs, spec)
                     loss = self._loss(out, saved, spec, mb) if wants_loss else None
                 saved.roots = self._root(loss, spec) if loss is not None else out
             spec.store(self.index)[mb] = saved
@@ -231,7 +250,7 @@ class Stage:
         if saved.roots is None:
             with self._seeded(spec, mb), self.replay.host.again(mb), recomputing(), \
                     frozen_statistics(self.batch_norms), spec.autocast(), torch.enable_grad():
-                out = self._run(saved.inputs)
+                out = self._run(saved.inputs, spec)
                 saved.roots = self._root(self._loss(out, saved, spec, mb), spec) \
                     if (self.last and spec.loss_fn is not None) else out
         return saved.roots
@@ -276,7 +295,7 @@ class Stage:
             if sync:
                 pairs = self._arm(pairs)
             if pairs:
-                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs] if grads is not None else None)
+                run_backward([t for t, _ in pairs], [g for _, g in pairs] if grads is not None else None)
             if sync:
                 self.grad_sync.finish()
         return self._input_grads(saved)
@@ -358,42 +377,3 @@ def build_stages(model: nn.Sequential, balance: Sequence[int], devices: Sequence
         part = nn.Sequential(OrderedDict(named[starts[s]:starts[s] + balance[s]])).to(device)
         stages.append(Stage(s, part, device, last=s == len(balance) - 1, compile=compile))
     return stages
-
-
-def own_layers(model: nn.Sequential, balance: Sequence[int]) -> List[Tuple[str, nn.Module]]:
-    """Every position's layer, with a module object that several stages use copied for each later stage.
-
-    A module used at several positions of one stage stays one object. Used by
-    several stages, each later stage gets a copy (its parameters are then tied
-    to the first stage's, see ``tied``). A module with buffers (BatchNorm's
-    running statistics) cannot be split that way: the copies would update
-    their statistics apart, so that is refused, naming the positions.
-    """
-    where = stage_of_layers(balance)
-    first: Dict[int, Tuple[int, int]] = {}  # id(layer) -> (first position, its stage)
-    out = []
-    for pos, ((name, layer), stage) in enumerate(zip(layers_of(model), where)):
-        seen = first.setdefault(id(layer), (pos, stage))
-        if seen[1] != stage:
-            if any(True for _ in layer.buffers()):
-                raise ValueError(
-                    f"the module at positions {seen[0]} and {pos} of the model is one object "
-                    f"({type(layer).__name__}, with buffers) used by stages {seen[1]} and {stage}; its buffers "
-                    "would be updated apart on each stage. Give each position a module of its own, or choose a "
-                    f"balance that puts positions {seen[0]}..{pos} in one stage"
-                )
-            layer = copy.deepcopy(layer)
-        out.append((name, layer))
-    return out
-
-
-def register_layers(owner: nn.Module, stages: Sequence[Stage]) -> None:
-    """Register the stages' layers on ``owner`` under their names in the model.
-
-    So ``owner.state_dict()`` has the plain model's keys (``"0.weight"``) and
-    ``owner.parameters()`` come in the model's order, whatever the cut. (For a
-    flattened model the owner renames the keys to the original model's: ``names``.)
-    """
-    for st in stages:
-        for name, layer in layers_of(st.module):
-            owner.add_module(name, layer)

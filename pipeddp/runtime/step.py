@@ -24,7 +24,7 @@ of ``HybridParallel`` train, evaluate and recompute with the same code.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Protocol, Sequence, Tuple, Union
 
 import torch
 
@@ -165,11 +165,16 @@ class Step:
         """Forget the rows built so far: the schedule function has new costs (``schedule="auto"``)."""
         self._plans.clear()
 
-    def _seed(self) -> Optional[int]:
-        """One base seed per step, drawn in the caller's thread (so ``torch.manual_seed`` rules it)."""
-        if any(st.may_draw() for st in self.stages):
-            return draw_base_seed()
-        return None
+    def _seed(self, loss_fn: Optional[LossFn] = None) -> Tuple[Optional[int], FrozenSet[int], Dict[int, Any]]:
+        """One base seed per step, drawn in the caller's thread (so ``torch.manual_seed`` rules it), where any stage
+        may draw; which stages may, and what runs each stage's layers (``Stage.read_step``, once a step)."""
+        drawing = set()
+        calls: Dict[int, Any] = {}
+        for st in self.stages:
+            draws, calls[st.index] = st.read_step(loss_fn)
+            if draws:
+                drawing.add(st.index)
+        return (draw_base_seed() if drawing else None), frozenset(drawing), calls
 
     @staticmethod
     def _call(hooks: List[Callable[[], None]]) -> None:
@@ -182,6 +187,8 @@ class Step:
         if stage is None:
             return None
         dev = stage.device
+        if type(value) is torch.Tensor and value.device == dev:  # the rule: one tensor, already there
+            return value
         return tree_map(lambda t: t.to(dev, non_blocking=True) if t.device != dev else t, value)
 
     def _split_to(self, stage: Optional[Stage], value: Any, sizes: List[int]) -> Optional[List[Any]]:
@@ -208,7 +215,9 @@ class Step:
         """
         sizes = self.sizes(n)
         m = len(sizes)
-        spec = StepSpec(grad=True, recompute=recompute_policy(self.checkpoint, m), seed=self._seed(),
+        seed, drawing, calls = self._seed(loss_fn if self.last is not None else None)
+        spec = StepSpec(grad=True, recompute=recompute_policy(self.checkpoint, m), seed=seed, drawing=drawing,
+                        calls=calls,
                         loss_fn=loss_fn if self.last is not None else None,
                         targets=self._split_to(self.last, y, sizes), weights=[k / n * share for k in sizes],
                         sync=self.sync and final, autocast=Autocast.capture(), loss_scale=loss_scale)
@@ -281,7 +290,9 @@ class Step:
         if need_grad and (self.first is None or self.last is None):
             raise RuntimeError("an output that carries autograd back through the pipeline needs every stage in "
                                "this process; train with train_step(x, y, loss_fn), or evaluate under torch.no_grad()")
-        spec = StepSpec(grad=need_grad, recompute=recompute_policy(self.checkpoint, m), seed=self._seed(),
+        seed, drawing, calls = self._seed()
+        spec = StepSpec(grad=need_grad, recompute=recompute_policy(self.checkpoint, m), seed=seed, drawing=drawing,
+                        calls=calls,
                         autocast=Autocast.capture())
         if need_grad:
             self.started = time.perf_counter()

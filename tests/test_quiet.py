@@ -1,0 +1,183 @@
+"""What a stage decides once a step (``runtime.quiet``) and its backward without torch's wrapper
+(``runtime.autograd_call``), against the plain model and against ``torch.autograd.backward`` itself."""
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import pipeddp
+from pipeddp.runtime.autograd_call import backward
+
+LOSS = F.mse_loss
+
+
+def plain_mlp(*middle: nn.Module) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), *middle, nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)).double()
+
+
+def batch(n: int = 6):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, 6, generator=g, dtype=torch.float64), torch.randn(n, 4, generator=g, dtype=torch.float64)
+
+
+def plain_grads(model: nn.Module, x, y, loss_fn=LOSS):
+    model.zero_grad()
+    loss_fn(model(x), y).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def pipe_steps(model: nn.Sequential, x, y, *, steps: int = 2, loss_fn=LOSS, checkpoint: str = "never", between=None):
+    out = []
+    with pipeddp.Pipeline(model, ["cpu", "cpu"], chunks=3, balance="uniform", checkpoint=checkpoint) as pipe:
+        for step in range(steps):
+            if between is not None:
+                between(step, pipe)
+            pipe.zero_grad()
+            pipe.train_step(x, y, loss_fn)
+            out.append([p.grad.clone() for p in pipe.parameters()])
+    return out
+
+
+def close(a, b, tol: float = 1e-12) -> bool:
+    return all((p - q).abs().max() <= tol for p, q in zip(a, b))
+
+
+@pytest.mark.timeout(60)
+def test_layers_that_never_draw_leave_the_process_generator_as_the_plain_model_does():
+    """torch's layers that draw nothing (dropout that is off among them) and torch's loss: no base seed is drawn, so
+    the process's generator is where the plain model leaves it (before, every step drew one); the gradients are the
+    plain model's. A dropout turned on draws again."""
+    x, y = batch()
+    plain = plain_mlp(nn.Dropout(0.0))
+    state = torch.get_rng_state()
+    want = plain_grads(plain, x, y)
+    assert torch.equal(torch.get_rng_state(), state)  # the plain model draws nothing
+    got = pipe_steps(copy.deepcopy(plain), x, y, steps=2)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert all(close(step, want) for step in got)
+
+    def dropout_on(step, pipe):
+        pipe.get_submodule("2").p = 0.5 if step == 1 else 0.0
+
+    pipe_steps(copy.deepcopy(plain), x, y, steps=1, between=dropout_on)
+    assert torch.equal(torch.get_rng_state(), state)
+    pipe_steps(copy.deepcopy(plain), x, y, steps=2, between=dropout_on)
+    assert not torch.equal(torch.get_rng_state(), state)  # the step with dropout on drew its base seed
+
+
+class Noisy(nn.Module):
+    """Draws noise in its forward (a layer of the user's: it may draw)."""
+
+    def forward(self, x):
+        return x + 0.1 * torch.randn_like(x)
+
+
+def noise_hook(module, args, output):
+    return output * (1 + 0.1 * torch.rand_like(output))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["layer", "hook", "loss", "global hook"])
+def test_whatever_may_draw_keeps_its_seeded_draws_under_recompute(where):
+    """A layer of the user's, a forward hook on torch's Linear, a loss of the user's, a hook on every module: each
+    may draw, so the stage keeps its seeded context and a recomputed forward draws the first forward's numbers
+    (treated as drawing nothing, the replay would draw others and the gradients would differ)."""
+    x, y = batch()
+    loss_fn = LOSS
+    if where == "loss":
+        def loss_fn(out, target):
+            return F.mse_loss(out + 0.1 * torch.randn_like(out), target)
+    results = {}
+    for checkpoint in ("never", "always"):
+        torch.manual_seed(5)
+        model = plain_mlp(Noisy()) if where == "layer" else plain_mlp()
+        handle = None
+        if where == "hook":
+            model[3].register_forward_hook(noise_hook)
+        elif where == "global hook":
+            handle = nn.modules.module.register_module_forward_hook(
+                lambda m, a, out: noise_hook(m, a, out) if isinstance(m, nn.Linear) else out)
+        try:
+            results[checkpoint] = pipe_steps(model, x, y, loss_fn=loss_fn, checkpoint=checkpoint)
+        finally:
+            if handle is not None:
+                handle.remove()
+    assert all(torch.equal(p, q) for a, b in zip(results["never"], results["always"]) for p, q in zip(a, b))
+    assert not close(results["never"][0], results["never"][1], 1e-6)  # the draws are there: each step its own
+
+
+@pytest.mark.timeout(60)
+def test_hooks_added_between_steps_run_as_in_the_plain_model():
+    """The layers are called by their forward where nothing hooks them; a hook put on a layer (or a pre-hook that
+    changes its input) between steps runs from the next step on, as in the plain model, and a removed one stops."""
+    x, y = batch()
+    plain = plain_mlp()
+    calls = {"plain": 0, "pipe": 0}
+
+    def pre(module, args):
+        return (args[0] * 0.5,)
+
+    def counting(name):
+        def hook(module, args, output):
+            calls[name] += 1
+        return hook
+
+    want = [plain_grads(plain, x, y)]
+    handles = [plain[2].register_forward_pre_hook(pre), plain[4].register_forward_hook(counting("plain"))]
+    want.append(plain_grads(plain, x, y))
+    for h in handles:
+        h.remove()
+    want.append(plain_grads(plain, x, y))
+    held = []
+
+    def between(step, pipe):
+        if step == 1:
+            held.extend([pipe.get_submodule("2").register_forward_pre_hook(pre),
+                         pipe.get_submodule("4").register_forward_hook(counting("pipe"))])
+        if step == 2:
+            for h in held:
+                h.remove()
+
+    got = pipe_steps(copy.deepcopy(plain_mlp()), x, y, steps=3, between=between)
+    assert all(close(g, w) for g, w in zip(got, want))
+    assert not close(want[0], want[1], 1e-6)  # the pre-hook changed the step
+    assert calls["plain"] == 1 and calls["pipe"] == 3  # one call per micro-batch, in the one step it was on
+
+
+def leaf_grads(fn):
+    torch.manual_seed(0)
+    w = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    fn(w)
+    return w.grad
+
+
+@pytest.mark.timeout(30)
+def test_backward_accumulates_what_torch_autograd_backward_does():
+    """A scalar loss, given output gradients, two roots at once, and the cases that go through torch's own call
+    (autograd's debug log on, a non-scalar root without its gradient, a gradient of another shape): the same
+    ``.grad`` as ``torch.autograd.backward``, the same errors."""
+    x = torch.randn(2, 4, dtype=torch.float64)
+    g = torch.randn(2, 3, dtype=torch.float64)
+    cases = {
+        "loss": lambda bw: lambda w: bw([(x @ w).pow(2).sum()], None),
+        "grads": lambda bw: lambda w: bw([x @ w], [g]),
+        "two roots": lambda bw: lambda w: bw([x @ w, (x @ w).sum() * 2], [g, torch.ones((), dtype=torch.float64)]),
+    }
+    for name, case in cases.items():
+        assert torch.equal(leaf_grads(case(backward)), leaf_grads(case(torch.autograd.backward))), name
+    log = logging.getLogger("torch.autograd.graph")
+    before = log.level
+    log.setLevel(logging.DEBUG)
+    try:
+        assert torch.equal(leaf_grads(cases["loss"](backward)), leaf_grads(cases["loss"](torch.autograd.backward)))
+    finally:
+        log.setLevel(before)
+    with pytest.raises(RuntimeError, match="implicitly created only for scalar outputs"):
+        leaf_grads(lambda w: backward([x @ w], None))
+    with pytest.raises(RuntimeError, match="Mismatch in shape"):
+        leaf_grads(lambda w: backward([x @ w], [g[:1]]))
