@@ -315,6 +315,67 @@ def test_workers_prefer_a_real_error_to_an_earlier_pipeline_aborted():
         workers.close()
 
 
+def test_workers_run_the_first_function_on_the_caller_when_asked():
+    """``caller_first``: the first job on the calling thread, the others on their workers; the caller's failure
+    wakes a worker waiting on it and is raised, and the workers serve the next run."""
+    workers = Workers(2, name="pipeddp-test")
+    inbox = Inbox(0)
+    real = ValueError("the caller's stage failed")
+
+    def failing():
+        time.sleep(0.1)
+        raise real
+
+    try:
+        out = workers.run([threading.current_thread, threading.current_thread], never_called, caller_first=True)
+        assert out == [threading.main_thread(), workers.threads[1]]
+        with pytest.raises(ValueError) as info:
+            workers.run([failing, lambda: inbox.take(("B", 0, 0), 60.0, 1)], inbox.abort, caller_first=True)
+        assert info.value is real
+        assert workers.run([lambda: 1, lambda: 2], never_called, caller_first=True) == [1, 2]
+    finally:
+        workers.close()
+
+
+class Where(nn.Module):
+    """The identity, noting which thread runs it."""
+
+    def __init__(self):
+        super().__init__()
+        self.threads = set()
+
+    def forward(self, x):
+        self.threads.add(threading.current_thread())
+        return x
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_first_device_runs_on_the_caller_where_it_wants_the_caller_s_threads(threads):
+    """Two CPU stages of ``threads`` intra-op threads each, the caller at one: the first device's actions run on the
+    caller's thread where the counts agree (two hand-offs a step fewer), on its worker otherwise; the gradients
+    are the plain model's either way."""
+    torch.manual_seed(0)
+    first, second = Where(), Where()
+    model = nn.Sequential(nn.Linear(12, 12), first, nn.Tanh(), nn.Linear(12, 12), second).double()
+    ref = copy.deepcopy(model)
+    stages = build_stages(model, [2, 3], [CPU, CPU])
+    runner = ThreadRunner(stages, threads=threads, timeout=60)
+    x, y = data(8)
+    sizes = [2, 2, 2, 2]
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        runner.run(one_f_one_b(2, 4), spec_for(y, sizes), inputs=split(x, sizes))
+    finally:
+        torch.set_num_threads(before)
+        runner.close()
+    workers = runner.worker_threads
+    assert first.threads == ({threading.main_thread()} if threads == 1 else {workers[0]})
+    assert second.threads == {workers[1]}
+    LOSS(ref(x), y).backward()
+    assert max_diff([p.grad for p in ref.parameters()], [p.grad for p in model.parameters()]) < 1e-12
+
+
 def test_closed_workers_refuse_to_run_and_every_thread_is_joined():
     workers = Workers(3, name="pipeddp-test")
     threads = workers.threads

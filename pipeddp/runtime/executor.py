@@ -171,6 +171,7 @@ def _run(
     first = device.first
     streams = first.streams  # every send and receive runs with the compute stream current (see _recv)
     stream = streams.compute if (trace is not None and streams.cuda) else None
+    bare = trace is None and not streams.cuda  # a message needs no context around it: no stream, no span
     # each stage's links to the devices before and after it, looked up once per step rather than per action
     before = {s: links.get(device.row_of(s - 1)) for s in stages if s > 0}
     after = {s: links.get(device.row_of(s + 1)) for s in stages if s < last_stage}
@@ -194,8 +195,11 @@ def _run(
             with UNTIMED if trace is None else timed(trace, s, "F", mb, stream, device.row):
                 out, loss = st.forward(mb, value, spec)
             if s < last_stage:
-                with streams.computing(), timed(trace, s, "send", mb, None, device.row, lane="comm"):
+                if bare:
                     _link(after, s, "F").send("F", s + 1, mb, out)
+                else:
+                    with streams.computing(), timed(trace, s, "send", mb, None, device.row, lane="comm"):
+                        _link(after, s, "F").send("F", s + 1, mb, out)
             else:
                 if loss is not None:
                     results.losses[mb] = loss
@@ -211,8 +215,11 @@ def _run(
                 gin = st.backward(mb, grads, spec, sync=k in arm) if kind is Kind.B \
                     else st.backward_input(mb, grads, spec)
             if s > 0:
-                with streams.computing(), timed(trace, s, "send", mb, None, device.row, lane="comm"):
+                if bare:
                     _link(before, s, "B").send("B", s - 1, mb, gin)
+                else:
+                    with streams.computing(), timed(trace, s, "send", mb, None, device.row, lane="comm"):
+                        _link(before, s, "B").send("B", s - 1, mb, gin)
             else:
                 results.input_grads[mb] = gin
         elif kind is Kind.W:
@@ -240,6 +247,8 @@ def _recv(channel: Channel, kind: str, stage: int, mb: int, row: int, trace: Opt
     """A message from ``channel``, with the stage's compute stream current: a NCCL receive (and any receive the
     channel posts ahead meanwhile) is then ordered after the stage's kernels, and its wait orders the kernels that
     read it after it; a send likewise runs after the kernels that produced its tensors."""
+    if trace is None and not streams.cuda:
+        return channel.recv(kind, stage, mb)
     with streams.computing(), timed(trace, stage, "recv", mb, None, row, lane="comm"):
         return channel.recv(kind, stage, mb)
 
@@ -312,7 +321,8 @@ class ThreadRunner:
                 inbox.abort(exc)
 
         try:
-            if self._inline():
+            caller = self._callers_threads()
+            if caller and len(fns) == 1:
                 if self._workers.closed:
                     raise RuntimeError("this pipeline was closed; create a new one")
                 try:
@@ -320,19 +330,19 @@ class ThreadRunner:
                 except BaseException as exc:
                     abort(exc)
                     raise
-            return self._workers.run(fns, abort)
+            return self._workers.run(fns, abort, caller_first=caller)
         finally:
             for streams in self._cuda_streams:
                 streams.leave()
 
-    def _inline(self) -> bool:
-        """Whether the step runs on the caller's thread: one device, which wants the caller's intra-op threads.
+    def _callers_threads(self) -> bool:
+        """Whether the first device runs on the caller's thread: it wants the caller's intra-op threads.
 
-        With one device nothing runs beside it, and two hand-offs per step (there
-        and back) are saved; the worker thread stays for a device that asks for
-        another thread count than the caller's.
+        Two hand-offs per step (a job there, its result back) are saved; with one
+        device the whole step runs there. The worker thread stays for a device
+        that asks for another thread count than the caller's.
         """
-        return len(self.devices) == 1 and (self.threads is None or self.threads == torch.get_num_threads())
+        return self.threads is None or self.threads == torch.get_num_threads()
 
     def close(self) -> None:
         """Stop and join the worker threads (idempotent); a device waiting on a channel is woken first."""

@@ -89,19 +89,32 @@ class Workers:
     def __len__(self) -> int:
         return len(self._workers)
 
-    def run(self, fns: Sequence[Callable[[], Any]], on_error: Callable[[BaseException], None]) -> List[Any]:
+    def run(self, fns: Sequence[Callable[[], Any]], on_error: Callable[[BaseException], None], *,
+            caller_first: bool = False) -> List[Any]:
+        """``fns[i]`` on worker ``i``; with ``caller_first``, ``fns[0]`` on the calling thread instead, while the
+        workers run the rest: two hand-offs a step fewer (the first job handed over, its result handed back)."""
         if self._closed:
             raise RuntimeError("this pipeline was closed; create a new one")
         self.settle()
         self._run += 1
         run = self._run
         grad_mode = torch.is_grad_enabled()
-        for k, (worker, fn) in enumerate(zip(self._workers, fns)):
-            worker.jobs.put((run, k, fn, grad_mode))
+        first = 1 if caller_first else 0
+        for k in range(first, len(fns)):
+            self._workers[k].jobs.put((run, k, fns[k], grad_mode))
         n = len(fns)
         results: List[Any] = [None] * n
         errors: List[BaseException] = []
-        pending = set(range(n))
+        pending = set(range(first, n))
+        if caller_first:
+            try:
+                results[0] = fns[0]()
+            except BaseException as failed:  # noqa: BLE001 - reported as a worker's error is
+                on_error(failed)
+                errors.append(failed)
+                if not isinstance(failed, Exception):  # Ctrl-C in the caller: the devices are told to stop, not waited
+                    self._unfinished |= {(run, k) for k in pending}
+                    raise
         try:
             while pending:
                 try:
