@@ -60,20 +60,22 @@ def per_count(replicas: int, count: Count) -> Count:
 
 
 def parameters_of(modules: Iterable[nn.Module]) -> List[nn.Parameter]:
-    """Every parameter under ``modules``, each once: what ``Module.parameters()`` yields, found without the names
-    and nested generators it builds (every training step starts with this walk)."""
+    """Every parameter under ``modules``, each once: the set ``Module.parameters()`` yields (in another order),
+    found without the names and nested generators it builds (every training step starts with this walk): one
+    list walked as it grows, a module's dicts read only where they hold something."""
     out: Dict[int, nn.Parameter] = {}
     seen: Set[int] = set()
-    stack = list(modules)
-    while stack:
-        module = stack.pop()
-        if id(module) in seen:
+    todo: List[Optional[nn.Module]] = list(modules)
+    for module in todo:  # breadth first: the children are appended to the list being walked
+        if module is None or id(module) in seen:
             continue
         seen.add(id(module))
-        for p in module._parameters.values():  # what named_parameters reads
-            if p is not None and id(p) not in out:
-                out[id(p)] = p
-        stack.extend(m for m in module._modules.values() if m is not None)
+        if module._parameters:  # what named_parameters reads
+            for p in module._parameters.values():
+                if p is not None and id(p) not in out:
+                    out[id(p)] = p
+        if module._modules:
+            todo.extend(module._modules.values())
     return list(out.values())
 
 
@@ -101,10 +103,10 @@ class Baseline:
 
     def __init__(self, params: Iterable[nn.Parameter], counting: Optional[bool]) -> None:
         self.params: List[nn.Parameter] = list({id(p): p for p in params}.values())  # each once
-        grads = [p.grad.detach() for p in self.params if p.grad is not None]
-        self.had_grads = bool(grads)
+        self.had_grads = any(p.grad is not None for p in self.params)
         self.kept: Optional[Dict[int, torch.Tensor]] = None
         if self.had_grads and counting is not False:
+            grads = [p.grad.detach() for p in self.params if p.grad is not None]
             # gradients zeroed in place (``zero_grad(set_to_none=False)``) hold nothing to keep apart; on the host
             # that is one read of them, cheaper than a copy (on a device it would be a sync: copied there)
             self.kept = {} if _all_zero_on_host(grads) else \

@@ -100,6 +100,8 @@ def split(batch: Any, sizes: Sequence[int]) -> List[Any]:
     The pieces are views (no copy). The structure of the batch is kept.
     """
     sizes = list(sizes)
+    if type(batch) is torch.Tensor:  # the rule: one plain tensor, cut by the method torch.split calls
+        return list(batch.split_with_sizes(sizes))
 
     def cut(t: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         return torch.split(t, sizes, dim=0)
