@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -39,7 +39,7 @@ from .schedule.actions import Action, Kind, Schedule, row_of
 from .spec import Grads, StepSpec
 from .stage import Stage
 from .streams import StageStreams
-from .trace import UNTIMED, Trace, timed
+from .trace import Trace, timed
 from .workers import Workers
 
 __all__ = ["Workers", "StageResults", "Device", "run_actions", "ThreadRunner", "group_rows"]
@@ -128,9 +128,7 @@ def run_actions(
     would otherwise run all its micro-batches.
     """
     where: List[Action] = []
-    # a row written by hand may name kinds as strings and leave out the stage of a one-stage device
-    actions = [a if isinstance(a.kind, Kind) and a.stage is not None
-               else Action(Kind(a.kind), a.mb, device.row if a.stage is None else a.stage) for a in actions]
+    actions = _normal(actions, device.row)
     try:
         return _run(device, actions, spec, links, inputs, output_grads, trace, where, stop)
     except BaseException as exc:
@@ -139,6 +137,25 @@ def run_actions(
             exc.add_note(f"pipeddp: rank {rank}, stage {a.stage}, while running {a} "
                          f"({a.kind.describe} of micro-batch {a.mb})")
         raise
+
+
+#: rows seen to be normal already, by id (each kept here, so its id names it while it is here): a step's rows are
+#: the same tuples every step (``Step._plan``), read once instead of action by action every step
+_NORMAL: Dict[int, Tuple[Action, ...]] = {}
+
+
+def _normal(actions: Sequence[Action], row: int) -> Sequence[Action]:
+    """``actions`` in the schedule's vocabulary: a row written by hand may name kinds as strings and leave out the
+    stage of a one-stage device (``row``'s)."""
+    if type(actions) is tuple and _NORMAL.get(id(actions)) is actions:
+        return actions
+    out = [a if isinstance(a.kind, Kind) and a.stage is not None
+           else Action(Kind(a.kind), a.mb, row if a.stage is None else a.stage) for a in actions]
+    if type(actions) is tuple and all(a is b for a, b in zip(out, actions)):
+        if len(_NORMAL) >= 256:  # rows of plans no longer used: forgotten
+            _NORMAL.clear()
+        _NORMAL[id(actions)] = actions
+    return out
 
 
 def last_weight_actions(actions: Sequence[Action]) -> Dict[int, int]:
@@ -180,7 +197,7 @@ def _run(
             where.clear()  # the message says where it stopped; no action was interrupted
             raise PipelineAborted(f"device {device.row} stopped before {a.label(False)} because another stage failed")
         where.append(a)
-        kind, s, mb = a.kind, a.at, a.mb
+        kind, mb, s = a  # normal: the stage is there
         st = stages.get(s)
         if st is None:
             raise RuntimeError(f"device {device.row} runs an action of stage {s}, which it does not hold "
@@ -192,8 +209,11 @@ def _run(
                 value = inputs[mb]
             else:
                 value = _recv(_link(before, s, "F"), "F", s, mb, device.row, trace, streams)
-            with UNTIMED if trace is None else timed(trace, s, "F", mb, stream, device.row):
+            if trace is None:
                 out, loss = st.forward(mb, value, spec)
+            else:
+                with timed(trace, s, "F", mb, stream, device.row):
+                    out, loss = st.forward(mb, value, spec)
             if s < last_stage:
                 if bare:
                     _link(after, s, "F").send("F", s + 1, mb, out)
@@ -211,9 +231,12 @@ def _run(
                 grads = output_grads[mb] if output_grads is not None else None
             else:
                 grads = _recv(_link(after, s, "B"), "B", s, mb, device.row, trace, streams)
-            with UNTIMED if trace is None else timed(trace, s, kind.value, mb, stream, device.row):
-                gin = st.backward(mb, grads, spec, sync=k in arm) if kind is Kind.B \
-                    else st.backward_input(mb, grads, spec)
+            if trace is None and kind is Kind.B:
+                gin = st.backward(mb, grads, spec, sync=k in arm)
+            else:
+                with timed(trace, s, kind.value, mb, stream, device.row):
+                    gin = st.backward(mb, grads, spec, sync=k in arm) if kind is Kind.B \
+                        else st.backward_input(mb, grads, spec)
             if s > 0:
                 if bare:
                     _link(before, s, "B").send("B", s - 1, mb, gin)

@@ -147,7 +147,7 @@ class Step:
         """Micro-batch sizes for a batch of ``n`` (uneven where ``n`` does not divide)."""
         return split_sizes(n, self.chunks, self.split_size)
 
-    def _plan(self, kind: str, m: int) -> Tuple[List[List[Action]], Schedule]:
+    def _plan(self, kind: str, m: int) -> Tuple[List[Tuple[Action, ...]], Schedule]:
         """This process's rows of the ``kind`` step over ``m`` micro-batches, and the whole schedule they come from
         (a runner between processes orders its messages by it); built once per (kind, m)."""
         key = (kind, m)
@@ -158,7 +158,7 @@ class Step:
             else:
                 plan = (forward_only if kind == "forward" else backward_only)(self.rows, m, self.virtual_stages,
                                                                               placement=self.placement)
-            self._plans[key] = ([plan[r] for r in self.local_rows], plan)
+            self._plans[key] = ([tuple(plan[r]) for r in self.local_rows], plan)  # tuples: read once (executor)
         return self._plans[key]
 
     def reschedule(self) -> None:
