@@ -197,7 +197,8 @@ def _run(
             where.clear()  # the message says where it stopped; no action was interrupted
             raise PipelineAborted(f"device {device.row} stopped before {a.label(False)} because another stage failed")
         where.append(a)
-        kind, mb, s = a  # normal: the stage is there
+        kind, mb, stage = a
+        s: int = stage  # type: ignore[assignment]  # normal: every action names its stage
         st = stages.get(s)
         if st is None:
             raise RuntimeError(f"device {device.row} runs an action of stage {s}, which it does not hold "

@@ -120,7 +120,7 @@ class Step:
         #: when the current (or last) training step began: its first pass, or a forward that backward will follow
         #: (what ``refine`` times the candidate orders by, nothing the caller runs between steps included)
         self.started = 0.0
-        self._plans: Dict[Tuple[str, int], Tuple[List[List[Action]], Schedule]] = {}
+        self._plans: Dict[Tuple[str, int], Tuple[List[Tuple[Action, ...]], Schedule]] = {}
         #: whether the last training step's loss_fn returned (total, count) (None: no step yet), and that step's
         #: count and the gradients it started from (see ``counted``)
         self.counting: Optional[bool] = None
