@@ -316,7 +316,8 @@ def test_the_nccl_rules_catch_what_only_tags_made_right():
 
 def stream_context_job():
     """A stage-mode job that records, for every call into its transport, whether the stage's compute stream
-    context (``StageStreams.computing``) was entered around it: where NCCL needs it, on a GPU."""
+    context (``StageStreams.computing``) was entered around it: where NCCL needs it, on a GPU (on the CPU the steps
+    are traced, which enters it too)."""
     import contextlib
     import threading
 
@@ -348,7 +349,9 @@ def stream_context_job():
         setattr(P2PChannel, name, recording(name, getattr(P2PChannel, name)))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
-    with pipeddp.HybridParallel(model, stages=2, mode="stage", chunks=3, balance=[2, 3]) as engine:
+    # traced: an untraced step on the CPU enters no context around a message (nothing to order it after), a traced
+    # one does, as every step on a GPU
+    with pipeddp.HybridParallel(model, stages=2, mode="stage", chunks=3, balance=[2, 3], trace=True) as engine:
         for _ in range(2):
             engine.train_step(torch.randn(6, 6), torch.randn(6, 2), nn.functional.mse_loss)
     return calls

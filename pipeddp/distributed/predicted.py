@@ -55,7 +55,8 @@ class Plan:
     ahead of them) and where in that tensor's buffer the flag lies."""
 
     __slots__ = ("meta", "container", "members", "specs", "nbytes", "tensor", "wants", "grads", "grad_bytes",
-                 "every_grad", "inline", "flagged_bytes", "first", "body", "flag_numel", "flag_at", "flag_size", "zero")
+                 "every_grad", "inline", "alone", "flagged_bytes", "first", "body", "flag_numel", "flag_at",
+                 "flag_size", "zero")
 
     def __init__(self, meta: Meta) -> None:
         self.meta = meta
@@ -72,6 +73,8 @@ class Plan:
         self.every_grad = all(self.wants)
         smallest = min(range(len(sizes)), key=sizes.__getitem__, default=None)
         self.inline = smallest if smallest is not None and sizes[smallest] <= INLINE_BYTES else None
+        #: a tensor alone that carries the flag where it is predicted
+        self.alone = self.tensor and self.inline == 0
         #: the bytes sent in the predicted slots with the flag (an element of the flagged tensor, or a byte)
         self.flagged_bytes = self.nbytes + (1 if self.inline is None else self.specs[self.inline][0].itemsize)
         #: the first tag slot of the predicted tensors where they carry a flag: 1 after the header's slot 0, or 0

@@ -56,7 +56,7 @@ class ProcessRunner:
         self.rank = rank
         self._plan: Optional[Schedule] = None
         self._crossings: Dict[Tuple[int, int], List[Message]] = {}
-        self._sequence: List[Tuple[int, int]] = []
+        self._sequence: List[Tuple[P2PChannel, int]] = []
         self._call, self._repeat, self._pass = "", False, 0
 
     @classmethod
@@ -111,9 +111,9 @@ class ProcessRunner:
             key = f"{self._call}/{self._pass}" if self._call else ""  # no check since the last: headers
             self._pass += 1
             with streams.computing():  # receives posted here are ordered after the stage's compute stream
-                ordering = Ordering([(self._p2p[peer], k) for peer, k in sequence])
+                ordering = Ordering(sequence)
                 for peer_row, ch in self._p2p.items():
-                    ch.begin(orders.get(self._link(peer_row), []), ordering, key, self._repeat)
+                    ch.begin(orders.get(self._link(peer_row), ()), ordering, key, self._repeat)
                 ordering.advance()
             results = [run_actions(self.device, actions, spec, links=self.links, inputs=inputs,
                                    output_grads=output_grads, trace=trace, rank=self.rank)]
@@ -132,9 +132,10 @@ class ProcessRunner:
     def _link(self, peer_row: int) -> Tuple[int, int]:
         return min(self.device.row, peer_row), max(self.device.row, peer_row)
 
-    def _orders(self, plan: Schedule) -> Tuple[Dict[Tuple[int, int], List[Message]], List[Tuple[int, int]]]:
+    def _orders(self, plan: Schedule) -> Tuple[Dict[Tuple[int, int], List[Message]], List[Tuple[P2PChannel, int]]]:
         """The messages of every link in ``plan``, in the order both ends issue them, and this process's
-        operations on all its links in one order: (peer row, index in that link's order). Once per plan."""
+        operations on all its links in one order: (the channel to the peer, index in that link's order). Once per
+        plan."""
         if self._plan is not plan:  # (a process with every stage, the only one to run backward-only steps, has none)
             links = crossings(plan) if self._p2p else {}
             seen: Dict[int, int] = {}
@@ -142,7 +143,7 @@ class ProcessRunner:
             for m in in_order(plan) if self._p2p else []:
                 if self.device.row in (m.src, m.dst):
                     peer = m.dst if m.src == self.device.row else m.src
-                    sequence.append((peer, seen.get(peer, 0)))
+                    sequence.append((self._p2p[peer], seen.get(peer, 0)))
                     seen[peer] = seen.get(peer, 0) + 1
             self._plan, self._crossings, self._sequence = plan, links, sequence
         return self._crossings, self._sequence
