@@ -60,10 +60,10 @@ def worker(case: str, victim: int, timeout: float, at: int) -> int:
     if rank == victim and case in ("batch", "loss"):
         kind, real = CASES.index(case), rows.gather_rows
 
-        def gather(*args: Any, **kwargs: Any) -> None:
+        def gather(*args: Any, **kwargs: Any) -> Any:
             if step[0] == 2 and kwargs["kind"] == kind:
                 _die(rank, f"step 2, agreement kind {kind}")
-            real(*args, **kwargs)
+            return real(*args, **kwargs)
         rows.gather_rows = gather  # type: ignore[assignment]  # this process's own engine only
     if rank == victim and case == "groups":
         calls, new_group = [0], dist.new_group

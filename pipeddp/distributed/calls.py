@@ -54,11 +54,10 @@ class CallCheck:
         process group's timeout that says what to do.
         """
         t = torch.tensor([COLLECTIVES.index(call), *payload], dtype=torch.int64)  # host values, gathered on the host
-        gathered = [torch.zeros_like(t) for _ in ranks]
         with self._waiting(f"entered {call}, a collective, and not every rank came: each must call {call} too, "
                            "together (not under `if rank == 0:`); or a rank stalled or died"):
-            rows.gather_rows(gathered, t, group=group, ranks=ranks, rank=self.topology.rank, kind=0)
-        table = [[int(v) for v in row] for row in torch.stack(gathered).tolist()]
+            table: List[List[int]] = rows.gather_rows([], t, group=group, ranks=ranks, rank=self.topology.rank,
+                                                      kind=0).tolist()
         calls = [COLLECTIVES[row[0]] if 0 <= row[0] < len(COLLECTIVES) else "?" for row in table]
         if len(set(calls)) > 1:
             listing = ", ".join(f"rank {r} {c}" for r, c in zip(ranks, calls))

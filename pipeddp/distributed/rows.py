@@ -30,16 +30,17 @@ STAR_UP_TO = 16
 
 
 def gather_rows(out: List[torch.Tensor], mine: torch.Tensor, *, group: Any, ranks: Sequence[int], rank: int,
-                kind: int, ahead: Optional["Gathering"] = None) -> None:
+                kind: int, ahead: Optional["Gathering"] = None) -> torch.Tensor:
     """Fill ``out`` (one tensor like ``mine`` per member of ``group``, in the order of ``ranks``, its global ranks)
     with every member's ``mine``; ``rank``: this process's global rank; ``kind``: which gathering (its tag);
-    ``ahead``: the same gathering made before (``Gathering``: its receives maybe posted already).
+    ``ahead``: the same gathering made before (``Gathering``: its receives maybe posted already). Returns the
+    table, the rows stacked (``out`` may be empty where that is all the caller wants).
 
     Every member calls it together, as a collective; a member that never comes leaves the others the process
     group's timeout error.
     """
     gathering = ahead if ahead is not None else Gathering(mine, group=group, ranks=ranks, rank=rank, kind=kind)
-    gathering.finish(out, mine)
+    return gathering.finish(out, mine)
 
 
 class Gathering:
@@ -78,8 +79,8 @@ class Gathering:
             self._works = [dist.irecv(self.table[a:b], self.ranks[j], group=self.group, tag=self.tag)
                            for a, b, j in self._takes]
 
-    def finish(self, out: List[torch.Tensor], mine: torch.Tensor) -> None:
-        """Gather: ``mine`` in, every member's row into ``out`` (see ``gather_rows``)."""
+    def finish(self, out: List[torch.Tensor], mine: torch.Tensor) -> torch.Tensor:
+        """Gather: ``mine`` in, every member's row into ``out``, and the table returned (see ``gather_rows``)."""
         if mine.device.type != "cpu":
             raise ValueError(f"gather_rows gathers host values over gloo; got a row on {mine.device}")
         self.table[self.i].copy_(mine)
@@ -90,6 +91,7 @@ class Gathering:
             self._star(mine)
         for row, got in zip(out, self.table):
             row.copy_(got)
+        return self.table
 
     def _star(self, mine: torch.Tensor) -> None:
         """Through the first member: each other member sends it its row and waits for the whole table back."""

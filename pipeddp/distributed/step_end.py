@@ -28,6 +28,8 @@ __all__ = ["StepEnd", "ROW"]
 ROW = 4
 #: the gathering's kind (its tag, ``rows``): the call and batch check's is 0
 KIND = 1
+#: what a row is like (its length, dtype and device), for the gatherings made ahead of their rows
+_LIKE = torch.zeros(ROW, dtype=torch.float64)
 
 
 def _not_finite(grads: Sequence[torch.Tensor], dev: torch.device) -> torch.Tensor:
@@ -55,8 +57,8 @@ class StepEnd(CallCheck):
     def gathering(self) -> Gathering:
         """The gathering of a step's rows (the job's ranks, in order), made ahead: ``Gathering.post`` may post its
         receives before ``finish_step`` finishes it."""
-        return Gathering(torch.zeros(ROW, dtype=torch.float64), group=self.host_group, ranks=self.topology.job_ranks,
-                         rank=self.topology.rank, kind=KIND)
+        return Gathering(_LIKE, group=self.host_group, ranks=self.topology.job_ranks, rank=self.topology.rank,
+                         kind=KIND)
 
     def finish_step(self, local_loss: Optional[torch.Tensor], params: Iterable[nn.Parameter], *, skip_nonfinite: bool,
                     skipped: int, overflow_to_scaler: bool = False, count: Optional[Count] = None,
@@ -88,20 +90,22 @@ class StepEnd(CallCheck):
         grads = [p.grad for p in params if p.grad is not None]
         f64, vote = torch.float64, (skip_nonfinite or overflow_to_scaler) and bool(grads) and not carried
         on = [t.device for t in (local_loss, count) if isinstance(t, torch.Tensor)]
-        dev = on[0] if on else local(grads[0]).device if vote else torch.device("cpu")
-        # (loss, grads not finite, count): on the device until one copy brings them to the host (none: all numbers)
-        bad = _not_finite(grads, dev) if vote else scalar_on(2.0 if carried else 0.0, dev)
-        head = torch.stack([scalar_on(local_loss, dev), bad, scalar_on(count, dev)])
-        mine = torch.cat([head.cpu() if on or vote else head, torch.tensor([count is not None], dtype=f64)])
+        if on or vote:  # (loss, grads not finite, count) on the device until one copy brings them to the host
+            dev = on[0] if on else local(grads[0]).device
+            bad = _not_finite(grads, dev) if vote else scalar_on(2.0 if carried else 0.0, dev)
+            head = torch.stack([scalar_on(local_loss, dev), bad, scalar_on(count, dev)])
+            mine = torch.cat([head.cpu(), torch.tensor([count is not None], dtype=f64)])
+        else:  # all numbers (a rank without the loss, no vote: the first stage's): the row made at once
+            mine = torch.tensor([float(local_loss or 0.0), 2.0 if carried else 0.0, float(count or 0.0),
+                                 float(count is not None)], dtype=f64)
         if self.distributed:
-            everyone = [torch.zeros_like(mine) for _ in range(self.topology.world_size)]
             with self._waiting("waited for every rank's loss at the end of a step: a rank stalled or died in its "
                                "step, or skipped train_step (a collective: call it on every rank)"):
-                rows.gather_rows(everyone, mine, group=self.host_group, ranks=self.topology.job_ranks,
-                                 rank=self.topology.rank, kind=KIND, ahead=gathering)
+                gathered = rows.gather_rows([], mine, group=self.host_group, ranks=self.topology.job_ranks,
+                                            rank=self.topology.rank, kind=KIND, ahead=gathering)
         else:
-            everyone = [mine]
-        table = torch.stack(everyone).tolist()  # every rank's row (loss, bad grads, count, counted), on the host
+            gathered = mine[None]
+        table = gathered.tolist()  # every rank's row (loss, bad grads, count, counted), on the host
         total = sum(t[0] for t in table)
         counted = any(t[3] > 0 for t in table)
         n = sum(t[2] for t in table) if counted else None
