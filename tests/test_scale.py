@@ -77,5 +77,5 @@ def test_a_job_of_thousands_agrees_within_log_rounds_and_messages(n):
     assert sim["rounds"] <= bound
     assert sim["messages_max"] <= bound  # per rank per agreement (two per step)
     assert sim["step_peers"] <= bound  # the agreements' tree, two pipeline neighbours, DDP's ring
-    # groups made as full meshes (PIPEDDP_LAZY_GROUPS=0): the world's alone is linear in N (docs/scale.md)
+    # today's groups: a full mesh of gloo connections over the world (docs/scale.md), linear in N
     assert sim["gloo_job"] >= n - 1

@@ -4,12 +4,17 @@ A gloo group made eagerly is a full mesh: every member connects to every other w
 the rendezvous store (a ``get`` and a ``wait`` per peer). The job's group alone is N - 1 sockets and 2 (N - 1)
 store operations per rank; a step uses O(log N) of them (the agreements' tree, the pipeline's neighbours, DDP's
 ring). torch makes a gloo group lazily where ``TORCH_GLOO_LAZY_INIT=1`` is set when the group is made
-(docs/scale.md), so pipeddp sets it around the groups it makes itself (``made_lazily``: its stage, pipeline, job
-and gloo-twin groups, and the process group where the engine starts it) and restores it exactly after: the user's
-own groups stay as the user made them. ``PIPEDDP_LAZY_GROUPS=0`` makes pipeddp's groups full meshes again.
+(docs/scale.md), so with ``PIPEDDP_LAZY_GROUPS=1`` pipeddp sets it around the groups it makes itself
+(``made_lazily``: its stage, pipeline, job and gloo-twin groups, and the process group where the engine starts it)
+and restores it exactly after: the user's own groups stay as the user made them.
 
-The failure notices' cut (``cut``) closes the connections a rank holds by a receive posted to a peer whose wait
-expires; on a lazy group it leaves a pair never connected behind instead of waiting for the peer to connect.
+Off by default, for the failure notices. Their cut (``cut``) no longer blocks on a pair never connected (it leaves
+such a pair behind), but a rank that fails cannot close a connection it never made: a peer whose collective
+connects to it for the first time after it failed waits for that connection until its own timeout (gloo makes
+one side of each pair connect and the other only accept; the accepting side waits), and a collective that meets
+two such pairs waits twice (``tests/test_evaluate_failure.py``'s ``metric`` case: rank 2, in the metrics'
+all-gather, still running 110 s after rank 1 failed, with a 60 s timeout, once the roll call after the groups
+(``rollcall``) lines the ranks' setup up).
 
 The price of a connection made late: it goes through the store, and the store lives in world rank 0's process
 (``pipeddp.spawn``, torchrun's ``env://`` without its agent's store). Were rank 0 to leave first, a rank whose last
@@ -38,7 +43,7 @@ import torch.distributed as dist
 
 __all__ = ["ENV", "enabled", "made_lazily", "watch", "leave", "failed"]
 
-#: the setting: "1" (default) pipeddp's gloo groups connect on first use, "0" as full meshes when made
+#: the setting: "1" pipeddp's gloo groups connect on first use, "0" (default) as full meshes when made
 ENV = "PIPEDDP_LAZY_GROUPS"
 #: torch's switch, read when each gloo process group is made
 TORCH_ENV = "TORCH_GLOO_LAZY_INIT"
@@ -49,11 +54,11 @@ POLL_S = 0.02
 
 
 def enabled() -> bool:
-    """Whether pipeddp makes its gloo groups lazily (``PIPEDDP_LAZY_GROUPS``, default on: see the module)."""
-    value = os.environ.get(ENV, "1").strip()
+    """Whether pipeddp makes its gloo groups lazily (``PIPEDDP_LAZY_GROUPS``, default off: see the module)."""
+    value = os.environ.get(ENV, "0").strip()
     if value not in ("0", "1"):
         raise ValueError(f"{ENV}={value!r}: set it to 1 (pipeddp's gloo groups connect each pair of ranks on first "
-                         "use, the default) or 0 (every group a full mesh of connections when it is made)")
+                         "use) or 0 (every group a full mesh of connections when it is made, the default)")
     return value == "1"
 
 
@@ -109,7 +114,7 @@ def _hold(timeout: timedelta) -> None:
 
 @contextlib.contextmanager
 def made_lazily(timeout: timedelta) -> Iterator[None]:
-    """Make the gloo groups created inside connect on first use (unless ``PIPEDDP_LAZY_GROUPS=0``); the variable
+    """Make the gloo groups created inside connect on first use (with ``PIPEDDP_LAZY_GROUPS=1``); the variable
     torch reads is restored exactly after, and this process is counted in the store's users (``_hold``)."""
     if not enabled():
         yield
