@@ -8,8 +8,7 @@ modules, hooks and flags throughout), never per action:
   ``p == 0`` or ``eval()``), none with a forward hook or a forward of its own, and, on the last stage, a loss of
   torch's that draws nothing, cannot draw: it runs without the context, and a step where no stage of the process
   can draw draws no base seed. Any other module (a class of the user's, a subclass, ``RReLU``, a container whose
-  children could change) may draw and keeps the context, as before; so does every compiled stage's first forward
-  in a mode, which finds out what it draws.
+  children could change) may draw, and its stage keeps the context (``rng``).
 - ``nn.Module.__call__`` around each layer: where a layer has no hooks (nor does any module globally), is not
   compiled by ``Module.compile`` and keeps torch's ``__call__``, that call does nothing but call ``forward``, so the
   stage calls the layers' ``forward`` in a row, as ``nn.Sequential`` would call the layers (a layer with a hook is
