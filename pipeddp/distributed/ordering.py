@@ -12,6 +12,7 @@ last computations, instead of after them (``rows.Gathering``).
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Callable, Iterator, Optional, Protocol, Sequence, Tuple
 
 __all__ = ["Ordering", "Link", "when_issued"]
@@ -24,7 +25,13 @@ class _Watch:
         self.callback, self.left = callback, runs
 
 
-_watch: Optional[_Watch] = None
+class _Watching(threading.local):
+    """The call ``when_issued`` keeps, per thread: two engines stepping on two threads never take each other's."""
+
+    watch: Optional[_Watch] = None
+
+
+_watching = _Watching()
 
 
 @contextlib.contextmanager
@@ -34,14 +41,14 @@ def when_issued(callback: Optional[Callable[[], None]], runs: int = 1) -> Iterat
 
     Not called where no such order is wholly issued in the block (a process without links to other processes, or a
     step that failed): the caller then does what it would have done at once, after the block. The runner runs on the
-    caller's thread, so the watch is this process's while the block lasts.
+    caller's thread, so the watch is that thread's while the block lasts.
     """
-    global _watch
-    outer, _watch = _watch, (None if callback is None else _Watch(callback, runs))
+    outer = _watching.watch
+    _watching.watch = None if callback is None else _Watch(callback, runs)
     try:
         yield
     finally:
-        _watch = outer
+        _watching.watch = outer
 
 
 class Link(Protocol):
@@ -67,10 +74,11 @@ class Ordering:
         self.entries = list(entries)  # (channel, index in its link's order)
         self.next = 0
         self._watch: Optional[_Watch] = None  # the call due once this order is wholly issued (``when_issued``)
-        if _watch is not None and self.entries:
-            _watch.left -= 1
-            if _watch.left == 0:
-                self._watch = _watch
+        watch = _watching.watch
+        if watch is not None and self.entries:
+            watch.left -= 1
+            if watch.left == 0:
+                self._watch = watch
 
     def catch_up(self, channel: Link, upto: int) -> None:
         """Post every receive that comes before ``channel``'s message ``upto`` (waiting for headers and flags)."""
