@@ -9,16 +9,20 @@ and parameters read as the plain model's.
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Dict, List, Sequence, Tuple
+from typing import Dict, List, Protocol, Sequence, Tuple
 
 from torch import nn
 
 from .tied import layers_of, stage_of_layers
 
-if TYPE_CHECKING:
-    from .stage import Stage
-
 __all__ = ["own_layers", "register_layers"]
+
+
+class _Holder(Protocol):
+    """What ``register_layers`` reads of a stage: its layers."""
+
+    @property
+    def module(self) -> nn.Sequential: ...
 
 
 def own_layers(model: nn.Sequential, balance: Sequence[int]) -> List[Tuple[str, nn.Module]]:
@@ -48,7 +52,7 @@ def own_layers(model: nn.Sequential, balance: Sequence[int]) -> List[Tuple[str, 
     return out
 
 
-def register_layers(owner: nn.Module, stages: Sequence["Stage"]) -> None:
+def register_layers(owner: nn.Module, stages: Sequence[_Holder]) -> None:
     """Register the stages' layers on ``owner`` under their names in the model.
 
     So ``owner.state_dict()`` has the plain model's keys (``"0.weight"``) and
