@@ -65,7 +65,7 @@ class BareThreads:
 
         half = len(model) // 2
         self.first, self.second = copy.deepcopy(model[:half]), copy.deepcopy(model[half:])
-        self.xs, self.ys, self.loss, self.m = list(x.chunk(m)), list(y.chunk(m)), loss, m
+        self.xs, self.ys, self.loss, self.m = list(x.tensor_split(m)), list(y.tensor_split(m)), loss, m
         self.acts: "queue.SimpleQueue[torch.Tensor]" = queue.SimpleQueue()
         self.grads: "queue.SimpleQueue[torch.Tensor]" = queue.SimpleQueue()
         self.jobs: "queue.SimpleQueue[bool]" = queue.SimpleQueue()

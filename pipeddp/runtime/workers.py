@@ -67,6 +67,18 @@ class _Worker:
                 del fn, job
 
 
+def _aborting(fn: Callable[[], Any], on_error: Callable[[BaseException], None]) -> Callable[[], Any]:
+    """``fn``, calling ``on_error`` from its own thread as it fails: where the caller runs the first device itself,
+    nobody reads the workers' results until its own job ends, and that job may be waiting for the failed one."""
+    def call() -> Any:
+        try:
+            return fn()
+        except BaseException as exc:
+            on_error(exc)
+            raise
+    return call
+
+
 class Workers:
     """A fixed set of worker threads, one per device.
 
@@ -101,7 +113,8 @@ class Workers:
         grad_mode = torch.is_grad_enabled()
         first = 1 if caller_first else 0
         for k in range(first, len(fns)):
-            self._workers[k].jobs.put((run, k, fns[k], grad_mode))
+            job = _aborting(fns[k], on_error) if caller_first else fns[k]
+            self._workers[k].jobs.put((run, k, job, grad_mode))
         n = len(fns)
         results: List[Any] = [None] * n
         errors: List[BaseException] = []
