@@ -143,19 +143,8 @@ class P2PChannel:
         None: this link's order alone, posted ahead here). ``repeat``: the activations have the shapes of the last
         step of kind ``key`` (every rank was told alike), so none crosses with a header."""
         if self._broken is not None:
-            raise PeerError(
-                f"rank {self.rank} (stage {self.stage}) cannot exchange messages with rank {self.peer} (stage "
-                f"{self.peer_stage}) any more: an earlier step failed in the middle of its exchange "
-                f"({self._broken}). Messages between processes are paired by their order (NCCL ignores tags) and "
-                "that step's are still posted, so no later message could be trusted. Restart the job from its last "
-                "checkpoint (torchrun --max-restarts=N restarts it by itself; pipeddp.resume picks up the newest)"
-            )
-        got = self._known_orders.get(id(order))
-        if got is None or got[0] is not order:
-            if len(self._known_orders) >= 16:
-                self._known_orders.clear()
-            got = self._known_orders[id(order)] = (order, *routes(order, self.stage))
-        self._order, self._routes, self._index = got
+            raise _after_failure(self, self._broken)
+        self._order, self._routes, self._index = _known(self._known_orders, order, self.stage)
         self._next, self._reads = 0, -1
         self._incoming.begin(self._routes)
         self.shapes.begin(key, repeat and self._predicts)
@@ -267,18 +256,19 @@ class P2PChannel:
         self._reads = i if known is None or not self._flag else -1  # the peer reads its header before going on
         # in the link's order: the header (unless it goes on the twin or the side group), the predicted slots, the
         # tensors they did not carry (over gloo on the side group, after the header)
-        works = [self._send_header(header, r, self.header_group)] if header is not None and not aside else []
+        works = [_send_header(header, r, self.header_group, self.peer, self.comm_device)] \
+            if header is not None and not aside else []
         sent: List[torch.Tensor] = []
         if known is not None:
             sent = predicted.outgoing(known, actual, tensors, self._flag, self.comm_device)
-            works += self._isend(sent, r.tag + (known.first if self._flag else 1))
+            works += _isend(self.peer, sent, r.tag + (known.first if self._flag else 1))
         if not aside:
             works += [(dist.isend(tensors[k], self.peer, tag=r.tag + 1 + k), tensors[k]) for k in late]
             sent += [tensors[k] for k in late]
         self._issued(i, works, sum(t.nbytes for t in sent), gated)
         if aside and header is not None:  # the peer posts their receives once it has read the flag: in flight
             self._incoming.resolve(i - 1)  # the side group's operations in the link's order at both ends
-            self._inflight.append(self._send_header(header, r, self.side_group))
+            self._inflight.append(_send_header(header, r, self.side_group, self.peer, self.comm_device))
             self._inflight += [(dist.isend(tensors[k], self.peer, group=self.side_group, tag=r.tag + 1 + k),
                                 tensors[k]) for k in late]
 
@@ -292,15 +282,10 @@ class P2PChannel:
         self.ordering.catch_up(self, i)
         self._issue(i, r.tag + 1, out, shapes.grad_bytes, gated)
 
-    def _isend(self, tensors: Sequence[torch.Tensor], tag: int) -> List[Sent]:
-        """Send ``tensors`` in the link's order, the first tagged ``tag``, the next ``tag + 1`` and so on."""
-        peer = self.peer
-        return [(dist.isend(t, peer, tag=tag + k), t) for k, t in enumerate(tensors)]
-
     def _issue(self, i: int, tag: int, tensors: Sequence[torch.Tensor], size: int, gated: bool) -> None:
         """Send message ``i``'s ``tensors`` (contiguous, on the channel's device, ``size`` bytes), tagged from
         ``tag`` on."""
-        self._issued(i, self._isend(tensors, tag), size, gated)
+        self._issued(i, _isend(self.peer, tensors, tag), size, gated)
 
     def _issued(self, i: int, works: List[Sent], size: int, gated: bool) -> None:
         """Message ``i``'s operations in the link's order are issued (``works``, of ``size`` bytes of tensors)."""
@@ -310,13 +295,6 @@ class P2PChannel:
             self._delivered(works)  # gloo, a small message: delivered now (see the module's docstring)
         else:
             self._inflight = [s for s in self._inflight if not s[0].is_completed()] + works
-
-    def _send_header(self, header: torch.Tensor, r: Route, group: Any) -> Sent:
-        """Post ``header`` (built on the host) of message ``r``: on ``group`` (a gloo twin or the side group) as it
-        is, or where None on the tensors' device and group, ahead of its tensors."""
-        if group is None:
-            header = header.to(self.comm_device)
-        return dist.isend(header, self.peer, group=group, tag=r.tag), header
 
     def _delivered(self, works: List[Sent]) -> None:
         """Wait for ``works`` (sends, each with the tensor it sends)."""
@@ -355,3 +333,40 @@ class P2PChannel:
             f"rank {self.rank} (stage {self.stage}) {what} rank {self.peer} (stage {self.peer_stage}) "
             f"within {self.timeout.total_seconds():.0f} s: that process died, stalled or timed out ({exc})"
         )
+
+
+def _known(cache: Dict[int, Tuple[Sequence[Message], List[Route], Dict[Tuple[bool, str, int, int], int]]],
+           order: Sequence[Message], stage: int
+           ) -> Tuple[Sequence[Message], List[Route], Dict[Tuple[bool, str, int, int], int]]:
+    """``order`` with its routes and their index (``tags.routes``), worked out once per order kept in ``cache`` (by
+    the order's id; the order kept with them so that the id stays its own; at most 16 orders)."""
+    got = cache.get(id(order))
+    if got is None or got[0] is not order:
+        if len(cache) >= 16:
+            cache.clear()
+        got = cache[id(order)] = (order, *routes(order, stage))
+    return got
+
+
+def _isend(peer: int, tensors: Sequence[torch.Tensor], tag: int) -> List[Sent]:
+    """Send ``tensors`` to ``peer`` in the link's order, the first tagged ``tag``, the next ``tag + 1`` and so on."""
+    return [(dist.isend(t, peer, tag=tag + k), t) for k, t in enumerate(tensors)]
+
+
+def _send_header(header: torch.Tensor, r: Route, group: Any, peer: int, comm_device: torch.device) -> Sent:
+    """Post ``header`` (built on the host) of message ``r`` to ``peer``: on ``group`` (a gloo twin or the side group)
+    as it is, or where None on the tensors' device (``comm_device``) and group, ahead of its tensors."""
+    if group is None:
+        header = header.to(comm_device)
+    return dist.isend(header, peer, group=group, tag=r.tag), header
+
+
+def _after_failure(ch: P2PChannel, broken: str) -> PeerError:
+    """The error of a step begun on a link whose earlier step failed mid-exchange (``broken``: that failure)."""
+    return PeerError(
+        f"rank {ch.rank} (stage {ch.stage}) cannot exchange messages with rank {ch.peer} (stage "
+        f"{ch.peer_stage}) any more: an earlier step failed in the middle of its exchange "
+        f"({broken}). Messages between processes are paired by their order (NCCL ignores tags) and "
+        "that step's are still posted, so no later message could be trusted. Restart the job from its last "
+        "checkpoint (torchrun --max-restarts=N restarts it by itself; pipeddp.resume picks up the newest)"
+    )
