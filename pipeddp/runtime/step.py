@@ -176,23 +176,8 @@ class Step:
                 drawing.add(st.index)
         return (draw_base_seed() if drawing else None), frozenset(drawing), calls
 
-    @staticmethod
-    def _call(hooks: List[Callable[[], None]]) -> None:
-        for hook in hooks:
-            hook()
-
-    @staticmethod
-    def _to(stage: Optional[Stage], value: Any) -> Any:
-        """``value`` on ``stage``'s device (None where this process does not run that stage)."""
-        if stage is None:
-            return None
-        dev = stage.device
-        if type(value) is torch.Tensor and value.device == dev:  # the rule: one tensor, already there
-            return value
-        return tree_map(lambda t: t.to(dev, non_blocking=True) if t.device != dev else t, value)
-
     def _split_to(self, stage: Optional[Stage], value: Any, sizes: List[int]) -> Optional[List[Any]]:
-        moved = self._to(stage, value)
+        moved = _to(stage, value)
         return None if moved is None else split(moved, sizes)
 
     def train(self, x: Any, y: Any, loss_fn: LossFn, n: int, *,
@@ -225,13 +210,13 @@ class Step:
             self.started = time.perf_counter()
             if self._tied:
                 self.ties.begin()
-        self._call(self.before_forward)
+        _call(self.before_forward)
         rows, plan = self._plan("train", m)
         results = self.runner.run(rows, spec, plan=plan, inputs=self._split_to(self.first, x, sizes),
                                   trace=self.stats.timeline(self.trace))
-        self._call(self.after_forward)
+        _call(self.after_forward)
         if final:
-            self._call(self.after_backward)
+            _call(self.after_backward)
         if spec.counted:
             part = summed(spec.counts.values())  # on the loss's device where it counted there: no sync
             self.count = part if self.count is None else self.count + part
@@ -276,7 +261,7 @@ class Step:
             self.baseline.scale(per_count(replicas, count))
         self.baseline = None
         self.stats.end(count if counted else None)
-        self._call(self.after_step)
+        _call(self.after_step)
 
     def forward(self, x: Any, n: int, *, need_grad: bool) -> Any:
         """Forward of a batch of ``n``; the merged output where this process runs the last stage, else None.
@@ -297,13 +282,13 @@ class Step:
         if need_grad:
             self.started = time.perf_counter()
             self.stats.begin(n)
-        x = self._to(self.first, x)  # the graph hangs on the moved input, whose grad lives on stage 0's device
+        x = _to(self.first, x)  # the graph hangs on the moved input, whose grad lives on stage 0's device
         xs = None if x is None else split(x, sizes)
-        self._call(self.before_forward)
+        _call(self.before_forward)
         rows, plan = self._plan("forward", m)
         results = self.runner.run(rows, spec, plan=plan, inputs=xs,  # an evaluation is no step: not timed
                                   trace=self.stats.timeline(self.trace) if need_grad else self.trace)
-        self._call(self.after_forward)
+        _call(self.after_forward)
         if self.last is None:
             return None
         outputs = [self._of_last(results).outputs[i] for i in range(m)]
@@ -317,9 +302,24 @@ class Step:
             rows, plan = self._plan("backward", m)
             res = self.runner.run(rows, spec, plan=plan, output_grads=grads, grad_event=event,
                                   trace=self.stats.timeline(self.trace))
-            self._call(self.after_backward)
+            _call(self.after_backward)
             self.stats.end(None)
-            self._call(self.after_step)
+            _call(self.after_step)
             return [res[0].input_grads[i] for i in range(m)]
 
         return _bridge.attach(run_backward, sizes, outputs, x)
+
+
+def _call(hooks: List[Callable[[], None]]) -> None:
+    for hook in hooks:
+        hook()
+
+
+def _to(stage: Optional[Stage], value: Any) -> Any:
+    """``value`` on ``stage``'s device (None where this process does not run that stage)."""
+    if stage is None:
+        return None
+    dev = stage.device
+    if type(value) is torch.Tensor and value.device == dev:  # the rule: one tensor, already there
+        return value
+    return tree_map(lambda t: t.to(dev, non_blocking=True) if t.device != dev else t, value)
