@@ -8,7 +8,8 @@ import torch
 from conftest import CountOps, data, make_mlp, max_diff
 from torch import nn
 
-from pipeddp.runtime.stage import Stage, StepSpec, build_stages, register_layers
+from pipeddp.runtime.owned import register_layers
+from pipeddp.runtime.stage import Stage, StepSpec, build_stages
 
 CPU = torch.device("cpu")
 LOSS = nn.functional.mse_loss

@@ -34,12 +34,13 @@ from torch.nn.parallel import DistributedDataParallel
 from ..partitioning.report import Partition
 from ..runtime.devices import DeviceLike
 from ..runtime.executor import ThreadRunner
+from ..runtime.owned import register_layers
 from ..runtime.refine import attach_auto
 from ..runtime.schedule.actions import row_of, stages_on
 from ..runtime.schedule.costed import Costs
 from ..runtime.schedule.placing import VIRTUAL_CHOICES, choose_layout, choose_placement
 from ..runtime.settings import Settings
-from ..runtime.stage import Stage, build_stages, register_layers
+from ..runtime.stage import Stage, build_stages
 from ..runtime.step import Runner, Step
 from ..runtime.tied import Tie, find_ties
 from ..runtime.trace import Trace

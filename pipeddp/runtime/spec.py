@@ -59,7 +59,7 @@ class StepSpec:
     counted: Optional[bool] = None
     #: per stage, the training flags of its layers in this step (``Stage._step_mode``: read once, at its first action)
     modes: Dict[int, Tuple[bool, ...]] = field(default_factory=dict)
-    #: the stages that may draw random numbers this step (``Stage.may_draw``; None: every stage may)
+    #: the stages that may draw random numbers this step (``Stage.read_step``; None: every stage may)
     drawing: Optional[FrozenSet[int]] = None
     #: per stage, what runs its layers this step (``Stage._layers``: found once, at its first forward)
     calls: Dict[int, Callable[[Any], Any]] = field(default_factory=dict)

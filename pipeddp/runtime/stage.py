@@ -40,7 +40,7 @@ from .compiled import Compiled
 from .gradsync import NO_SYNC, GradSync
 from .materialize import Init, SharedPlaces, check_init, is_meta, materialize_layer, original_names, recorded_init
 from .microbatch import tree_map, tree_tensors
-from .owned import own_layers, register_layers
+from .owned import own_layers
 from .quiet import loss_draws_nothing, read, run_layers
 from .rng import Replay, checkpointing, recomputing
 from .spec import Grads, Saved, StepSpec
@@ -49,7 +49,7 @@ from .streams import StageStreams
 from .tied import layers_of
 
 # StepSpec and Grads are handed on: callers that drive a stage name them with it
-__all__ = ["Stage", "StepSpec", "Grads", "build_stages", "register_layers"]
+__all__ = ["Stage", "StepSpec", "Grads", "build_stages"]
 
 #: A backward root and the gradient it starts from (None: a loss, or no gradient given).
 Pair = Tuple[torch.Tensor, Optional[torch.Tensor]]
@@ -121,9 +121,6 @@ class Stage:
         if quiet and (not self.last or loss_draws_nothing(loss_fn)):
             return False, call
         return self.replay.own_cpu or self.replay.may_draw(self._mode()), call
-
-    def may_draw(self, loss_fn: Optional[Callable[..., Any]] = None) -> bool:
-        return self.read_step(loss_fn)[0]
 
     def _step_mode(self, spec: StepSpec) -> Tuple[bool, ...]:
         """The training flags for this step, read at its first action (a step's layers keep one mode throughout;
