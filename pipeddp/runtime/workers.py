@@ -51,7 +51,7 @@ class _Worker:
             job = self.jobs.get()
             if job is None:
                 return
-            run, k, fn, grad_mode = job
+            run, k, fn, grad_mode, abort = job
             try:
                 if self.fatal is not None:
                     raise RuntimeError(f"pipeddp: the worker thread {self.thread.name} could not start: "
@@ -61,22 +61,12 @@ class _Worker:
                 self.done.put((run, k, True, result))
                 del result  # handed over: this thread keeps nothing of the step until its next job
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                if abort is not None:  # the caller runs a job itself and reads ``done`` only after it
+                    abort(exc)
                 self.done.put((run, k, False, exc))
                 del exc
             finally:
                 del fn, job
-
-
-def _aborting(fn: Callable[[], Any], on_error: Callable[[BaseException], None]) -> Callable[[], Any]:
-    """``fn``, calling ``on_error`` from its own thread as it fails: where the caller runs the first device itself,
-    nobody reads the workers' results until its own job ends, and that job may be waiting for the failed one."""
-    def call() -> Any:
-        try:
-            return fn()
-        except BaseException as exc:
-            on_error(exc)
-            raise
-    return call
 
 
 class Workers:
@@ -113,8 +103,9 @@ class Workers:
         grad_mode = torch.is_grad_enabled()
         first = 1 if caller_first else 0
         for k in range(first, len(fns)):
-            job = _aborting(fns[k], on_error) if caller_first else fns[k]
-            self._workers[k].jobs.put((run, k, job, grad_mode))
+            # with the caller running a job itself, a failed worker aborts the step at once from its own thread:
+            # the caller reads the workers' results only after its job, which may wait for the failed one
+            self._workers[k].jobs.put((run, k, fns[k], grad_mode, on_error if caller_first else None))
         n = len(fns)
         results: List[Any] = [None] * n
         errors: List[BaseException] = []
