@@ -10,23 +10,30 @@ transform and no ``__torch_function__`` mode is active and autograd's debug log 
 engine itself with what torch's wrapper would pass it (the same arguments, the scalar loss's gradient a
 ``ones_like``, the caller's context stashed for the engine's device threads as torch stashes it); anything else
 goes through ``torch.autograd.backward`` as before, so its errors and overrides stay torch's.
+
+A split backward (``split``) asks the engine five times a micro-batch on a four-layer stage (its input half, then
+one call per place where its weight half starts, each from ``GradientEdge`` roots and to a few parameters), so
+``grad`` and ``backward``'s ``inputs`` do the same for it: a root may be a gradient edge whose given gradient has
+the shape the edge's node expects, and ``inputs`` plain tensors or edges.
 """
 
 from __future__ import annotations
 
 import contextvars
 import logging
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple, Union, cast
 
 import torch
 from torch.autograd import graph
+from torch.autograd.graph import GradientEdge
 from torch.autograd.variable import Variable
 
-__all__ = ["backward"]
+__all__ = ["backward", "grad"]
 
 _engine = Variable._execution_engine
 _functorch_active = torch._C._are_functorch_transforms_active
 _has_torch_function = torch._C._has_torch_function
+_Parameter = torch.nn.Parameter  # its __torch_function__ is torch's disabled one: a plain tensor to the wrapper
 _stash = getattr(torch._C, "_stash_obj_in_tls", None)
 _unstash = getattr(torch._C, "_remove_obj_from_tls", None)
 #: the logger whose DEBUG level makes torch's wrapper hook every node of the graph (``_engine_run_backward``)
@@ -34,35 +41,74 @@ _graph_log = graph.log
 _DEBUG = logging.DEBUG
 #: this torch's wrapper does what is copied here (a torch without the context stash: its own wrapper, always)
 _COPIED = _stash is not None and _unstash is not None and hasattr(graph, "_engine_run_backward")
+#: where a backward starts or what it asks for: a tensor, or one input of a node (``torch.autograd.graph``)
+Root = Union[torch.Tensor, GradientEdge]
 
 
-def _plain(roots: Sequence[torch.Tensor], grads: Optional[Sequence[Optional[torch.Tensor]]]) -> bool:
-    """Whether ``roots`` and ``grads`` take the engine directly: plain tensors, a gradient of each root's shape
-    (none given: scalar real roots), nothing that torch's wrapper would treat otherwise."""
+def _plain(roots: Sequence[Root], grads: Optional[Sequence[Optional[torch.Tensor]]],
+           inputs: Sequence[Root] = ()) -> bool:
+    """Whether ``roots``, ``grads`` and ``inputs`` take the engine directly: plain tensors or gradient edges, a
+    gradient of each root's shape (none given: scalar real tensor roots), nothing that torch's wrapper would treat
+    otherwise."""
     if not _COPIED or _functorch_active() or _graph_log.isEnabledFor(_DEBUG):
         return False
+    tensors = [t for t in inputs if not isinstance(t, GradientEdge)]
+    if any(type(t) is not torch.Tensor and type(t) is not _Parameter for t in tensors):
+        return False
     for t in roots:
-        if type(t) is not torch.Tensor or t.is_nested or t.is_complex():
+        if isinstance(t, GradientEdge):
+            if grads is None:
+                return False
+        elif type(t) is not torch.Tensor or t.is_nested or t.is_complex():
             return False
+        else:
+            tensors.append(t)
     if grads is None:
-        return all(t.numel() == 1 and t.is_floating_point() for t in roots)
+        return all(t.numel() == 1 and t.is_floating_point() for t in roots if isinstance(t, torch.Tensor))
     if len(grads) != len(roots):
         return False
     for t, g in zip(roots, grads):
-        if type(g) is not torch.Tensor or g.is_nested or g.is_complex() or g.shape != t.shape:
+        if type(g) is not torch.Tensor or g.is_nested or g.is_complex():
             return False
-    return not _has_torch_function(tuple(roots) + tuple(grads))
+        if isinstance(t, GradientEdge):
+            meta = t.node._input_metadata[t.output_nr]
+            if meta.is_nested_tensor or meta.dtype.is_complex or list(g.shape) != list(meta.shape):
+                return False
+        elif g.shape != t.shape:
+            return False
+        tensors.append(g)
+    return not _has_torch_function(tuple(tensors))
 
 
-def backward(roots: Sequence[torch.Tensor], grads: Optional[Sequence[Optional[torch.Tensor]]]) -> None:
-    """``torch.autograd.backward(roots, grads)``: accumulate into the leaves' ``.grad`` and free the graph."""
-    if not _plain(roots, grads):
-        torch.autograd.backward(list(roots), list(grads) if grads is not None else None)
-        return
-    made = tuple(torch.ones_like(t, memory_format=torch.preserve_format) for t in roots) if grads is None \
-        else tuple(grads)
+def _run(roots: Sequence[Root], grads: Optional[Sequence[Optional[torch.Tensor]]], inputs: Sequence[Root],
+         keep_graph: bool, accumulate: bool) -> Tuple[torch.Tensor, ...]:
+    """The engine's own call, as torch's ``_engine_run_backward`` makes it (``_plain`` checked by the caller)."""
+    made = tuple(torch.ones_like(cast(torch.Tensor, t), memory_format=torch.preserve_format) for t in roots) \
+        if grads is None else tuple(grads)
     _stash("context", contextvars.copy_context())  # type: ignore[misc]  # as torch's _engine_run_backward
     try:
-        _engine.run_backward(tuple(roots), made, False, False, (), allow_unreachable=True, accumulate_grad=True)
+        return _engine.run_backward(tuple(roots), made, keep_graph, False, tuple(inputs), allow_unreachable=True,
+                                    accumulate_grad=accumulate)
     finally:
         _unstash("context")  # type: ignore[misc]
+
+
+def backward(roots: Sequence[Root], grads: Optional[Sequence[Optional[torch.Tensor]]], inputs: Sequence[Root] = (),
+             keep_graph: bool = False) -> None:
+    """``torch.autograd.backward(roots, grads, retain_graph=keep_graph, inputs=inputs or None)``: accumulate into
+    the leaves' (or only ``inputs``') ``.grad``."""
+    if _plain(roots, grads, inputs):
+        _run(roots, grads, inputs, keep_graph, True)
+    else:
+        torch.autograd.backward(cast(Sequence[torch.Tensor], roots), grads, retain_graph=keep_graph,
+                                inputs=cast(Sequence[torch.Tensor], inputs) if inputs else None)
+
+
+def grad(roots: Sequence[Root], grads: Optional[Sequence[Optional[torch.Tensor]]], inputs: Sequence[Root],
+         keep_graph: bool = False) -> Sequence[Optional[torch.Tensor]]:
+    """``torch.autograd.grad(roots, inputs, grads, retain_graph=keep_graph, allow_unused=True)``: the gradients
+    of ``inputs`` (None where unreachable), nothing accumulated."""
+    if inputs and _plain(roots, grads, inputs):
+        return _run(roots, grads, inputs, keep_graph, False)
+    return torch.autograd.grad(cast(Sequence[torch.Tensor], roots), cast(Sequence[torch.Tensor], inputs), grads,
+                               retain_graph=keep_graph, allow_unused=True)

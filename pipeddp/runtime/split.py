@@ -67,9 +67,13 @@ from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Se
 
 import torch
 
+from . import autograd_call
+
 __all__ = ["WeightGrads", "backward_input", "watch_hooks"]
 
 Node = torch.autograd.graph.Node
+#: the node that accumulates into a leaf's ``.grad`` (its ``variable`` is the leaf)
+_ACCUMULATE = torch._C._functions.AccumulateGrad
 
 _EDGE_BACKWARD: Optional[bool] = None
 
@@ -126,10 +130,6 @@ def watch_hooks() -> None:
 def _carries_hooks(node: Node) -> bool:
     """Whether running ``node`` again would run hooks that I already ran (as far as ``watch_hooks`` can see)."""
     return node.name() in _MODULE_HOOK_NODES or HOOKED in _metadata(node)
-
-
-def _accumulator(t: torch.Tensor) -> Node:
-    return torch.autograd.graph.get_gradient_edge(t).node
 
 
 class Point(NamedTuple):
@@ -285,13 +285,15 @@ class WeightGrads:
                 _once(pieces)
             else:
                 for starts, given, params in pieces:
-                    torch.autograd.backward(starts, given, inputs=params, retain_graph=True)
+                    autograd_call.backward(starts, given, params, keep_graph=True)
         self.points, self.roots, self.whole, self.params, self.reachable = [], [], None, [], {}
 
 
-def _graph(roots: Sequence[torch.Tensor]) -> List[Node]:
-    """Every node of the backward graph from ``roots``, children before parents."""
+def _graph(roots: Sequence[torch.Tensor]) -> Tuple[List[Node], Dict[int, Node]]:
+    """Every node of the backward graph from ``roots``, children before parents, and its leaves' accumulators by
+    the leaf's ``id`` (read off the graph: ``get_gradient_edge`` makes a view of each leaf to find its own)."""
     order: List[Node] = []
+    accumulators: Dict[int, Node] = {}
     seen: Set[Node] = set()
     stack: List[Tuple[Node, bool]] = [(r.grad_fn, False) for r in roots if r.grad_fn is not None]
     while stack:
@@ -303,10 +305,12 @@ def _graph(roots: Sequence[torch.Tensor]) -> List[Node]:
             continue
         seen.add(node)
         stack.append((node, True))
+        if type(node) is _ACCUMULATE:
+            accumulators[id(cast(Any, node).variable)] = node
         for child, _ in node.next_functions:
             if child is not None and child not in seen:
                 stack.append((child, False))
-    return order
+    return order, accumulators
 
 
 def backward_input(pairs: Sequence[Tuple[torch.Tensor, Optional[torch.Tensor]]], inputs: Sequence[torch.Tensor],
@@ -324,9 +328,11 @@ def backward_input(pairs: Sequence[Tuple[torch.Tensor, Optional[torch.Tensor]]],
     w.params = trainable
     if not roots:
         return [None] * len(inputs), w
-    order = _graph(roots)
-    input_side: Set[Node] = {_accumulator(t) for t in wants}
-    param_of = {_accumulator(p): p for p in trainable}
+    order, accumulators = _graph(roots)
+    # a leaf the graph does not reach is on no side; a tensor with a node is reached through that node
+    input_side: Set[Node] = {t.grad_fn if t.grad_fn is not None else accumulators[id(t)] for t in wants
+                             if t.grad_fn is not None or id(t) in accumulators}
+    param_of = {accumulators[id(p)]: p for p in trainable if id(p) in accumulators}
     weight_side: Dict[Node, Set[Node]] = {a: {a} for a in param_of}
     for node in order:  # children first, so each node sees its children's sides
         for child, _ in node.next_functions:
@@ -370,7 +376,7 @@ def backward_input(pairs: Sequence[Tuple[torch.Tensor, Optional[torch.Tensor]]],
             w.reachable[root.grad_fn] = [param_of[a] for a in weight_side[root.grad_fn]]
     try:
         if wants:
-            got = torch.autograd.grad(roots, wants, grads, retain_graph=True, allow_unused=True)
+            got = autograd_call.grad(roots, grads, wants, keep_graph=True)
         else:
             got = ()
     finally:
