@@ -12,7 +12,10 @@ connected, the posting waits until the peer connects, which a peer that has cut 
 rank, never does: up to the group's timeout. Such a pair holds nothing to close and nobody waits on it through
 this rank's connections, so the cut posts each receive on a thread of its own and moves on to the next peer
 when the posting has not returned within ``POSTING`` seconds (the thread is left behind: the next wait that
-expires, or the group's timeout, ends it; a thread left waiting to accept is never called back with an error).
+expires, or the group's timeout, ends it). Where no peer's receive could be posted, a receive from any rank
+(posted on the group's context, no pair's connection awaited) is waited 1 ms for instead, which closes the group
+all the same: a wait of this process's own on a pair never connected (the lazy groups' watcher cuts this rank's
+groups for that, ``lazy``) fails there at once.
 """
 
 from __future__ import annotations
@@ -58,8 +61,8 @@ def cut_group(group: Any, peers: Sequence[int], posting: float = POSTING) -> boo
     group's every connection then (True). A receive from a peer that cut its connections first fails at once, on
     that closed connection alone, and leaves this process's others open (a rank blocked on one of them, in a
     collective that the peers' cuts do not reach, would wait out the timeout): so the next peer is tried; so is
-    the next where the posting waits for a pair never connected (``posting`` seconds). False where no wait
-    expired: every connection was closed already, or never made."""
+    the next where the posting waits for a pair never connected (``posting`` seconds); where none was posted, a
+    receive from any rank (``_expire_any``). False where no wait expired: the group was closed already."""
     for peer in peers:
         posted: Dict[str, Any] = {}
         thread = threading.Thread(target=_post, args=(group, peer, posted), name="pipeddp-cut", daemon=True)
@@ -74,7 +77,19 @@ def cut_group(group: Any, peers: Sequence[int], posting: float = POSTING) -> boo
                 return True
             continue  # that peer's connection was closed already (or closed while waiting): try the next
         return True
-    return False
+    return _expire_any(group)
+
+
+def _expire_any(group: Any) -> bool:
+    """Wait 1 ms for a receive from any rank of ``group``: gloo posts it on the group's context, not on a pair, so
+    its posting never waits for a connection, and the wait expiring closes every pair of the context, those being
+    connected included: a thread of this process waiting to accept a peer's connection fails there at once. True
+    where the wait expired (False: the group is closed already, or destroyed)."""
+    try:
+        group.recv_anysource([torch.empty(1)], CUT_TAG).wait(timedelta(milliseconds=1))
+    except (RuntimeError, ValueError) as exc:
+        return "Timed out" in str(exc)
+    return False  # something was sent with the cut's tag: nothing of pipeddp's
 
 
 def _post(group: Any, peer: int, posted: Dict[str, Any]) -> None:

@@ -4,17 +4,19 @@ A gloo group made eagerly is a full mesh: every member connects to every other w
 the rendezvous store (a ``get`` and a ``wait`` per peer). The job's group alone is N - 1 sockets and 2 (N - 1)
 store operations per rank; a step uses O(log N) of them (the agreements' tree, the pipeline's neighbours, DDP's
 ring). torch makes a gloo group lazily where ``TORCH_GLOO_LAZY_INIT=1`` is set when the group is made
-(docs/scale.md), so with ``PIPEDDP_LAZY_GROUPS=1`` pipeddp sets it around the groups it makes itself
+(docs/scale.md), so pipeddp (``PIPEDDP_LAZY_GROUPS=1``, the default) sets it around the groups it makes itself
 (``made_lazily``: its stage, pipeline, job and gloo-twin groups, and the process group where the engine starts it)
 and restores it exactly after: the user's own groups stay as the user made them.
 
-Off by default, for the failure notices. Their cut (``cut``) no longer blocks on a pair never connected (it leaves
-such a pair behind), but a rank that fails cannot close a connection it never made: a peer whose collective
-connects to it for the first time after it failed waits for that connection until its own timeout (gloo makes
-one side of each pair connect and the other only accept; the accepting side waits), and a collective that meets
-two such pairs waits twice (``tests/test_evaluate_failure.py``'s ``metric`` case: rank 2, in the metrics'
-all-gather, still running 110 s after rank 1 failed, with a 60 s timeout, once the roll call after the groups
-(``rollcall``) lines the ranks' setup up).
+The default, with a watcher for the failure notices. A rank that fails cannot close a connection it never made:
+gloo makes one side of each pair connect and the other only accept, so a peer whose collective meets it for the
+first time after it failed waits, where the peer accepts, for a connection that never comes (up to gloo's connect
+timeout, 25-40 s whatever the group's), and where the peer connects, for data from a process still alive (up to
+its timeout). Nothing that rank does reaches that wait, so the peer ends it itself: each process that makes such
+groups watches the store (``_watch``, a thread blocked in one ``wait`` on its own clone of the store: no poll) for
+``WAKE``, which the rank that posts a failure notice sets (``wake``); the watcher then cuts the groups of each
+engine whose notice is posted (``on_failure``; the engine's own cut, which closes a pair waiting to be accepted
+too), unless the engine is failing already. ``PIPEDDP_LAZY_GROUPS=0`` makes every group a full mesh (no watcher).
 
 The price of a connection made late: it goes through the store, and the store lives in world rank 0's process
 (``pipeddp.spawn``, torchrun's ``env://`` without its agent's store). Were rank 0 to leave first, a rank whose last
@@ -33,17 +35,18 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import time
 from datetime import timedelta
 from multiprocessing import util
 from types import TracebackType
-from typing import Any, Iterator, List, Optional, Type
+from typing import Any, Callable, Dict, Iterator, List, Optional, Type
 
 import torch.distributed as dist
 
-__all__ = ["ENV", "enabled", "made_lazily", "watch", "leave", "failed"]
+__all__ = ["ENV", "enabled", "made_lazily", "watch", "leave", "failed", "on_failure", "wake"]
 
-#: the setting: "1" pipeddp's gloo groups connect on first use, "0" (default) as full meshes when made
+#: the setting: "1" (default) pipeddp's gloo groups connect on first use, "0" as full meshes when made
 ENV = "PIPEDDP_LAZY_GROUPS"
 #: torch's switch, read when each gloo process group is made
 TORCH_ENV = "TORCH_GLOO_LAZY_INIT"
@@ -51,14 +54,18 @@ TORCH_ENV = "TORCH_GLOO_LAZY_INIT"
 JOINED, LEFT = "pipeddp/lazy/joined", "pipeddp/lazy/left"
 #: how often the process that serves the store looks whether every process has left
 POLL_S = 0.02
+#: the store key that wakes every process's watcher: "failed" (a failure notice is posted), "done" (all have left)
+WAKE = "pipeddp/lazy/wake"
+#: how long the watcher's one store wait lasts before it is posted again (a timeout of days may overflow)
+WATCH_FOR = timedelta(hours=1)
 
 
 def enabled() -> bool:
-    """Whether pipeddp makes its gloo groups lazily (``PIPEDDP_LAZY_GROUPS``, default off: see the module)."""
-    value = os.environ.get(ENV, "0").strip()
+    """Whether pipeddp makes its gloo groups lazily (``PIPEDDP_LAZY_GROUPS``, default on: see the module)."""
+    value = os.environ.get(ENV, "1").strip()
     if value not in ("0", "1"):
         raise ValueError(f"{ENV}={value!r}: set it to 1 (pipeddp's gloo groups connect each pair of ranks on first "
-                         "use) or 0 (every group a full mesh of connections when it is made, the default)")
+                         "use, the default) or 0 (every group a full mesh of connections when it is made)")
     return value == "1"
 
 
@@ -71,12 +78,16 @@ class _Stay:
         self.serves = dist.get_rank() == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
         self.world = dist.group.WORLD  # a process group made after this one is destroyed counts anew
         self.notices: List[str] = []
+        self.acts: Dict[str, Callable[[], None]] = {}  # a notice's key: what the watcher does once it is posted
         store.add(JOINED, 1)
+        with contextlib.suppress(Exception):  # a store that cannot be cloned (a user's own class): no watcher
+            threading.Thread(target=_watch, args=(self, store.clone()), name="pipeddp-lazy-watch", daemon=True).start()
 
     def leave(self, wait: bool = True) -> None:
         """Count this process out; where it serves the store, wait until every process counted in is out."""
         with contextlib.suppress(Exception):  # a store that is gone has nobody left to serve
-            self.store.add(LEFT, 1)
+            if self.store.add(LEFT, 1) >= self.store.add(JOINED, 0):
+                self.store.set(WAKE, "done")  # the last one out: every watcher ends
             if not (wait and self.serves) or _failed[0]:
                 return
             deadline = time.monotonic() + self.timeout.total_seconds()
@@ -136,6 +147,38 @@ def watch(key: str) -> None:
     """A failure notice's store key (``Notices.key``): once posted, the exit does not wait for the others."""
     if _stay[0] is not None:
         _stay[0].notices.append(key)
+
+
+def _watch(stay: _Stay, client: Any) -> None:
+    """The watcher (see the module docstring): wait on ``client`` (a clone of the store: a wait on the store itself
+    would hold every other operation of this process on it) until ``WAKE`` is set; where a failure set it, do what
+    each engine whose notice is posted registered (``on_failure``: cut its groups). Ends with the process group."""
+    while _stay[0] is stay:
+        try:
+            client.wait([WAKE], WATCH_FOR)
+        except Exception as exc:  # noqa: BLE001 - the wait's own timeout: again; anything else: the store is gone
+            if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
+                continue
+            return
+        with contextlib.suppress(Exception):
+            if client.get(WAKE) == b"failed":
+                for key, act in list(stay.acts.items()):
+                    if client.check([key]):
+                        act()
+        return
+
+
+def on_failure(key: str, act: Callable[[], None]) -> None:
+    """Once the failure notice ``key`` is posted (``wake``), this process's watcher calls ``act`` (with lazy groups)."""
+    if _stay[0] is not None:
+        _stay[0].acts[key] = act
+
+
+def wake() -> None:
+    """A failure notice is posted: every process's watcher looks which (``on_failure``); one store operation."""
+    if _stay[0] is not None:
+        with contextlib.suppress(Exception):
+            _stay[0].store.set(WAKE, "failed")
 
 
 def leave(wait: bool = True) -> None:

@@ -45,6 +45,7 @@ from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
+from . import lazy
 from .agreement import CollectiveError
 from .cut import cut
 from .p2p import PeerError
@@ -154,6 +155,7 @@ class _Settling:
                 fallback = dict(own, where=self.notices.where(), names=None)  # a named rank alive: no culprit
                 fallback.pop("by", None)
                 self.store.compare_set(self.notices.key, "", json.dumps(ready[0] if ready else fallback))
+                lazy.wake()
                 continue
             time.sleep(POLL)
 
@@ -176,6 +178,15 @@ class Notices:
         self.key = f"pipeddp/failed/{'-'.join(map(str, ranks))}/{n}"
         self._store: Any = None
         self._raised: Optional[BaseException] = None  # what a guard raised last: an enclosing guard lets it pass
+        self._failing = False  # a guard of this engine reached its failure: it cuts the groups itself
+        lazy.on_failure(self.key, self._cut_if_waiting)  # with lazy groups, a notice posted cuts them here too
+
+    def _cut_if_waiting(self) -> None:
+        """On the lazy groups' watcher (``lazy``), a notice posted: cut this rank's groups, unless a guard of this
+        engine is failing (it cuts them itself), so that a wait of this rank that no peer's cut reaches (a pair
+        never connected: see ``lazy``) fails now, and the guard around it raises with the notice."""
+        if not self._failing:
+            cut(self.groups, self.topology.rank)
 
     @property
     def store(self) -> Any:
@@ -213,6 +224,7 @@ class Notices:
         """Tell every rank that ``exc`` ended this rank's ``call``, unless a rank did first."""
         with contextlib.suppress(Exception):  # a store that is gone leaves each rank its own error
             self.store.compare_set(self.key, "", json.dumps(self.notice(exc, call)))
+        lazy.wake()
 
     def posted(self) -> Optional[Dict[str, Any]]:
         """The notice posted, if any."""
@@ -270,6 +282,7 @@ class Notices:
         except BaseException as exc:
             if self.topology.world_size == 1 or exc is self._raised:
                 raise
+            self._failing = True
             if _lost(exc):
                 notice = self.settle(exc, call)
             else:  # this rank's own error: told at once, before the cut that the others learn of it by
