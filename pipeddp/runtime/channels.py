@@ -126,7 +126,12 @@ class Inbox:
         self._queue.put((None, _ABORT))
 
     def reset(self) -> None:
-        """Forget leftovers and errors of a previous step (a failed step leaves both behind)."""
+        """Forget leftovers and errors of a previous step (a failed step leaves both behind).
+
+        Called between steps, when no device takes or sends: after a step that took every message (the rule)
+        there is nothing to forget, which three reads tell without taking the lock."""
+        if not self._stash and self._error is None and self._queue.empty():
+            return
         with self._lock:
             self._stash.clear()
         while not self._queue.empty():  # no one sends between steps: what is there is all there is (no raise per step)

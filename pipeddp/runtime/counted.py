@@ -101,9 +101,15 @@ class Baseline:
     counts finds out whether it needed a copy (``scale`` refuses).
     """
 
-    def __init__(self, params: Iterable[nn.Parameter], counting: Optional[bool]) -> None:
-        self.params: List[nn.Parameter] = list({id(p): p for p in params}.values())  # each once
-        self.had_grads = any(p.grad is not None for p in self.params)
+    def __init__(self, params: Iterable[nn.Parameter], counting: Optional[bool], *, unique: bool = False) -> None:
+        #: each once (``unique``: the caller's list already is, as ``parameters_of``'s: not walked again)
+        self.params: List[nn.Parameter] = params if unique and type(params) is list else \
+            list({id(p): p for p in params}.values())
+        self.had_grads = False
+        for p in self.params:
+            if p.grad is not None:
+                self.had_grads = True
+                break
         self.kept: Optional[Dict[int, torch.Tensor]] = None
         if self.had_grads and counting is not False:
             grads = [p.grad.detach() for p in self.params if p.grad is not None]

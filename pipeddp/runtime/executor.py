@@ -332,18 +332,14 @@ class ThreadRunner:
         if grad_event is not None and last.first.streams.cuda:
             last.first.streams.compute.wait_event(grad_event)
         stop = self._stop
-        stop.clear()
+        if stop.is_set():  # only a failed step set it (clearing takes the event's lock: not every step)
+            stop.clear()
         fns = [functools.partial(run_actions, d, rows[k], spec, links=self._links[k],
                                  inputs=inputs if self._takes_inputs[k] else None,
                                  output_grads=output_grads if d is last else None,
                                  trace=trace, rank=self.rank, stop=stop)
                for k, d in enumerate(self.devices)]
-
-        def abort(exc: BaseException) -> None:
-            stop.set()
-            for inbox in self._inboxes.values():
-                inbox.abort(exc)
-
+        abort = self._abort
         try:
             caller = self._callers_threads()
             if caller and len(fns) == 1:
@@ -358,6 +354,12 @@ class ThreadRunner:
         finally:
             for streams in self._cuda_streams:
                 streams.leave()
+
+    def _abort(self, exc: BaseException) -> None:
+        """A device failed: the others stop before their next action, and those waiting on a message wake."""
+        self._stop.set()
+        for inbox in self._inboxes.values():
+            inbox.abort(exc)
 
     def _callers_threads(self) -> bool:
         """Whether the first device runs on the caller's thread: it wants the caller's intra-op threads.

@@ -50,6 +50,8 @@ def batch_size(batch: Any, *, name: str = "input") -> int:
     ``(x, mask)`` where ``mask`` was built for another batch), when there is no
     tensor at all, or when a leaf is a 0-dim tensor that cannot be split.
     """
+    if type(batch) is torch.Tensor and batch.dim() > 0 and batch.shape[0] > 0:  # the rule: one tensor, no walk
+        return batch.shape[0]
     leaves = tree_tensors(batch)
     if not leaves:
         raise ValueError(f"{name} holds no tensor: pass a tensor, or a tuple/list/dict of tensors")

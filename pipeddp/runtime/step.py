@@ -121,6 +121,14 @@ class Step:
         #: (what ``refine`` times the candidate orders by, nothing the caller runs between steps included)
         self.started = 0.0
         self._plans: Dict[Tuple[str, int], Tuple[List[Tuple[Action, ...]], Schedule]] = {}
+        #: a training call's micro-batch sizes, loss weights and recompute policy, built once (``_layout``)
+        self._layouts: Dict[Tuple[Any, ...], Layout] = {}
+        #: the stages that take the inputs and see the targets, and which result is the last stage's: the stages
+        #: are fixed when the step is built, so these are read once
+        self._first: Optional[Stage] = self.stages[0] if self.stages[0].index == 0 else None
+        self._last: Optional[Stage] = self.stages[-1] if self.stages[-1].last else None
+        self._last_result = self.local_rows.index(row_of(n_stages - 1, self.rows, placement)) \
+            if self._last is not None else -1
         #: whether the last training step's loss_fn returned (total, count) (None: no step yet), and that step's
         #: count and the gradients it started from (see ``counted``)
         self.counting: Optional[bool] = None
@@ -132,16 +140,16 @@ class Step:
     @property
     def first(self) -> Optional[Stage]:
         """Stage 0 when this process runs it (it takes the inputs), else None."""
-        return self.stages[0] if self.stages[0].index == 0 else None
+        return self._first
 
     @property
     def last(self) -> Optional[Stage]:
         """The last stage when this process runs it (it sees outputs and targets), else None."""
-        return self.stages[-1] if self.stages[-1].last else None
+        return self._last
 
     def _of_last(self, results: Sequence[StageResults]) -> StageResults:
         """What the device of the last stage returned (the runner returns one result per local row, in order)."""
-        return results[self.local_rows.index(row_of(self.n_stages - 1, self.rows, self.placement))]
+        return results[self._last_result]
 
     def sizes(self, n: int) -> List[int]:
         """Micro-batch sizes for a batch of ``n`` (uneven where ``n`` does not divide)."""
@@ -198,21 +206,21 @@ class Step:
         accumulation (calls with first and final both set) is exact too: each
         fold sums only what its own calls added.
         """
-        sizes = self.sizes(n)
+        sizes, weights, recompute = _layout(self._layouts, n, share, self.chunks, self.split_size,
+                                            self.checkpoint)
         m = len(sizes)
-        seed, drawing, calls = self._seed(loss_fn if self.last is not None else None)
-        spec = StepSpec(grad=True, recompute=recompute_policy(self.checkpoint, m), seed=seed, drawing=drawing,
-                        calls=calls,
-                        loss_fn=loss_fn if self.last is not None else None,
-                        targets=self._split_to(self.last, y, sizes), weights=[k / n * share for k in sizes],
-                        sync=self.sync and final, autocast=Autocast.capture(), loss_scale=loss_scale)
+        last = self._last
+        seed, drawing, calls = self._seed(loss_fn if last is not None else None)
+        spec = StepSpec(grad=True, recompute=recompute, seed=seed, drawing=drawing, calls=calls,
+                        loss_fn=loss_fn if last is not None else None, targets=self._split_to(last, y, sizes),
+                        weights=weights, sync=self.sync and final, autocast=Autocast.capture(), loss_scale=loss_scale)
         if first:
             self.started = time.perf_counter()
             if self._tied:
                 self.ties.begin()
         _call(self.before_forward)
         rows, plan = self._plan("train", m)
-        results = self.runner.run(rows, spec, plan=plan, inputs=self._split_to(self.first, x, sizes),
+        results = self.runner.run(rows, spec, plan=plan, inputs=self._split_to(self._first, x, sizes),
                                   trace=self.stats.timeline(self.trace))
         _call(self.after_forward)
         if final:
@@ -220,7 +228,7 @@ class Step:
         if spec.counted:
             part = summed(spec.counts.values())  # on the loss's device where it counted there: no sync
             self.count = part if self.count is None else self.count + part
-        if self.last is None:
+        if last is None:
             return None
         losses = self._of_last(results).losses
         return torch.stack([losses[i] for i in range(m)]).sum()
@@ -234,7 +242,7 @@ class Step:
         losses are summed, so the result is the whole batch's mean loss, as
         one pass of ``n`` would give (where this process runs the last stage).
         """
-        self.baseline = Baseline(parameters_of(st.module for st in self.stages), self.counting)
+        self.baseline = Baseline(parameters_of([st.module for st in self.stages]), self.counting, unique=True)
         self.count = None
         self.stats.begin(n)
         if passes == 1:
@@ -308,6 +316,24 @@ class Step:
             return [res[0].input_grads[i] for i in range(m)]
 
         return _bridge.attach(run_backward, sizes, outputs, x)
+
+
+Layout = Tuple[List[int], List[float], Callable[[int], bool]]
+
+
+def _layout(layouts: Dict[Tuple[Any, ...], Layout], n: int, share: float, chunks: Optional[int],
+            split_size: Optional[int], checkpoint: str) -> Layout:
+    """A training call's micro-batch sizes for a batch of ``n``, each one's loss weight (its share of the batch,
+    times the call's ``share`` of the step) and which of them recompute: the same every step of the same batch
+    size, so built once into ``layouts`` (keyed by the settings too: whoever changes them gets the new layout)."""
+    key = (n, share, chunks, split_size, checkpoint)
+    got = layouts.get(key)
+    if got is None:
+        sizes = split_sizes(n, chunks, split_size)
+        if len(layouts) >= 64:  # batch sizes no longer seen: forgotten
+            layouts.clear()
+        got = layouts[key] = (sizes, [k / n * share for k in sizes], recompute_policy(checkpoint, len(sizes)))
+    return got
 
 
 def _call(hooks: List[Callable[[], None]]) -> None:
