@@ -185,7 +185,7 @@ def _step_over(ties: List[Tie], topo: Topology, settings: Settings, local: List[
     step.sync = topo.replicas > 1
     exchange = TieExchange(ties, step.ties, topo, backend=backend, timeout=settings.timeout_delta,
                            comm_device=agreement.comm_device, placement=settings.placement)
-    step.before_forward.append(exchange.refresh)
+    step.before_forward += [exchange.refresh] if exchange.items else []  # no tie with another process: none due
     step.ties.across = exchange  # the gains of ties' uses in other processes join the step's fold
     step.trace = Trace(topo.rank) if trace else None
     if tp is not None and topo.replicas > 1:
