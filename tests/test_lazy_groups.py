@@ -5,6 +5,7 @@ the plain model, and two ranks whose first connection comes after world rank 0 (
 still make it: rank 0's exit waits for them."""
 
 import os
+import threading
 import time
 from datetime import timedelta
 
@@ -137,3 +138,45 @@ def test_the_cut_skips_a_lazy_pair_never_connected_and_still_closes_a_connected_
     assert cutter["idle_s"] < groups * 0.25 + 3.0, cutter  # at most POSTING per group that accepts, not 40 s
     assert all(cutter["closed"]), cutter  # the groups where rank 1 only accepts too: closed by a receive from any
     assert cutter["used_closed"] and waiter["woken_s"] < 3.0, (cutter, waiter)
+
+
+def watch_job(alive_s: float):
+    """Rank 1 waits in an all-gather on a lazy group never connected, inside a guard; rank 0 posts the notice of its
+    own failure a second later and then stays alive without cutting anything (nothing it does reaches rank 1's
+    wait, whichever side of the pair connects), for ``alive_s`` seconds (rank 0 serves the store: rank 1 would
+    wait on its exit to tell the others otherwise)."""
+    from pipeddp.distributed import lazy
+    from pipeddp.distributed.notice import Notices
+    from pipeddp.distributed.topology import Topology
+
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    with lazy.made_lazily(timedelta(seconds=60)):
+        group = dist.new_group([0, 1], timeout=timedelta(seconds=60))
+    notices = Notices(Topology(rank, 2, rank, 2, 2, "stage"), [group])
+    out = {"watching": any(t.name == "pipeddp-lazy-watch" for t in threading.enumerate())}
+    if rank == 0:
+        time.sleep(1.0)  # rank 1 waits by now
+        notices.post(ValueError("the batch holds a NaN"), "evaluate")
+        time.sleep(alive_s)
+        return out
+    start = time.monotonic()
+    try:
+        with notices.guard("evaluate"):
+            dist.all_gather([torch.zeros(1), torch.zeros(1)], torch.ones(1), group=group)
+    except Exception as exc:  # noqa: BLE001 - what rank 1 raised, and when
+        out.update(type=type(exc).__name__, error=str(exc), after_s=time.monotonic() - start)
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_a_wait_on_a_pair_never_connected_ends_when_a_failure_is_posted():
+    """Before, rank 1 waited until rank 0 exited (where it connects: rank 0's listener took the connection) or gloo's
+    connect timeout (25-40 s, where it accepts); now its watcher cuts its groups when the notice is posted."""
+    alive_s = 6.0
+    failed, waiter = pipeddp.spawn(watch_job, 2, args=(alive_s,), timeout=80)
+    assert waiter.get("after_s", 99) < 1.0 + 3.0, waiter  # the notice after 1 s; rank 0 alive for 6 s more
+    assert waiter["watching"] and failed["watching"], (waiter, failed)
+    assert waiter["type"] == "PeerFailed", waiter
+    assert waiter["error"].startswith("rank 1 (stage 1) stopped its evaluate: rank 0 (stage 0) failed in its "
+                                      "evaluate with ValueError: the batch holds a NaN"), waiter

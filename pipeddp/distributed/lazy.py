@@ -14,7 +14,7 @@ first time after it failed waits, where the peer accepts, for a connection that 
 timeout, 25-40 s whatever the group's), and where the peer connects, for data from a process still alive (up to
 its timeout). Nothing that rank does reaches that wait, so the peer ends it itself: each process that makes such
 groups watches the store (``_watch``, a thread blocked in one ``wait`` on its own clone of the store: no poll) for
-``WAKE``, which the rank that posts a failure notice sets (``wake``); the watcher then cuts the groups of each
+its ``WAKE`` key, which the rank that posts a failure notice sets (``wake``); the watcher then cuts the groups of each
 engine whose notice is posted (``on_failure``; the engine's own cut, which closes a pair waiting to be accepted
 too), unless the engine is failing already. ``PIPEDDP_LAZY_GROUPS=0`` makes every group a full mesh (no watcher).
 
@@ -37,6 +37,7 @@ import os
 import sys
 import threading
 import time
+import uuid
 from datetime import timedelta
 from multiprocessing import util
 from types import TracebackType
@@ -54,8 +55,9 @@ TORCH_ENV = "TORCH_GLOO_LAZY_INIT"
 JOINED, LEFT = "pipeddp/lazy/joined", "pipeddp/lazy/left"
 #: how often the process that serves the store looks whether every process has left
 POLL_S = 0.02
-#: the store key that wakes every process's watcher: "failed" (a failure notice is posted), "done" (all have left)
-WAKE = "pipeddp/lazy/wake"
+#: the store key that wakes every process's watcher: "failed" (a failure notice is posted), "done" (all have left);
+#: on the store under the process group's prefixes, named once per process group (``WAKE_ID``: its first writer)
+WAKE, WAKE_ID = "pipeddp/lazy/wake", "pipeddp/lazy/wake-id"
 #: how long the watcher's one store wait lasts before it is posted again (a timeout of days may overflow)
 WATCH_FOR = timedelta(hours=1)
 
@@ -79,15 +81,22 @@ class _Stay:
         self.world = dist.group.WORLD  # a process group made after this one is destroyed counts anew
         self.notices: List[str] = []
         self.acts: Dict[str, Callable[[], None]] = {}  # a notice's key: what the watcher does once it is posted
+        self.open = True  # till this process leaves
         store.add(JOINED, 1)
+        self.base = store
+        while isinstance(self.base, dist.PrefixStore):  # a clone of a PrefixStore over a store of Python's is broken
+            self.base = self.base.underlying_store
+        self.wake = f"{WAKE}/{store.compare_set(WAKE_ID, '', uuid.uuid4().hex).decode()}"
         with contextlib.suppress(Exception):  # a store that cannot be cloned (a user's own class): no watcher
-            threading.Thread(target=_watch, args=(self, store.clone()), name="pipeddp-lazy-watch", daemon=True).start()
+            client = self.base.clone()
+            threading.Thread(target=_watch, args=(self, client), name="pipeddp-lazy-watch", daemon=True).start()
 
     def leave(self, wait: bool = True) -> None:
         """Count this process out; where it serves the store, wait until every process counted in is out."""
+        self.open = False
         with contextlib.suppress(Exception):  # a store that is gone has nobody left to serve
             if self.store.add(LEFT, 1) >= self.store.add(JOINED, 0):
-                self.store.set(WAKE, "done")  # the last one out: every watcher ends
+                self.base.set(self.wake, "done")  # the last one out: every watcher ends
             if not (wait and self.serves) or _failed[0]:
                 return
             deadline = time.monotonic() + self.timeout.total_seconds()
@@ -153,17 +162,17 @@ def _watch(stay: _Stay, client: Any) -> None:
     """The watcher (see the module docstring): wait on ``client`` (a clone of the store: a wait on the store itself
     would hold every other operation of this process on it) until ``WAKE`` is set; where a failure set it, do what
     each engine whose notice is posted registered (``on_failure``: cut its groups). Ends with the process group."""
-    while _stay[0] is stay:
+    while stay.open:
         try:
-            client.wait([WAKE], WATCH_FOR)
+            client.wait([stay.wake], WATCH_FOR)
         except Exception as exc:  # noqa: BLE001 - the wait's own timeout: again; anything else: the store is gone
             if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
                 continue
             return
         with contextlib.suppress(Exception):
-            if client.get(WAKE) == b"failed":
+            if client.get(stay.wake) == b"failed":
                 for key, act in list(stay.acts.items()):
-                    if client.check([key]):
+                    if stay.store.check([key]):  # not blocking: the process's own client
                         act()
         return
 
@@ -178,7 +187,7 @@ def wake() -> None:
     """A failure notice is posted: every process's watcher looks which (``on_failure``); one store operation."""
     if _stay[0] is not None:
         with contextlib.suppress(Exception):
-            _stay[0].store.set(WAKE, "failed")
+            _stay[0].base.set(_stay[0].wake, "failed")
 
 
 def leave(wait: bool = True) -> None:

@@ -179,6 +179,7 @@ class Notices:
         self._store: Any = None
         self._raised: Optional[BaseException] = None  # what a guard raised last: an enclosing guard lets it pass
         self._failing = False  # a guard of this engine reached its failure: it cuts the groups itself
+        self._outer: Optional[str] = None  # the call of the outermost guard this rank is in
         lazy.on_failure(self.key, self._cut_if_waiting)  # with lazy groups, a notice posted cuts them here too
 
     def _cut_if_waiting(self) -> None:
@@ -276,7 +277,11 @@ class Notices:
     @contextlib.contextmanager
     def guard(self, call: str) -> Iterator[None]:
         """Run a part of ``call`` where the ranks are not in step: a failure here reaches every rank at once. Guards
-        may nest (an evaluation's forwards): a failure is told, and its connections cut, once, by the innermost."""
+        may nest (an evaluation's forwards): a failure is told, and its connections cut, once, by the innermost; a
+        peer's failure is raised as this rank's outermost call's (what the caller called, wherever it was in it)."""
+        outer = self._outer is None
+        if outer:
+            self._outer = call
         try:
             yield
         except BaseException as exc:
@@ -299,13 +304,16 @@ class Notices:
             if notice is None:
                 self._raised = exc
                 raise
-            failed = PeerFailed(f"{self.where()} stopped its {call}: " + _headline(notice))
+            failed = PeerFailed(f"{self.where()} stopped its {self._outer or call}: " + _headline(notice))
             own = _own_wait(exc)  # the peer this rank itself waited for, where its wait timed out on it
             for note in [f"on {notice.get('by', notice['where'])}: {n}" for n in notice["notes"]] + getattr(
                     exc, "__notes__", []) + ([f"pipeddp: this rank's own wait: {own}"] if own else []):
                 _note(failed, note)
             self._raised = failed
             raise failed from None
+        finally:
+            if outer:
+                self._outer = None
 
     def read_any(self) -> Optional[Dict[str, Any]]:
         """The notice posted, this rank's own included (None where none is, or no store)."""
