@@ -4,8 +4,8 @@ Counted, not timed (counts do not depend on the host's load): N processes on thi
 one intra-op thread each), a tiny MLP, three configurations per N: ``stage`` (2 stages x N/2 replicas, one stage per
 process), ``replica`` (every process holds both stages, N replicas) and plain DDP of the whole model over N. The
 engine starts the process group itself (``env://``, as a script that leaves it to the engine), so its groups are
-made as the engine makes them: connected on first use by default (``distributed.lazy``), full meshes with
-``--eager-groups`` (``PIPEDDP_LAZY_GROUPS=0``); the DDP script starts its own (a full mesh; ``--lazy`` sets
+made as the engine makes them: full meshes by default, connected on first use with ``--lazy-groups``
+(``PIPEDDP_LAZY_GROUPS=1``, ``distributed.lazy``); the DDP script starts its own (a full mesh; ``--lazy`` sets
 ``TORCH_GLOO_LAZY_INIT=1`` in every process, for every group). Per process:
 
     sockets     /proc/self/fd entries that are sockets after the engine is built, less those held once the
@@ -324,15 +324,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"some of {CONFIGS}")
     p.add_argument("--steps", type=int, default=2, help="counted steps after one warm-up step")
     p.add_argument("--lazy", action="store_true", help="TORCH_GLOO_LAZY_INIT=1 in every process (ddp's group too)")
-    p.add_argument("--eager-groups", action="store_true",
-                   help="PIPEDDP_LAZY_GROUPS=0: the engine's groups full meshes (default: connected on first use)")
+    p.add_argument("--lazy-groups", action="store_true", help="PIPEDDP_LAZY_GROUPS=1: the engine's groups lazily")
     p.add_argument("--simulate", default="4096,16384", help="N of the simulated job (P = 8 stages); '' for none")
     args = p.parse_args(argv)
     ns = [4, 8] if args.quick else [int(n) for n in args.ns.split(",")]
     steps = 1 if args.quick else args.steps
     run = Run("scale", args, "counts per process (not timed); one spawned gloo job per (configuration, N)")
     env = {**({"TORCH_GLOO_LAZY_INIT": "1"} if args.lazy else {}),
-           **({"PIPEDDP_LAZY_GROUPS": "0"} if args.eager_groups else {})}
+           **({"PIPEDDP_LAZY_GROUPS": "1"} if args.lazy_groups else {})}
     results: Dict[str, Dict[int, Dict[str, Any]]] = {}
     for config in args.configs.split(","):
         for n in ns:
@@ -348,7 +347,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             table.append([f"{config}: {key} (max)", *(by_n[n][key]["max"] for n in ns)])
             over = star if key in STAR_SHAPED and len(star) >= 2 else ns
             fits[f"{config}/{key}"] = {**fit(over, [by_n[n][key]["max"] for n in over]), "ns": over}
-    how = "".join(f" ({v})" for k, v in (("lazy", "TORCH_GLOO_LAZY_INIT=1"), ("eager_groups", "PIPEDDP_LAZY_GROUPS=0"))
+    how = "".join(f" ({v})" for k, v in (("lazy", "TORCH_GLOO_LAZY_INIT=1"), ("lazy_groups", "PIPEDDP_LAZY_GROUPS=1"))
                   if getattr(args, k))
     run.table(f"per process, counted{how}", ["count", *map(str, ns)], table)
     run.table("fits and projections", ["count", "fit", "over N", "1,024", "4,096", "16,384"],
@@ -361,7 +360,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    "step peers"],
                   [[n, s["rounds"], s["messages_max"], f"{2 * s['log2_n']:.0f}", s["gloo_job"],
                     s["nccl_job_gloo_twins"], s["step_peers"]] for n, s in sim.items()])
-    run.finish({"lazy": args.lazy, "eager_groups": args.eager_groups, "ns": ns}, counted=results, fits=fits,
+    run.finish({"lazy": args.lazy, "lazy_groups": args.lazy_groups, "ns": ns}, counted=results, fits=fits,
                simulated=sim)
     return 0
 

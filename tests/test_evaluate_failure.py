@@ -55,11 +55,14 @@ def failing_evaluate_job(how):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("how", ["forward", "metric"])
-def test_a_rank_failing_inside_an_evaluation_stops_every_rank_at_once_naming_it(how):
+@pytest.mark.parametrize("how,lazy", [("forward", False), ("metric", False), ("metric", True)])
+def test_a_rank_failing_inside_an_evaluation_stops_every_rank_at_once_naming_it(how, lazy):
     """``metric``: the ranks that fail by a peer's cut cut their own connections in turn, though the peer that
-    cut first already closed one of them, so that rank 3, blocked in the metrics' gather on rank 0, learns too."""
-    results = pipeddp.spawn(failing_evaluate_job, 4, args=(how,), timeout=110)
+    cut first already closed one of them, so that rank 3, blocked in the metrics' gather on rank 0, learns too.
+    With ``lazy`` (``PIPEDDP_LAZY_GROUPS=1``) the gather's pairs may never have been connected: before the lazy
+    groups' watcher (and the cut's receive from any rank), rank 2 was still in it 110 s after rank 1 failed."""
+    results = pipeddp.spawn(failing_evaluate_job, 4, args=(how,), timeout=110,
+                            env={"PIPEDDP_LAZY_GROUPS": "1"} if lazy else None)
     failed, call, said = (3, "forward", "ValueError: NanGuard: the input holds a NaN") if how == "forward" else \
         (1, "evaluate", "KeyError: 'metric_fn: no such class'")
     own = results[failed]

@@ -174,7 +174,7 @@ def test_a_wait_on_a_pair_never_connected_ends_when_a_failure_is_posted():
     """Before, rank 1 waited until rank 0 exited (where it connects: rank 0's listener took the connection) or gloo's
     connect timeout (25-40 s, where it accepts); now its watcher cuts its groups when the notice is posted."""
     alive_s = 6.0
-    failed, waiter = pipeddp.spawn(watch_job, 2, args=(alive_s,), timeout=80)
+    failed, waiter = pipeddp.spawn(watch_job, 2, args=(alive_s,), timeout=80, env={"PIPEDDP_LAZY_GROUPS": "1"})
     assert waiter.get("after_s", 99) < 1.0 + 3.0, waiter  # the notice after 1 s; rank 0 alive for 6 s more
     assert waiter["watching"] and failed["watching"], (waiter, failed)
     assert waiter["type"] == "PeerFailed", waiter

@@ -6,7 +6,7 @@
     replica        ``Replica``: this process's wired parts; a step, a forward, an evaluation the ranks agree on
     topology       the replicas x stages grid and this process's place in it (pure data)
     groups         devices and backend for this process, the process group, stage / pipeline groups
-    lazy           those gloo groups connect on first use (unless PIPEDDP_LAZY_GROUPS=0); the store kept until all leave
+    lazy           with PIPEDDP_LAZY_GROUPS=1 those gloo groups connect on first use; the store kept until all leave
     p2p            ``P2PChannel``: activations and gradients between stage processes (send/recv)
     stage_runner   ``ProcessRunner``: the process that owns one stage runs its action list
     ddp            DDP per stage, armed for the stage's last backward of the step

@@ -124,8 +124,8 @@ def init_process_group(backend: str, timeout: timedelta) -> None:
     connect to them and fail (pytorch/pytorch#135712). Under torchrun the group's
     keys are therefore put under a prefix of the restart attempt.
 
-    Made here, the group is pipeddp's: a gloo group connects each pair of ranks on first use (``lazy``; but with
-    ``PIPEDDP_LAZY_GROUPS=0``).
+    Made here, the group is pipeddp's: with ``PIPEDDP_LAZY_GROUPS=1`` a gloo group connects each pair of ranks on
+    first use (``lazy``).
     """
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     with made_lazily(timeout):
@@ -159,8 +159,8 @@ def subgroup(topo: Topology, ranks: Optional[Sequence[int]], backend: Optional[s
 
     torch wants every rank of the world in ``new_group``; a job placed on a mesh may share its world with ranks
     of another parallelism that never call it, so there the members create it alone
-    (``use_local_synchronization``) and any other rank gets None. A gloo group connects each pair of its ranks
-    when they first exchange something (``lazy``; but with ``PIPEDDP_LAZY_GROUPS=0``), not all of them now.
+    (``use_local_synchronization``) and any other rank gets None. With ``PIPEDDP_LAZY_GROUPS=1`` a gloo group
+    connects each pair of its ranks when they first exchange something (``lazy``), not all of them now.
     """
     if topo.table is None:
         with made_lazily(timeout):

@@ -4,11 +4,11 @@ A gloo group made eagerly is a full mesh: every member connects to every other w
 the rendezvous store (a ``get`` and a ``wait`` per peer). The job's group alone is N - 1 sockets and 2 (N - 1)
 store operations per rank; a step uses O(log N) of them (the agreements' tree, the pipeline's neighbours, DDP's
 ring). torch makes a gloo group lazily where ``TORCH_GLOO_LAZY_INIT=1`` is set when the group is made
-(docs/scale.md), so pipeddp (``PIPEDDP_LAZY_GROUPS=1``, the default) sets it around the groups it makes itself
+(docs/scale.md), so with ``PIPEDDP_LAZY_GROUPS=1`` pipeddp sets it around the groups it makes itself
 (``made_lazily``: its stage, pipeline, job and gloo-twin groups, and the process group where the engine starts it)
 and restores it exactly after: the user's own groups stay as the user made them.
 
-The default, with a watcher for the failure notices. A rank that fails cannot close a connection it never made:
+With a watcher for the failure notices. A rank that fails cannot close a connection it never made:
 gloo makes one side of each pair connect and the other only accept, so a peer whose collective meets it for the
 first time after it failed waits, where the peer accepts, for a connection that never comes (up to gloo's connect
 timeout, 25-40 s whatever the group's), and where the peer connects, for data from a process still alive (up to
@@ -16,7 +16,15 @@ its timeout). Nothing that rank does reaches that wait, so the peer ends it itse
 groups watches the store (``_watch``, a thread blocked in one ``wait`` on its own clone of the store: no poll) for
 its ``WAKE`` key, which the rank that posts a failure notice sets (``wake``); the watcher then cuts the groups of each
 engine whose notice is posted (``on_failure``; the engine's own cut, which closes a pair waiting to be accepted
-too), unless the engine is failing already. ``PIPEDDP_LAZY_GROUPS=0`` makes every group a full mesh (no watcher).
+too), unless the engine is failing already.
+
+Off by default all the same: a pair whose connection completes after its group was closed (a cut's receive, or
+a stuck wait, left waiting to accept, and the peer connecting after; or a connection of this rank's in flight when
+the group closed) is registered with gloo's event loop as connected although it failed, and gloo ends the
+process (``std::terminate``, "enforce fail ... pair.cc:688 ex_ == nullptr") at that pair's next event, the peer's
+exit included. Nothing outside gloo tells which pairs are connected, so no cut can avoid it (docs/scale.md: the
+world rank 0 of a 16-process job so ended in one of four lost-rank cases, taking the store, and two survivors'
+notices, with it).
 
 The price of a connection made late: it goes through the store, and the store lives in world rank 0's process
 (``pipeddp.spawn``, torchrun's ``env://`` without its agent's store). Were rank 0 to leave first, a rank whose last
@@ -47,7 +55,7 @@ import torch.distributed as dist
 
 __all__ = ["ENV", "enabled", "made_lazily", "watch", "leave", "failed", "on_failure", "wake"]
 
-#: the setting: "1" (default) pipeddp's gloo groups connect on first use, "0" as full meshes when made
+#: the setting: "1" pipeddp's gloo groups connect on first use, "0" (default) as full meshes when made
 ENV = "PIPEDDP_LAZY_GROUPS"
 #: torch's switch, read when each gloo process group is made
 TORCH_ENV = "TORCH_GLOO_LAZY_INIT"
@@ -63,11 +71,11 @@ WATCH_FOR = timedelta(hours=1)
 
 
 def enabled() -> bool:
-    """Whether pipeddp makes its gloo groups lazily (``PIPEDDP_LAZY_GROUPS``, default on: see the module)."""
-    value = os.environ.get(ENV, "1").strip()
+    """Whether pipeddp makes its gloo groups lazily (``PIPEDDP_LAZY_GROUPS``, default off: see the module)."""
+    value = os.environ.get(ENV, "0").strip()
     if value not in ("0", "1"):
         raise ValueError(f"{ENV}={value!r}: set it to 1 (pipeddp's gloo groups connect each pair of ranks on first "
-                         "use, the default) or 0 (every group a full mesh of connections when it is made)")
+                         "use) or 0 (every group a full mesh of connections when it is made, the default)")
     return value == "1"
 
 
