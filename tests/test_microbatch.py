@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from pipeddp.runtime.microbatch import batch_size, merge, split, split_sizes
+from pipeddp.runtime.microbatch import Pieces, batch_size, merge, split, split_sizes
 
 
 def test_chunks_uneven_and_larger_than_batch():
@@ -47,3 +47,18 @@ def test_batch_size_errors():
     with pytest.raises(ValueError, match="0-dim"):
         batch_size(torch.tensor(1.0))
     assert batch_size({"x": torch.zeros(7, 1), "y": [torch.zeros(7)]}) == 7
+
+
+def test_pieces_cut_when_read_as_split_cuts():
+    # a step's targets, cut by the thread that reads them: the same pieces as torch.tensor_split's, trees included
+    y = torch.randn(10, 3)
+    batch = (y, {"mask": torch.arange(10)})
+    for value in (y, batch):
+        pieces = Pieces(value, [3, 3, 2, 2])
+        assert len(pieces) == 4
+        for i, expected in enumerate(split(value, [3, 3, 2, 2])):
+            got = pieces[i]
+            if isinstance(value, tuple):
+                assert torch.equal(got[0], y.tensor_split(4)[i]) and torch.equal(got[1]["mask"], expected[1]["mask"])
+            else:
+                assert torch.equal(got, y.tensor_split(4)[i]) and got.data_ptr() == expected.data_ptr()

@@ -29,6 +29,8 @@ import torch
 __all__ = ["Autocast"]
 
 _DEVICE_TYPES = ("cpu", "cuda")
+#: whether autocast is on for any device type (torch's own checkpoint asks so); a torch without it asks per type
+_any_enabled = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
 _OFF = contextlib.nullcontext()  # reusable: entered around every action of a step without autocast
 
 
@@ -41,8 +43,10 @@ class Autocast:
     @classmethod
     def capture(cls) -> "Autocast":
         """The calling thread's autocast state."""
+        if not _any_enabled():  # the rule: none on, one C call (not one per device type)
+            return _NONE
         on = [dt for dt in _DEVICE_TYPES if torch.is_autocast_enabled(dt)]
-        if not on:  # the rule: one made once
+        if not on:
             return _NONE
         cache = torch.is_autocast_cache_enabled()
         return cls(tuple((dt, torch.get_autocast_dtype(dt), cache) for dt in on))

@@ -52,6 +52,9 @@ class StageResults:
     outputs: Dict[int, Any] = field(default_factory=dict)
     losses: Dict[int, torch.Tensor] = field(default_factory=dict)
     input_grads: Dict[int, Grads] = field(default_factory=dict)
+    #: the sum of ``losses`` in micro-batch order (None: none), added by the device that made them once its actions
+    #: are over (on a worker thread, while the caller's device may still compute)
+    total: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -253,6 +256,11 @@ def _run(
             raise ValueError(f"device {device.row}: unknown action kind {kind!r} in {a!r}")
         if trace is not None:
             trace.note_memory(device.row, sum(len(spec.store(i)) for i in stages), first.device)
+    where.clear()
+    losses = results.losses
+    if losses:
+        with streams.computing():  # on CUDA: on the stream the losses were made on
+            results.total = torch.stack([losses[i] for i in sorted(losses)]).sum()
     return results
 
 

@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["split_sizes", "split", "merge", "batch_size", "tree_map", "tree_tensors"]
+__all__ = ["split_sizes", "split", "Pieces", "merge", "batch_size", "tree_map", "tree_tensors"]
 
 
 def tree_map(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
@@ -110,6 +110,27 @@ def split(batch: Any, sizes: Sequence[int]) -> List[Any]:
 
     pieces = _tree_split(batch, cut, len(sizes))
     return pieces
+
+
+class Pieces:
+    """``split(batch, sizes)``, cut when a piece is first read: a step's targets are cut by the thread of the last
+    stage that reads them, not by the caller before the step (on a worker thread, while the caller's stages run).
+    Two threads reading at once would cut twice, to the same views."""
+
+    __slots__ = ("_batch", "_sizes", "_pieces")
+
+    def __init__(self, batch: Any, sizes: Sequence[int]) -> None:
+        self._batch, self._sizes = batch, sizes
+        self._pieces: Optional[List[Any]] = None
+
+    def __getitem__(self, i: int) -> Any:
+        pieces = self._pieces
+        if pieces is None:
+            pieces = self._pieces = split(self._batch, self._sizes)
+        return pieces[i]
+
+    def __len__(self) -> int:
+        return len(self._sizes)
 
 
 def _tree_split(value: Any, cut: Callable[[torch.Tensor], Tuple[torch.Tensor, ...]], n: int) -> List[Any]:

@@ -13,7 +13,7 @@ The saved state lives in the step, not in the stage, so several outstanding
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Protocol, Sequence, Tuple, Union
 
 import torch
 
@@ -24,6 +24,12 @@ __all__ = ["StepSpec", "Saved", "Grads"]
 
 #: Gradients aligned with a value's tensor leaves (None where a leaf has none).
 Grads = List[Optional[torch.Tensor]]
+
+
+class ByMicroBatch(Protocol):
+    """What holds a value per micro-batch: a list, or ``microbatch.Pieces`` (a batch cut where it is first read)."""
+
+    def __getitem__(self, mb: int) -> Any: ...
 
 
 @dataclass
@@ -43,7 +49,7 @@ class StepSpec:
     recompute: Callable[[int], bool] = lambda i: False
     seed: Optional[int] = None
     loss_fn: Optional[Callable[[Any, Any], Any]] = None
-    targets: Optional[Sequence[Any]] = None
+    targets: Optional[ByMicroBatch] = None
     weights: Optional[Sequence[float]] = None
     sync: bool = False
     #: the caller's autocast state, re-entered around every forward and recompute

@@ -33,7 +33,7 @@ from .amp import Autocast
 from .batchnorm import DeferredStatistics
 from .counted import Baseline, Count, parameters_of, per_count, summed
 from .executor import StageResults
-from .microbatch import merge, split, split_sizes, tree_map
+from .microbatch import Pieces, merge, split, split_sizes, tree_map
 from .rng import draw_base_seed
 from .schedule.actions import Action, Schedule, ScheduleFn, row_of
 from .schedule.builders import backward_only, forward_only
@@ -212,7 +212,7 @@ class Step:
         last = self._last
         seed, drawing, calls = self._seed(loss_fn if last is not None else None)
         spec = StepSpec(grad=True, recompute=recompute, seed=seed, drawing=drawing, calls=calls,
-                        loss_fn=loss_fn if last is not None else None, targets=self._split_to(last, y, sizes),
+                        loss_fn=loss_fn if last is not None else None, targets=_pieces(last, y, sizes),
                         weights=weights, sync=self.sync and final, autocast=Autocast.capture(), loss_scale=loss_scale)
         if first:
             self.started = time.perf_counter()
@@ -230,8 +230,7 @@ class Step:
             self.count = part if self.count is None else self.count + part
         if last is None:
             return None
-        losses = self._of_last(results).losses
-        return torch.stack([losses[i] for i in range(m)]).sum()
+        return self._of_last(results).total
 
     def train_passes(self, x: Any, y: Any, loss_fn: LossFn, n: int, passes: int = 1, *,
                      loss_scale: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> Optional[torch.Tensor]:
@@ -339,6 +338,13 @@ def _layout(layouts: Dict[Tuple[Any, ...], Layout], n: int, share: float, chunks
 def _call(hooks: List[Callable[[], None]]) -> None:
     for hook in hooks:
         hook()
+
+
+def _pieces(stage: Optional[Stage], value: Any, sizes: List[int]) -> Optional[Pieces]:
+    """``value`` on ``stage``'s device, cut into micro-batches where its first piece is read (None where this process
+    does not run that stage)."""
+    moved = _to(stage, value)
+    return None if moved is None else Pieces(moved, sizes)
 
 
 def _to(stage: Optional[Stage], value: Any) -> Any:
