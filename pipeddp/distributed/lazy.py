@@ -14,7 +14,10 @@ first time after it failed waits, where the peer accepts, for a connection that 
 timeout, 25-40 s whatever the group's), and where the peer connects, for data from a process still alive (up to
 its timeout). Nothing that rank does reaches that wait, so the peer ends it itself: each process that makes such
 groups watches the store (``_watch``, a thread blocked in one ``wait`` on its own clone of the store: no poll) for
-its ``WAKE`` key, which the rank that posts a failure notice sets (``wake``); the watcher then cuts the groups of each
+its own ``WAKE`` key, which the rank that posts a failure notice sets for every rank (``wake``: one ``set`` per rank,
+on failure alone), and the process itself when it leaves (then it joins the thread: a thread still inside the
+store's client when an interpreter exits ends the process, "terminate called without an active exception"); the
+watcher then cuts the groups of each
 engine whose notice is posted (``on_failure``; the engine's own cut, which closes a pair waiting to be accepted
 too), unless the engine is failing already.
 
@@ -63,11 +66,14 @@ TORCH_ENV = "TORCH_GLOO_LAZY_INIT"
 JOINED, LEFT = "pipeddp/lazy/joined", "pipeddp/lazy/left"
 #: how often the process that serves the store looks whether every process has left
 POLL_S = 0.02
-#: the store key that wakes every process's watcher: "failed" (a failure notice is posted), "done" (all have left);
-#: on the store under the process group's prefixes, named once per process group (``WAKE_ID``: its first writer)
+#: the store keys (``WAKE/<name>/<rank>``) that wake each process's watcher: "failed" (a failure notice is posted),
+#: "done" (the process leaves); on the store under the process group's prefixes, the name set once per process group
+#: (``WAKE_ID``: its first writer)
 WAKE, WAKE_ID = "pipeddp/lazy/wake", "pipeddp/lazy/wake-id"
 #: how long the watcher's one store wait lasts before it is posted again (a timeout of days may overflow)
 WATCH_FOR = timedelta(hours=1)
+#: how long a process that leaves waits at most for its watcher to end
+JOIN_S = 2.0
 
 
 def enabled() -> bool:
@@ -95,16 +101,22 @@ class _Stay:
         while isinstance(self.base, dist.PrefixStore):  # a clone of a PrefixStore over a store of Python's is broken
             self.base = self.base.underlying_store
         self.wake = f"{WAKE}/{store.compare_set(WAKE_ID, '', uuid.uuid4().hex).decode()}"
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+        self.thread: Optional[threading.Thread] = None
         with contextlib.suppress(Exception):  # a store that cannot be cloned (a user's own class): no watcher
             client = self.base.clone()
-            threading.Thread(target=_watch, args=(self, client), name="pipeddp-lazy-watch", daemon=True).start()
+            self.thread = threading.Thread(target=_watch, args=(self, client), name="pipeddp-lazy-watch", daemon=True)
+            self.thread.start()
 
     def leave(self, wait: bool = True) -> None:
         """Count this process out; where it serves the store, wait until every process counted in is out."""
         self.open = False
+        if self.thread is not None and self.thread is not threading.current_thread():
+            with contextlib.suppress(Exception):
+                self.base.set(f"{self.wake}/{self.rank}", "done")
+                self.thread.join(JOIN_S)
         with contextlib.suppress(Exception):  # a store that is gone has nobody left to serve
-            if self.store.add(LEFT, 1) >= self.store.add(JOINED, 0):
-                self.base.set(self.wake, "done")  # the last one out: every watcher ends
+            self.store.add(LEFT, 1)
             if not (wait and self.serves) or _failed[0]:
                 return
             deadline = time.monotonic() + self.timeout.total_seconds()
@@ -172,13 +184,13 @@ def _watch(stay: _Stay, client: Any) -> None:
     each engine whose notice is posted registered (``on_failure``: cut its groups). Ends with the process group."""
     while stay.open:
         try:
-            client.wait([stay.wake], WATCH_FOR)
+            client.wait([f"{stay.wake}/{stay.rank}"], WATCH_FOR)
         except Exception as exc:  # noqa: BLE001 - the wait's own timeout: again; anything else: the store is gone
             if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
                 continue
             return
         with contextlib.suppress(Exception):
-            if client.get(stay.wake) == b"failed":
+            if client.get(f"{stay.wake}/{stay.rank}") == b"failed":
                 for key, act in list(stay.acts.items()):
                     if stay.store.check([key]):  # not blocking: the process's own client
                         act()
@@ -192,10 +204,12 @@ def on_failure(key: str, act: Callable[[], None]) -> None:
 
 
 def wake() -> None:
-    """A failure notice is posted: every process's watcher looks which (``on_failure``); one store operation."""
-    if _stay[0] is not None:
+    """This rank posted a failure notice: every process's watcher looks which (``on_failure``); a ``set`` per rank."""
+    stay = _stay[0]
+    if stay is not None:
         with contextlib.suppress(Exception):
-            _stay[0].base.set(_stay[0].wake, "failed")
+            for rank in range(stay.size):
+                stay.base.set(f"{stay.wake}/{rank}", "failed")
 
 
 def leave(wait: bool = True) -> None:

@@ -154,8 +154,9 @@ class _Settling:
             if ready or (not waiting and now - start >= WAIT) or now - start >= WAIT + GRACE:
                 fallback = dict(own, where=self.notices.where(), names=None)  # a named rank alive: no culprit
                 fallback.pop("by", None)
-                self.store.compare_set(self.notices.key, "", json.dumps(ready[0] if ready else fallback))
-                lazy.wake()
+                mine = json.dumps(ready[0] if ready else fallback)
+                if self.store.compare_set(self.notices.key, "", mine) == mine.encode():
+                    lazy.wake()  # posted here: every rank's watcher told
                 continue
             time.sleep(POLL)
 
@@ -224,8 +225,9 @@ class Notices:
     def post(self, exc: BaseException, call: str) -> None:
         """Tell every rank that ``exc`` ended this rank's ``call``, unless a rank did first."""
         with contextlib.suppress(Exception):  # a store that is gone leaves each rank its own error
-            self.store.compare_set(self.key, "", json.dumps(self.notice(exc, call)))
-        lazy.wake()
+            mine = json.dumps(self.notice(exc, call))
+            if self.store.compare_set(self.key, "", mine) == mine.encode():
+                lazy.wake()  # posted here: every rank's watcher told
 
     def posted(self) -> Optional[Dict[str, Any]]:
         """The notice posted, if any."""
