@@ -12,8 +12,9 @@ layer costs per action::
     engine   Pipeline.train_step (argument checks, the step's figures, zero_grad)
 
 The pieces that each action enters are then timed alone, a call at a time, against an empty call: what each
-one costs on this host, whatever the compute around it. Two stages on threads and two processes are measured
-by ``overhead.py`` and ``schedules.py --models tiny`` (see benchmarks/README.md).
+one costs on this host, whatever the compute around it; and a training step's own time on the caller's
+thread, before its runner starts and after it returns, with one stage and with two. Two stages on threads and two
+processes are measured by ``overhead.py`` and ``schedules.py --models tiny`` (see benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -174,6 +175,42 @@ def pieces(args: argparse.Namespace) -> Dict[str, float]:
     return {k: max(v - base, 0.0) for k, v in got.items()}
 
 
+def outside(args: argparse.Namespace) -> Dict[str, Dict[str, float]]:
+    """A training step's own time on the caller's thread: ``Pipeline.train_step`` before its runner starts and after
+    it returns (us, medians over steps), with one stage and with two on threads; what the step costs beside its
+    actions, timed inside real steps (its Python runs slower there than alone: the compute has evicted it)."""
+    out: Dict[str, Dict[str, float]] = {}
+    x, y = torch.randn(args.batch, 64), torch.randn(args.batch, 64)
+    for stages in (1, 2):
+        torch.manual_seed(args.seed)
+        pipe = pipeddp.Pipeline(mlp(4, 64, 64, 64), ["cpu"] * stages, chunks=args.chunks, threads=1,
+                                **({"balance": [4, 4]} if stages == 2 else {}))
+        runner = pipe._step.runner  # noqa: SLF001 - what is timed is the step around it
+        inner = runner.run
+        marks: List[Any] = []
+
+        def run(*a: Any, inner: Any = inner, marks: List[Any] = marks, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            res = inner(*a, **k)
+            marks.append((t0, time.perf_counter()))
+            return res
+
+        runner.run = run  # type: ignore[method-assign]
+        before, after = [], []
+        for k in range(args.outside_steps + 50):
+            pipe.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            pipe.train_step(x, y, nn.functional.mse_loss)
+            t1 = time.perf_counter()
+            if k >= 50:
+                before.append(marks[-1][0] - t0)
+                after.append(t1 - marks[-1][1])
+        pipe.close()
+        out[f"{stages} stage{'s' if stages > 1 else ''}"] = {"before_runner_us": statistics.median(before) * 1e6,
+                                                             "after_runner_us": statistics.median(after) * 1e6}
+    return out
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = parser(__doc__, "3 rounds of 2 calls, the pieces 2000 calls each", device=False)
     p.add_argument("--rounds", type=int, default=None, help="timed rounds of the ladder (default 40; 3 with --quick)")
@@ -185,9 +222,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args.rounds = args.rounds or (3 if args.quick else 40)
     args.calls = args.calls or (2 if args.quick else 10)
     args.piece_calls, args.piece_repeats = (2000, 3) if args.quick else (20000, 9)
+    args.outside_steps = 100 if args.quick else 1200
     torch.set_num_threads(1)
     run = Run("action_cost", args)
-    res: Dict[str, Any] = {"ladder": ladder(args), "pieces_us": pieces(args)}
+    res: Dict[str, Any] = {"ladder": ladder(args), "pieces_us": pieces(args), "outside_runner": outside(args)}
     lad = res["ladder"]
     rows: List[List[Any]] = [["raw (the plain model)", lad["step_us"]["raw"], None]]
     rows += [[k, lad["step_us"][k], v] for k, v in lad["added_per_action_us"].items()]
@@ -197,6 +235,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               rows)
     run.table("The pieces, each alone (us per call, an empty call's cost taken off)", ["piece", "us"],
               [[k, v] for k, v in res["pieces_us"].items()])
+    run.table("A training step's own time on the caller's thread (us, medians)", ["", "before its runner",
+              "after it"], [[k, v["before_runner_us"], v["after_runner_us"]] for k, v in res["outside_runner"].items()])
     run.finish(**res)
     return 0
 
