@@ -232,20 +232,20 @@ def _once(pieces: List[Piece]) -> None:
     A parameter reached by several pieces (a weight used twice in the stage)
     would otherwise be accumulated once per piece, and its hooks and DDP's
     "gradient ready" would fire as often. So the pieces' gradients are taken
-    first (``autograd.grad``, with the parameters' own hooks held back: it runs
+    first (as ``autograd.grad``, with the parameters' own hooks held back: it runs
     them where it takes a gradient) and summed, then handed to the parameters'
     accumulators in one backward.
     """
     total: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # by id: tensors compare by value
     with _hooks_held([p for _, _, ps in pieces for p in ps]):
         for starts, grads, params in pieces:
-            got = torch.autograd.grad(starts, params, grads, retain_graph=True, allow_unused=True)
+            got = autograd_call.grad(starts, grads, params, keep_graph=True)
             for p, g in zip(params, got):
                 if g is not None:
                     total[id(p)] = (p, g if id(p) not in total else total[id(p)][1] + g)
     if total:
-        torch.autograd.backward([torch.autograd.graph.get_gradient_edge(p) for p, _ in total.values()],
-                                [g for _, g in total.values()])
+        autograd_call.backward([torch.autograd.graph.get_gradient_edge(p) for p, _ in total.values()],
+                               [g for _, g in total.values()])
 
 
 class WeightGrads:
