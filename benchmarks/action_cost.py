@@ -37,6 +37,7 @@ from pipeddp.runtime.channels import Inbox, LocalChannel
 from pipeddp.runtime.counted import parameters_of
 from pipeddp.runtime.executor import run_actions
 from pipeddp.runtime.spec import StepSpec
+from pipeddp.runtime.stage import Stage
 from pipeddp.runtime.trace import Trace, timed
 from pipeddp.tools.models import mlp
 
@@ -63,14 +64,13 @@ def ladder(args: argparse.Namespace) -> Dict[str, Any]:
             p.grad = None
 
     def spec() -> StepSpec:
-        seed, drawing, calls = step._seed(loss)  # noqa: SLF001
-        return StepSpec(grad=True, seed=seed, drawing=drawing, calls=calls, loss_fn=loss, targets=ys, weights=weights,
+        return StepSpec(grad=True, **step._read(loss), loss_fn=loss, targets=ys, weights=weights,  # noqa: SLF001
                         autocast=Autocast.capture())
 
     def raw() -> None:
         cleared()
         for xi, yi, w in zip(xs, ys, weights):
-            (loss(model(xi.clone()), yi) * w).backward()  # the clone: stage 0 copies what the user gave it
+            (loss(model(xi), yi) * w).backward()
 
     def stage() -> None:
         cleared()
@@ -126,6 +126,7 @@ def pieces(args: argparse.Namespace) -> Dict[str, float]:
     pipe = pipeddp.Pipeline(mlp(4, 64, 64, 64), ["cpu"], chunks=args.chunks, threads=1)
     step = pipe._step  # noqa: SLF001
     st = step.stages[0]
+    mid = Stage(1, nn.Sequential(nn.Linear(64, 64)), torch.device("cpu"), last=False)  # one that receives its input
     s = StepSpec(grad=True, seed=3, autocast=Autocast.capture())  # seeded, as a stage that may draw is
     t = torch.randn(8, 64)
     inbox = Inbox(0)
@@ -161,7 +162,8 @@ def pieces(args: argparse.Namespace) -> Dict[str, float]:
         "the step's clock, per span (a timing step)": enter(lambda: clock.span(0, "F", 0, row=0)),
         "a user's trace, per span": enter(lambda: trace.span(0, "F", 0, row=0)),
         "local channel: send + recv of one message (one thread)": send_recv,
-        "input leaf (Stage._leaf: detach, requires_grad)": lambda: st._leaf(t.requires_grad_(False)),  # noqa: SLF001
+        "a received activation made a leaf (Stage._leaves: requires_grad)":
+            lambda: mid._leaves(t.requires_grad_(False), s),  # noqa: SLF001
         "StepSpec built": lambda: StepSpec(grad=True),
         "the caller's autocast captured": Autocast.capture,
         "a base seed drawn (per step)": pipeddp.runtime.rng.draw_base_seed,

@@ -105,7 +105,7 @@ def test_run_actions_runs_the_list_in_order_and_sends_what_it_computes():
     assert not prev.incoming and not nxt.incoming  # every stored value was consumed
     for i, (x, g) in enumerate(zip(xs, gs)):
         assert torch.equal(nxt.sent[("F", i)], part(x))
-        leaf = x.clone().requires_grad_(True)
+        leaf = x.detach().clone().requires_grad_(True)
         torch.autograd.backward(part(leaf), g)
         (sent_grad,) = prev.sent[("B", i)]
         assert (sent_grad - leaf.grad).abs().max().item() < 1e-12

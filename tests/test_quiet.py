@@ -6,11 +6,13 @@ import logging
 
 import pytest
 import torch
+from conftest import CountOps
 import torch.nn.functional as F
 from torch import nn
 
 import pipeddp
 from pipeddp.runtime.autograd_call import backward
+from pipeddp.runtime.quiet import read
 
 LOSS = F.mse_loss
 
@@ -147,6 +149,54 @@ def test_hooks_added_between_steps_run_as_in_the_plain_model():
     assert all(close(g, w) for g, w in zip(got, want))
     assert not close(want[0], want[1], 1e-6)  # the pre-hook changed the step
     assert calls["plain"] == 1 and calls["pipe"] == 3  # one call per micro-batch, in the one step it was on
+
+
+class AddsOne(nn.Module):
+    """A layer of the user's: torch cannot tell whether its forward writes its input (this one does not)."""
+
+    def forward(self, x):
+        return x + 1
+
+
+def test_a_stage_is_known_to_leave_its_input_alone_only_where_every_layer_is_one_of_torchs_that_does():
+    layers = [nn.Linear(6, 6), nn.Tanh(), nn.Dropout(0.3), nn.LayerNorm(6)]
+    assert read(nn.Sequential(*layers))[2] is False
+    assert read(nn.Sequential(*layers, nn.ReLU(inplace=True)))[2] is True
+    assert read(nn.Sequential(*layers, nn.Dropout(0.3, inplace=True)))[2] is True
+    assert read(nn.Sequential(*layers, AddsOne()))[2] is True
+    assert read(nn.Sequential(*layers, nn.Sequential(nn.Linear(6, 6))))[2] is True  # a container: not looked into
+    hooked = nn.Sequential(*copy.deepcopy(layers))
+    hooked[1].register_forward_pre_hook(lambda module, args: None)
+    assert read(hooked)[2] is True
+
+
+@pytest.mark.timeout(60)
+def test_stage_zero_copies_the_batch_only_where_a_layer_may_write_it():
+    """The micro-batches are views of the user's batch: stage 0 gives its layers them as they are where every layer
+    is one of torch's that writes nothing in place (no copy ran), and copies them where one may: a pre-hook that
+    scales its input in place then trains as the plain model does (one batch, written once), where views written
+    one after another would fail the first backward (their version counter is shared)."""
+    x, y = batch()
+    plain = plain_mlp()
+    with pipeddp.Pipeline(copy.deepcopy(plain), ["cpu"], chunks=3) as pipe:  # on the caller's thread: counted
+        with CountOps() as counted:
+            pipe.train_step(x, y, LOSS)
+        assert counted.ops["clone"] == 0, counted.ops
+        assert close([p.grad for p in pipe.parameters()], plain_grads(plain, x, y))
+
+    def halves(module, args):
+        args[0].mul_(0.5)
+
+    plain[0].register_forward_pre_hook(halves)
+    want = plain_grads(plain, x.clone(), y)
+
+    def between(step, pipe):
+        pipe.get_submodule("0").register_forward_pre_hook(halves)
+
+    kept = x.clone()
+    got = pipe_steps(copy.deepcopy(plain_mlp()), x, y, steps=1, between=between)
+    assert close(got[0], want)
+    assert torch.equal(x, kept)  # the copies were written, not the user's batch
 
 
 def leaf_grads(fn):

@@ -67,7 +67,7 @@ def sample(name: str, n: int, seed: int) -> torch.Tensor:
 def plain_backward(plain: nn.Module, xs, gs):
     dxs = []
     for x, g in zip(xs, gs):
-        leaf = x.clone().requires_grad_(True)
+        leaf = x.detach().clone().requires_grad_(True)
         torch.autograd.backward(plain(leaf), g)
         dxs.append(leaf.grad)
     return dxs, [p.grad.clone() for p in plain.parameters()]
@@ -152,7 +152,7 @@ def test_the_last_stage_splits_the_backward_of_its_loss():
     stage.forward(0, x, spec)
     dx = stage.backward_input(0, None, spec)
     stage.backward_weight(0, spec)
-    leaf = x.clone().requires_grad_(True)
+    leaf = x.detach().clone().requires_grad_(True)
     (LOSS(plain(leaf), y) * 0.5).backward()
     assert (dx[0] - leaf.grad).abs().max().item() < 1e-12
     assert max_diff([p.grad for p in stage.module.parameters()], [p.grad for p in plain.parameters()]) < 1e-12

@@ -38,8 +38,9 @@ def test_forward_returns_the_detached_output_of_the_plain_layers():
     assert loss is None
     assert torch.equal(out, plain(x))
     assert not out.requires_grad and out.grad_fn is None
-    # the input the stage received is left alone (a fresh leaf carries the gradient)
-    assert x.grad is None and not x.requires_grad
+    # a received activation is the stage's own (a channel hands over a fresh tensor): it becomes the leaf that
+    # carries the gradient back, marked as it is, not copied
+    assert spec.saved[1][0].inputs is x and x.requires_grad and x.grad_fn is None
 
 
 def test_backward_gives_input_and_parameter_gradients_of_autograd_on_the_slice():
@@ -55,7 +56,7 @@ def test_backward_gives_input_and_parameter_gradients_of_autograd_on_the_slice()
 
     expected_dx = []
     for x, g in zip(xs, gs):
-        leaf = x.clone().requires_grad_(True)
+        leaf = x.detach().clone().requires_grad_(True)
         torch.autograd.backward(plain(leaf), g)
         expected_dx.append(leaf.grad)
     for i in range(3):
@@ -75,12 +76,12 @@ def test_last_stage_returns_the_weighted_loss_and_starts_backward_from_it():
     spec = StepSpec(grad=True, loss_fn=LOSS, targets=ys, weights=weights)
     results = [stage.forward(i, xs[i], spec) for i in range(2)]
     for i, (out, loss) in enumerate(results):
-        assert torch.equal(out, plain(xs[i]))
-        assert not loss.requires_grad
+        assert out is None  # a loss step's last stage sends nothing
+        assert loss is spec.saved[2][i].roots  # the one backward starts from, not detached again
         assert abs(loss.item() - weights[i] * LOSS(plain(xs[i]), ys[i]).item()) < 1e-15
     gins = [stage.backward(i, None, spec) for i in range(2)]
 
-    leaf = x.clone().requires_grad_(True)
+    leaf = x.detach().clone().requires_grad_(True)
     LOSS(plain(leaf), y).backward()  # the whole batch's mean loss: the weighted sum of the micro-batch losses
     assert max_diff(grads_of(plain), grads_of(stage.module)) < 1e-12
     assert (torch.cat([g[0] for g in gins]) - leaf.grad).abs().max().item() < 1e-12
@@ -132,7 +133,7 @@ def test_recomputed_last_stage_equals_the_plain_loss_gradient():
     spec = StepSpec(grad=True, recompute=lambda i: True, loss_fn=LOSS, targets=[y], weights=[1.0])
     _, loss = stage.forward(0, x, spec)
     (gin,) = stage.backward(0, None, spec)
-    leaf = x.clone().requires_grad_(True)
+    leaf = x.detach().clone().requires_grad_(True)
     ref_loss = LOSS(plain(leaf), y)
     ref_loss.backward()
     assert loss.item() == ref_loss.item()
@@ -179,7 +180,7 @@ def test_in_place_first_layer_does_not_modify_the_received_tensor(grad, recomput
         g = torch.ones(5, 3, dtype=torch.float64)
         (gin,) = stage.backward(0, [g], spec)
         assert torch.equal(received, x)
-        leaf = x.clone().requires_grad_(True)
+        leaf = x.detach().clone().requires_grad_(True)
         torch.autograd.backward(plain(leaf), g)
         assert (gin - leaf.grad).abs().max().item() < 1e-12
         assert max_diff(grads_of(plain), grads_of(stage.module)) < 1e-12
@@ -201,7 +202,7 @@ def test_a_checkpointed_forward_copies_its_input_once_at_most(in_place):
     assert counted.ops["clone"] == (1 if in_place else 0), counted.ops
     g = torch.ones(5, 3, dtype=torch.float64)
     (gin,) = stage.backward(0, [g], spec)
-    leaf = x.clone().requires_grad_(True)
+    leaf = x.detach().clone().requires_grad_(True)
     torch.autograd.backward(plain(leaf), g)
     assert torch.equal(out, plain(x)) and (gin - leaf.grad).abs().max().item() < 1e-12
     assert max_diff(grads_of(plain), grads_of(stage.module)) < 1e-12
@@ -219,7 +220,7 @@ def test_in_place_layer_behind_a_pass_through_first_layer():
     assert torch.equal(received, x)
     g = torch.ones(5, 3, dtype=torch.float64)
     (gin,) = stage.backward(0, [g], spec)
-    leaf = x.clone().requires_grad_(True)
+    leaf = x.detach().clone().requires_grad_(True)
     torch.autograd.backward(plain(leaf * 1.0), g)
     assert (gin - leaf.grad).abs().max().item() < 1e-12
 

@@ -258,8 +258,8 @@ def _run(
             trace.note_memory(device.row, sum(len(spec.store(i)) for i in stages), first.device)
     where.clear()
     losses = results.losses
-    if losses:
-        with streams.computing():  # on CUDA: on the stream the losses were made on
+    if losses:  # a loss may still hang on its graph (``Stage.forward``): its value, summed outside it
+        with streams.computing(), torch.no_grad():  # on CUDA: on the stream the losses were made on
             results.total = torch.stack([losses[i] for i in sorted(losses)]).sum()
     return results
 

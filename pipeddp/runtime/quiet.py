@@ -13,6 +13,9 @@ modules, hooks and flags throughout), never per action:
   compiled by ``Module.compile`` and keeps torch's ``__call__``, that call does nothing but call ``forward``, so the
   stage calls the layers' ``forward`` in a row, as ``nn.Sequential`` would call the layers (a layer with a hook is
   called as before, hooks and all). Hooks added to a layer mid-step apply from the next step.
+- a copy of stage 0's input per micro-batch (``stage``: the micro-batches are views of the user's batch and share
+  its version counter, so a layer writing one in place would spoil what another saved for its backward): where
+  every layer is one of torch's that never writes its input (no ``inplace=True``, no hook anywhere), none is made.
 """
 
 from __future__ import annotations
@@ -62,32 +65,37 @@ def _global_hooks() -> bool:
 Calls = Tuple[Callable[[Any], Any], ...]
 
 
-def read(module: nn.Sequential) -> Tuple[bool, Optional[Calls]]:
+def read(module: nn.Sequential) -> Tuple[bool, Optional[Calls], bool]:
     """The stage's ``module`` (pipeddp's own ``nn.Sequential`` of the stage's layers) as it is now, in one walk:
-    whether no forward of it can draw a random number, and what calls each layer (its ``forward`` where
-    ``__call__`` would do nothing else, else the layer; None: call the module as it is). See the module docstring.
+    whether no forward of it can draw a random number, what calls each layer (its ``forward`` where ``__call__``
+    would do nothing else, else the layer; None: call the module as it is), and whether a layer may write its
+    input in place. See the module docstring.
     """
     if type(module) is not nn.Sequential or "forward" in module.__dict__ or torch._C._get_tracing_state() is not None:
-        return False, None
+        return False, None, True
     hooked = bool(module._forward_hooks or module._forward_pre_hooks)
     everywhere = _global_hooks()
     quiet = not (hooked or _module._global_forward_hooks or _module._global_forward_pre_hooks)
     direct = not (hooked or everywhere or module._backward_hooks or module._backward_pre_hooks
                   or module._compiled_call_impl is not None)
+    writes = not direct  # a hook may write what it is given
     calls: List[Callable[[Any], Any]] = []
     for layer in module._modules.values():
         if layer is None:
             continue
         kind = type(layer)
         forward_hooks = layer._forward_hooks or layer._forward_pre_hooks
-        if quiet and (forward_hooks or layer._modules or "forward" in layer.__dict__ or (
+        own = forward_hooks or layer._modules or "forward" in layer.__dict__
+        if quiet and (own or (
                 kind not in _QUIET and not (kind in _DROPOUTS and (not layer.training or layer.p == 0)))):
             quiet = False
+        if not writes and (own or getattr(layer, "inplace", False) or (kind not in _QUIET and kind not in _DROPOUTS)):
+            writes = True
         if direct:
             plain = not (forward_hooks or layer._backward_hooks or layer._backward_pre_hooks) \
                 and kind.__call__ is _CALL and kind._call_impl is _CALL_IMPL and layer._compiled_call_impl is None
             calls.append(layer.forward if plain else layer)
-    return quiet, tuple(calls) if direct else None
+    return quiet, tuple(calls) if direct else None, writes
 
 
 def loss_draws_nothing(loss_fn: Optional[Callable[..., Any]]) -> bool:

@@ -69,6 +69,8 @@ class StepSpec:
     drawing: Optional[FrozenSet[int]] = None
     #: per stage, what runs its layers this step (``Stage._layers``: found once, at its first forward)
     calls: Dict[int, Callable[[Any], Any]] = field(default_factory=dict)
+    #: the stages whose layers may write their input in place this step (``Stage.read_step``; None: any may)
+    writing: Optional[FrozenSet[int]] = None
 
     def count(self, mb: int, count: Optional[Union[int, float, torch.Tensor]]) -> None:
         """Record the kind of loss micro-batch ``mb`` returned (and its count): one kind for the whole step."""

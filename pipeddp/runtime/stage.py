@@ -85,6 +85,24 @@ def _scalar(value: Any, what: str) -> torch.Tensor:
     return value
 
 
+def _first_leaf(t: torch.Tensor) -> torch.Tensor:
+    """Stage 0's input as it is; a leaf of its own where it requires grad (``pipe(x)`` with ``x`` that does)."""
+    return t.detach().requires_grad_(True) if t.requires_grad else t
+
+
+def _first_leaf_copied(t: torch.Tensor) -> torch.Tensor:
+    """Stage 0's input, copied where it wants no gradient (see ``Stage._leaves``)."""
+    return t.detach().requires_grad_(True) if t.requires_grad else t.clone()
+
+
+def _received_leaf(t: torch.Tensor) -> torch.Tensor:
+    """A received activation as a leaf whose ``.grad`` is the gradient to send back. What a channel hands over is
+    the stage's own (a fresh detached tensor, or a receive buffer): marked as it is, without another detach."""
+    if not t.is_floating_point() and not t.is_complex():
+        return t
+    return t.requires_grad_(True) if not t.requires_grad else t.detach().requires_grad_(True)
+
+
 class Stage:
     """A slice of the model (``module``, an ``nn.Sequential``) placed on ``device``."""
 
@@ -111,16 +129,17 @@ class Stage:
         not the stage's own container)."""
         return tuple(layer.training for layer in self.module)
 
-    def read_step(self, loss_fn: Optional[Callable[..., Any]] = None) -> Tuple[bool, Callable[[Any], Any]]:
+    def read_step(self, loss_fn: Optional[Callable[..., Any]] = None) -> Tuple[bool, Callable[[Any], Any], bool]:
         """What the layers need this step, read once at its start (``quiet``): whether the forward (and, on the last
         stage, ``loss_fn``) may draw random numbers (not where only torch's layers that never draw make it; else an
-        eager stage always may, a compiled one unless its first forward in this mode drew nothing: ``rng``), and
-        what runs the layers (their ``forward`` calls in a row where no hook needs ``Module.__call__``)."""
-        quiet, calls = read(self.module)
+        eager stage always may, a compiled one unless its first forward in this mode drew nothing: ``rng``), what
+        runs the layers (their ``forward`` calls in a row where no hook needs ``Module.__call__``), and whether a
+        layer may write its input in place (``_leaves``)."""
+        quiet, calls, writes = read(self.module)
         call = self.call if calls is None or self.call is not self.module else partial(run_layers, calls)
         if quiet and (not self.last or loss_draws_nothing(loss_fn)):
-            return False, call
-        return self.replay.own_cpu or self.replay.may_draw(self._mode()), call
+            return False, call, writes
+        return self.replay.own_cpu or self.replay.may_draw(self._mode()), call, writes
 
     def _step_mode(self, spec: StepSpec) -> Tuple[bool, ...]:
         """The training flags for this step, read at its first action (a step's layers keep one mode throughout;
@@ -144,6 +163,18 @@ class Stage:
         if call is None:
             call = spec.calls[self.index] = self.read_step()[1]
         return call
+
+    def _leaves(self, value: Any, spec: StepSpec) -> Any:
+        """A micro-batch's input as the stage's layers take it and its backward finds it (``_first_leaf``,
+        ``_received_leaf``). Stage 0 copies the user's tensors where a layer may write them in place (``quiet``;
+        where ``clone_input``, ``_run`` copies them anyway): the micro-batches are views of one batch and share its
+        version counter, so an in-place op on one (``mask.add_(1)``) would invalidate what another saved."""
+        if self.index == 0:
+            copy = not self.clone_input and (spec.writing is None or 0 in spec.writing)
+            leaf = _first_leaf_copied if copy else _first_leaf
+        else:
+            leaf = _received_leaf
+        return leaf(value) if type(value) is torch.Tensor else tree_map(leaf, value)
 
     def _run(self, value: Any, spec: StepSpec, keep: bool = False) -> Any:
         """The layers on ``value``: on a copy of it where a layer may write its input in place; with ``keep``
@@ -176,7 +207,9 @@ class Stage:
     # -- forward ----------------------------------------------------------------------------------------
 
     def forward(self, mb: int, value: Any, spec: StepSpec) -> Tuple[Any, Optional[torch.Tensor]]:
-        """Run micro-batch ``mb``; return (output detached for sending, weighted loss or None)."""
+        """Run micro-batch ``mb``; return (output detached for sending, weighted loss or None). A last stage that
+        made a loss sends nothing (None); its loss is the one backward starts from where it is kept until then (read
+        its value, never backward it), else detached."""
         if self.streams.cuda or spec.autocast.regions:  # a stream to make current, the caller's autocast
             with self.streams.computing(), spec.autocast():
                 return self._forward(mb, value, spec)
@@ -193,7 +226,7 @@ class Stage:
                     loss = self._loss(out, Saved(value, None, target, weight), spec, mb) if wants_loss else None
                 return out, loss
 
-            inputs = self._leaf(value) if type(value) is torch.Tensor else tree_map(self._leaf, value)
+            inputs = self._leaves(value, spec)
             saved = Saved(inputs, None, target, weight)
             if spec.recompute(mb):
                 # on copies: an in-place op must not change what the replay will see; with grad, as the replay
@@ -207,22 +240,9 @@ class Stage:
                     loss = self._loss(out, saved, spec, mb) if wants_loss else None
                 saved.roots = self._root(loss, spec) if loss is not None else out
             spec.store(self.index)[mb] = saved
-        detached = out.detach() if type(out) is torch.Tensor else tree_map(_detach, out)
-        return detached, (loss.detach() if loss is not None else None)
-
-    def _leaf(self, t: torch.Tensor) -> torch.Tensor:
-        """Turn a received tensor into a leaf whose ``.grad`` is the gradient to send back.
-
-        The user's inputs that want no gradient get a copy per micro-batch: the
-        micro-batches are views of one batch and share its version counter, so
-        an in-place op on one (``mask.add_(1)``) would otherwise invalidate the
-        tensors another micro-batch saved for its backward.
-        """
-        if self.index == 0 and not t.requires_grad:
-            return t.clone()
-        if not t.is_floating_point() and not t.is_complex():
-            return t
-        return t.detach().requires_grad_(True)
+        if loss is not None:  # nothing to send; the loss as it is where backward keeps it anyway (read at the end)
+            return None, loss if saved.roots is not None else loss.detach()
+        return (out.detach() if type(out) is torch.Tensor else tree_map(_detach, out)), None
 
     # -- backward: whole (B), or input half (I) then weight half (W) ----------------------------------
 

@@ -24,7 +24,7 @@ of ``HybridParallel`` train, evaluate and recompute with the same code.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, FrozenSet, List, Optional, Protocol, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, Union
 
 import torch
 
@@ -173,16 +173,20 @@ class Step:
         """Forget the rows built so far: the schedule function has new costs (``schedule="auto"``)."""
         self._plans.clear()
 
-    def _seed(self, loss_fn: Optional[LossFn] = None) -> Tuple[Optional[int], FrozenSet[int], Dict[int, Any]]:
+    def _read(self, loss_fn: Optional[LossFn] = None) -> Dict[str, Any]:
         """One base seed per step, drawn in the caller's thread (so ``torch.manual_seed`` rules it), where any stage
-        may draw; which stages may, and what runs each stage's layers (``Stage.read_step``, once a step)."""
-        drawing = set()
+        may draw; which stages may, what runs each stage's layers and which may write their input
+        (``Stage.read_step``, once a step): the step's ``StepSpec`` fields."""
+        drawing, writing = set(), set()
         calls: Dict[int, Any] = {}
         for st in self.stages:
-            draws, calls[st.index] = st.read_step(loss_fn)
+            draws, calls[st.index], writes = st.read_step(loss_fn)
             if draws:
                 drawing.add(st.index)
-        return (draw_base_seed() if drawing else None), frozenset(drawing), calls
+            if writes:
+                writing.add(st.index)
+        return {"seed": draw_base_seed() if drawing else None, "drawing": frozenset(drawing), "calls": calls,
+                "writing": frozenset(writing)}
 
     def _split_to(self, stage: Optional[Stage], value: Any, sizes: List[int]) -> Optional[List[Any]]:
         moved = _to(stage, value)
@@ -210,8 +214,7 @@ class Step:
                                             self.checkpoint)
         m = len(sizes)
         last = self._last
-        seed, drawing, calls = self._seed(loss_fn if last is not None else None)
-        spec = StepSpec(grad=True, recompute=recompute, seed=seed, drawing=drawing, calls=calls,
+        spec = StepSpec(grad=True, recompute=recompute, **self._read(loss_fn if last is not None else None),
                         loss_fn=loss_fn if last is not None else None, targets=_pieces(last, y, sizes),
                         weights=weights, sync=self.sync and final, autocast=Autocast.capture(), loss_scale=loss_scale)
         if first:
@@ -282,9 +285,7 @@ class Step:
         if need_grad and (self.first is None or self.last is None):
             raise RuntimeError("an output that carries autograd back through the pipeline needs every stage in "
                                "this process; train with train_step(x, y, loss_fn), or evaluate under torch.no_grad()")
-        seed, drawing, calls = self._seed()
-        spec = StepSpec(grad=need_grad, recompute=recompute_policy(self.checkpoint, m), seed=seed, drawing=drawing,
-                        calls=calls,
+        spec = StepSpec(grad=need_grad, recompute=recompute_policy(self.checkpoint, m), **self._read(),
                         autocast=Autocast.capture())
         if need_grad:
             self.started = time.perf_counter()
