@@ -15,7 +15,8 @@ from pipeddp.runtime.executor import ThreadRunner
 from pipeddp.runtime.gradsync import NO_SYNC
 from pipeddp.runtime.microbatch import split, split_sizes
 from pipeddp.runtime.schedule import Action, one_f_one_b, zero_bubble
-from pipeddp.runtime.stage import Stage, StepSpec, build_stages
+from pipeddp.runtime.slicing import build_stages
+from pipeddp.runtime.stage import Stage, StepSpec
 
 CPU = torch.device("cpu")
 LOSS = nn.functional.mse_loss

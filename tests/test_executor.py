@@ -15,7 +15,8 @@ from pipeddp.runtime.channels import Channel, Inbox, PipelineAborted
 from pipeddp.runtime.executor import Device, ThreadRunner, Workers, run_actions
 from pipeddp.runtime.microbatch import split, split_sizes
 from pipeddp.runtime.schedule import Action, gpipe, one_f_one_b
-from pipeddp.runtime.stage import Stage, StepSpec, build_stages
+from pipeddp.runtime.slicing import build_stages
+from pipeddp.runtime.stage import Stage, StepSpec
 
 CPU = torch.device("cpu")
 LOSS = nn.functional.mse_loss

@@ -9,7 +9,8 @@ from conftest import CountOps, data, make_mlp, max_diff
 from torch import nn
 
 from pipeddp.runtime.owned import register_layers
-from pipeddp.runtime.stage import Stage, StepSpec, build_stages
+from pipeddp.runtime.slicing import build_stages
+from pipeddp.runtime.stage import Stage, StepSpec
 
 CPU = torch.device("cpu")
 LOSS = nn.functional.mse_loss

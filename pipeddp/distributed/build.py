@@ -40,7 +40,8 @@ from ..runtime.schedule.actions import row_of, stages_on
 from ..runtime.schedule.costed import Costs
 from ..runtime.schedule.placing import VIRTUAL_CHOICES, choose_layout, choose_placement
 from ..runtime.settings import Settings
-from ..runtime.stage import Stage, build_stages
+from ..runtime.slicing import build_stages
+from ..runtime.stage import Stage
 from ..runtime.step import Runner, Step
 from ..runtime.tied import Tie, find_ties
 from ..runtime.trace import Trace

@@ -193,8 +193,8 @@ def _run(
     stream = streams.compute if (trace is not None and streams.cuda) else None
     bare = trace is None and not streams.cuda  # a message needs no context around it: no stream, no span
     # each stage's links to the devices before and after it, looked up once per step rather than per action
-    before = {s: links.get(device.row_of(s - 1)) for s in stages if s > 0}
-    after = {s: links.get(device.row_of(s + 1)) for s in stages if s < last_stage}
+    before = {s: _link(links, device.row_of(s - 1), s) for s in stages if s > 0}
+    after = {s: _link(links, device.row_of(s + 1), s) for s in stages if s < last_stage}
     for k, a in enumerate(actions):
         if stop is not None and stop.is_set():
             where.clear()  # the message says where it stopped; no action was interrupted
@@ -212,7 +212,7 @@ def _run(
                     raise RuntimeError("stage 0 was given no inputs")
                 value = inputs[mb]
             else:
-                value = _recv(_link(before, s, "F"), "F", s, mb, device.row, trace, streams)
+                value = _recv(before[s], "F", s, mb, device.row, trace, streams)
             if trace is None:
                 out, loss = st.forward(mb, value, spec)
             else:
@@ -220,10 +220,10 @@ def _run(
                     out, loss = st.forward(mb, value, spec)
             if s < last_stage:
                 if bare:
-                    _link(after, s, "F").send("F", s + 1, mb, out)
+                    after[s].send("F", s + 1, mb, out)
                 else:
                     with streams.computing(), timed(trace, s, "send", mb, None, device.row, lane="comm"):
-                        _link(after, s, "F").send("F", s + 1, mb, out)
+                        after[s].send("F", s + 1, mb, out)
             else:
                 if loss is not None:
                     results.losses[mb] = loss
@@ -234,7 +234,7 @@ def _run(
             if s == last_stage:
                 grads = output_grads[mb] if output_grads is not None else None
             else:
-                grads = _recv(_link(after, s, "B"), "B", s, mb, device.row, trace, streams)
+                grads = _recv(after[s], "B", s, mb, device.row, trace, streams)
             if trace is None and kind is Kind.B:
                 gin = st.backward(mb, grads, spec, sync=k in arm)
             else:
@@ -243,10 +243,10 @@ def _run(
                         else st.backward_input(mb, grads, spec)
             if s > 0:
                 if bare:
-                    _link(before, s, "B").send("B", s - 1, mb, gin)
+                    before[s].send("B", s - 1, mb, gin)
                 else:
                     with streams.computing(), timed(trace, s, "send", mb, None, device.row, lane="comm"):
-                        _link(before, s, "B").send("B", s - 1, mb, gin)
+                        before[s].send("B", s - 1, mb, gin)
             else:
                 results.input_grads[mb] = gin
         elif kind is Kind.W:
@@ -264,14 +264,27 @@ def _run(
     return results
 
 
-def _link(links: Dict[int, Optional[Channel]], stage: int, kind: str) -> Channel:
-    """The channel ``stage`` takes its ``kind`` message from (or sends the other way on); the error a missing one
-    raised as a ``KeyError`` before, now saying which."""
-    channel = links.get(stage)
-    if channel is None:
-        raise KeyError(f"stage {stage} has no link for its {describe(kind)} messages: the runner gave this device no "
-                       "channel to that neighbour's device")
-    return channel
+def _link(links: Mapping[int, Channel], row: int, stage: int) -> Channel:
+    """The channel to device ``row``; where the runner gave none, one whose messages raise, saying which."""
+    channel = links.get(row)
+    return channel if channel is not None else _NoLink(stage)
+
+
+class _NoLink:
+    """Where a stage's neighbour has no channel from this device: what a message there raises, saying which."""
+
+    def __init__(self, stage: int) -> None:
+        self.stage = stage
+
+    def _missing(self, kind: str) -> KeyError:
+        return KeyError(f"stage {self.stage} has no link for its {describe(kind)} messages: the runner gave this "
+                        "device no channel to that neighbour's device")
+
+    def send(self, kind: str, stage: int, mb: int, value: Any) -> None:
+        raise self._missing(kind)
+
+    def recv(self, kind: str, stage: int, mb: int) -> Any:
+        raise self._missing(kind)
 
 
 def _recv(channel: Channel, kind: str, stage: int, mb: int, row: int, trace: Optional[Trace],

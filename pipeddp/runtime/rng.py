@@ -189,12 +189,17 @@ class Replay:
         if own_cpu:
             register_kernels()
 
+    def holds_nothing(self) -> bool:
+        """Whether no backward of this stage holds anything in any mode (``backward_guard``'s rule, read without the
+        mode: a CPU stage's backward then enters no context at all)."""
+        return not (self._keeping or self._draws)
+
     def backward_guard(self, mode: Hashable) -> ContextManager[Any]:
         """What a backward of this stage holds: the CPU generator's lock where the stage keeps the process's
         generator and draws from it (a layer that checkpoints itself replays its forward in backward from the
         generator state it stashed, which another stage's seeded forward must not meet halfway), its random ops
         reaching the kernels as in its forward (``_kept``); else nothing."""
-        if not (self._keeping or self._draws):  # the rule: no mode keeps, nothing compiled found drawing
+        if self.holds_nothing():  # the rule: no mode keeps, nothing compiled found drawing
             return _FREE
         if self._keeps.get(mode, False):
             return _kept()

@@ -27,9 +27,8 @@ What a step asks of the stage and what it keeps per micro-batch are in
 from __future__ import annotations
 
 import contextlib
-from collections import OrderedDict
 from functools import partial
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -38,18 +37,15 @@ from .autograd_call import backward as run_backward
 from .batchnorm import batch_norms, frozen_statistics
 from .compiled import Compiled
 from .gradsync import NO_SYNC, GradSync
-from .materialize import Init, SharedPlaces, check_init, is_meta, materialize_layer, original_names, recorded_init
 from .microbatch import tree_map, tree_tensors
-from .owned import own_layers
 from .quiet import loss_draws_nothing, read, run_layers
 from .rng import Replay, checkpointing, recomputing
 from .spec import Grads, Saved, StepSpec
 from .split import backward_input
 from .streams import StageStreams
-from .tied import layers_of
 
 # StepSpec and Grads are handed on: callers that drive a stage name them with it
-__all__ = ["Stage", "StepSpec", "Grads", "build_stages"]
+__all__ = ["Stage", "StepSpec", "Grads"]
 
 #: A backward root and the gradient it starts from (None: a loss, or no gradient given).
 Pair = Tuple[torch.Tensor, Optional[torch.Tensor]]
@@ -101,6 +97,26 @@ def _received_leaf(t: torch.Tensor) -> torch.Tensor:
     if not t.is_floating_point() and not t.is_complex():
         return t
     return t.requires_grad_(True) if not t.requires_grad else t.detach().requires_grad_(True)
+
+
+def _pairs(index: int, roots: Any, grads: Optional[Grads]) -> List[Pair]:
+    """(root tensor, its gradient) for every root that stage ``index``'s backward must start from."""
+    if grads is None and type(roots) is torch.Tensor:  # a loss, or one output: no tree to walk
+        return [(roots, None)] if roots.requires_grad else []
+    tensors = tree_tensors(roots)
+    if grads is None:
+        return [(t, None) for t in tensors if t.requires_grad]
+    if len(grads) != len(tensors):
+        raise RuntimeError(f"stage {index}: got {len(grads)} output gradients for {len(tensors)} outputs")
+    return [(t, g) for t, g in zip(tensors, grads) if t.requires_grad and g is not None]
+
+
+def _input_grads(saved: Saved) -> Grads:
+    """The gradients of a micro-batch's input leaves, to send back (None where a leaf has none)."""
+    inputs = saved.inputs
+    if type(inputs) is torch.Tensor:  # one input: no tree to walk
+        return [inputs.grad if inputs.requires_grad else None]
+    return [t.grad if t.requires_grad else None for t in tree_tensors(inputs)]
 
 
 class Stage:
@@ -210,36 +226,40 @@ class Stage:
         """Run micro-batch ``mb``; return (output detached for sending, weighted loss or None). A last stage that
         made a loss sends nothing (None); its loss is the one backward starts from where it is kept until then (read
         its value, never backward it), else detached."""
-        if self.streams.cuda or spec.autocast.regions:  # a stream to make current, the caller's autocast
-            with self.streams.computing(), spec.autocast():
-                return self._forward(mb, value, spec)
-        return self._forward(mb, value, spec)  # a CPU stage without autocast: two contexts less per forward
+        seeded = self._seeded(spec, mb)
+        if seeded is _NOTHING and not (self.streams.cuda or spec.autocast.regions):
+            return self._forward(mb, value, spec)  # the rule on a CPU stage: no context entered per forward
+        with self.streams.computing(), spec.autocast(), seeded:  # a stream to make current, autocast, the draws
+            return self._forward(mb, value, spec)
 
     def _forward(self, mb: int, value: Any, spec: StepSpec) -> Tuple[Any, Optional[torch.Tensor]]:
         target = spec.targets[mb] if spec.targets is not None else None
         weight = spec.weights[mb] if spec.weights is not None else 1.0
         wants_loss = self.last and spec.loss_fn is not None
-        with self._seeded(spec, mb):
-            if not spec.grad:
-                with torch.no_grad():
-                    out = self._run(value, spec)
-                    loss = self._loss(out, Saved(value, None, target, weight), spec, mb) if wants_loss else None
-                return out, loss
+        if not spec.grad:
+            with torch.no_grad():
+                out = self._run(value, spec)
+                loss = self._loss(out, Saved(value, None, target, weight), spec, mb) if wants_loss else None
+            return out, loss
 
-            inputs = self._leaves(value, spec)
-            saved = Saved(inputs, None, target, weight)
-            if spec.recompute(mb):
-                # on copies: an in-place op must not change what the replay will see; with grad, as the replay
-                # runs (a kernel may take another path without: an LSTM's oneDNN inference kernel differs by 3e-8)
-                with torch.enable_grad(), checkpointing(), self.replay.host.first(mb):
-                    out = self._run(inputs, spec, keep=True)
-                    loss = self._loss(out, saved, spec, mb) if wants_loss else None
-            else:
-                with _NOTHING if torch.is_grad_enabled() else torch.enable_grad():
+        inputs = self._leaves(value, spec)
+        saved = Saved(inputs, None, target, weight)
+        if spec.recompute(mb):
+            # on copies: an in-place op must not change what the replay will see; with grad, as the replay
+            # runs (a kernel may take another path without: an LSTM's oneDNN inference kernel differs by 3e-8)
+            with torch.enable_grad(), checkpointing(), self.replay.host.first(mb):
+                out = self._run(inputs, spec, keep=True)
+                loss = self._loss(out, saved, spec, mb) if wants_loss else None
+        else:
+            if torch.is_grad_enabled():
+                out = self._run(inputs, spec)
+                loss = self._loss(out, saved, spec, mb) if wants_loss else None
+            else:  # a training step called under no_grad: the graph backward needs is built all the same
+                with torch.enable_grad():
                     out = self._run(inputs, spec)
                     loss = self._loss(out, saved, spec, mb) if wants_loss else None
-                saved.roots = self._root(loss, spec) if loss is not None else out
-            spec.store(self.index)[mb] = saved
+            saved.roots = self._root(loss, spec) if loss is not None else out
+        spec.store(self.index)[mb] = saved
         if loss is not None:  # nothing to send; the loss as it is where backward keeps it anyway (read at the end)
             return None, loss if saved.roots is not None else loss.detach()
         return (out.detach() if type(out) is torch.Tensor else tree_map(_detach, out)), None
@@ -272,30 +292,12 @@ class Stage:
                     if (self.last and spec.loss_fn is not None) else out
         return saved.roots
 
-    def _pairs(self, roots: Any, grads: Optional[Grads]) -> List[Pair]:
-        """(root tensor, its gradient) for every root that backward must start from."""
-        if grads is None and type(roots) is torch.Tensor:  # a loss, or one output: no tree to walk
-            return [(roots, None)] if roots.requires_grad else []
-        tensors = tree_tensors(roots)
-        if grads is None:
-            return [(t, None) for t in tensors if t.requires_grad]
-        if len(grads) != len(tensors):
-            raise RuntimeError(f"stage {self.index}: got {len(grads)} output gradients for {len(tensors)} outputs")
-        return [(t, g) for t, g in zip(tensors, grads) if t.requires_grad and g is not None]
-
     def _arm(self, pairs: List[Pair]) -> List[Pair]:
         """Pass the roots through the gradient sync's ``arm`` (see ``gradsync``)."""
         if self.grad_sync is NO_SYNC:
             return pairs
         synced = self.grad_sync.arm([t for t, _ in pairs])
         return [(t, g) for t, (_, g) in zip(synced, pairs)]
-
-    @staticmethod
-    def _input_grads(saved: Saved) -> Grads:
-        inputs = saved.inputs
-        if type(inputs) is torch.Tensor:  # one input: no tree to walk
-            return [inputs.grad if inputs.requires_grad else None]
-        return [t.grad if t.requires_grad else None for t in tree_tensors(inputs)]
 
     def backward(self, mb: int, grads: Optional[Grads], spec: StepSpec, *, sync: bool = False) -> Grads:
         """The whole backward (B) of micro-batch ``mb`` given the gradients of its outputs.
@@ -307,15 +309,26 @@ class Stage:
         gradients of the input leaves (None where there is none).
         """
         saved = self._take(spec, mb, keep=False)
-        with self.streams.computing(), self.replay.backward_guard(self._step_mode(spec)):
-            pairs = self._pairs(self._roots(saved, spec, mb), grads)
-            if sync:
-                pairs = self._arm(pairs)
-            if pairs:
-                run_backward([t for t, _ in pairs], [g for _, g in pairs] if grads is not None else None)
-            if sync:
-                self.grad_sync.finish()
-        return self._input_grads(saved)
+        if self.streams.cuda or not self.replay.holds_nothing():
+            with self.streams.computing(), self.replay.backward_guard(self._step_mode(spec)):
+                self._whole(saved, grads, spec, mb, sync)
+        else:
+            self._whole(saved, grads, spec, mb, sync)  # the rule on a CPU stage: no context entered per backward
+        return _input_grads(saved)
+
+    def _whole(self, saved: Saved, grads: Optional[Grads], spec: StepSpec, mb: int, sync: bool) -> None:
+        roots = self._roots(saved, spec, mb)
+        if not sync and type(roots) is torch.Tensor and (grads is None or (len(grads) == 1 and grads[0] is not None)):
+            if roots.requires_grad:  # one root (a loss, or one output): no pairs to make
+                run_backward([roots], grads)
+            return
+        pairs = _pairs(self.index, roots, grads)
+        if sync:
+            pairs = self._arm(pairs)
+        if pairs:
+            run_backward([t for t, _ in pairs], [g for _, g in pairs] if grads is not None else None)
+        if sync:
+            self.grad_sync.finish()
 
     def backward_input(self, mb: int, grads: Optional[Grads], spec: StepSpec) -> Grads:
         """The input-gradient half (I): the gradients to send to the previous stage, and nothing into ``.grad``.
@@ -327,7 +340,7 @@ class Stage:
         if saved.weight_grads is not None:
             raise RuntimeError(f"stage {self.index}: the input-gradient backward of micro-batch {mb} ran twice")
         with self.streams.computing(), self.replay.backward_guard(self._step_mode(spec)):
-            pairs = self._pairs(self._roots(saved, spec, mb), grads)
+            pairs = _pairs(self.index, self._roots(saved, spec, mb), grads)
             got, saved.weight_grads = backward_input(pairs, tree_tensors(saved.inputs), list(self.module.parameters()),
                                                      loss=grads is None)
         return got
@@ -351,46 +364,3 @@ class Stage:
             if sync:
                 self.grad_sync.finish()
         saved.weight_grads = None
-
-
-def build_stages(model: nn.Sequential, balance: Sequence[int], devices: Sequence[torch.device],
-                 indices: Optional[Sequence[int]] = None, *,
-                 compile: Optional[Dict[str, Any]] = None, seed: int = 0, init: Optional[Init] = None,
-                 distribute: Optional[Callable[[str, nn.Module], None]] = None) -> List[Stage]:
-    """Cut ``model`` by ``balance`` and place stage ``indices[k]`` on ``devices[k]`` (default: every stage).
-
-    A process that owns one stage of a longer pipeline builds only that one;
-    the layers of the others are left where they are. ``compile``: options
-    for ``torch.compile`` of each stage's module (None: eager). Layers on the
-    meta device are materialized here, only those of the stages built, each
-    from ``seed`` and its name (a copy of a module used by several stages from
-    the name of its first place), as ``materialize`` would the whole model.
-    ``distribute(name, layer)`` then shards each layer built (tensor parallelism), once it has its values and
-    before the next one is materialized, so no more than one layer is ever held whole.
-    """
-    indices = list(range(len(balance))) if indices is None else list(indices)
-    if len(indices) != len(devices):
-        raise ValueError(f"{len(indices)} stages to place but {len(devices)} devices")
-    shared = SharedPlaces(model) if is_meta(model) else None  # before any copy: a tie stays one parameter
-    init = init if init is not None else recorded_init(model)
-    rename = original_names(model)
-    named = own_layers(model, balance)
-    first: Dict[int, str] = {}
-    origin = [first.setdefault(id(layer), name) for name, layer in layers_of(model)]  # per place: first name
-    starts = [sum(balance[:s]) for s in range(len(balance))]
-    stages = []
-    done: Set[int] = set()  # the layers distributed (a layer at several positions, once)
-    for s in indices if shared is not None else ():  # a layer nothing can initialise: refused before any changes
-        for pos in range(starts[s], starts[s] + balance[s]):
-            check_init(named[pos][1], origin[pos], init)
-    for s, device in zip(indices, devices):
-        for pos in range(starts[s], starts[s] + balance[s]):
-            if shared is not None and is_meta(named[pos][1]):
-                materialize_layer(named[pos][1], origin[pos], seed=seed, init=init, rename=rename)
-                shared.join()
-            if distribute is not None and id(named[pos][1]) not in done:
-                done.add(id(named[pos][1]))
-                distribute(named[pos][0], named[pos][1])
-        part = nn.Sequential(OrderedDict(named[starts[s]:starts[s] + balance[s]])).to(device)
-        stages.append(Stage(s, part, device, last=s == len(balance) - 1, compile=compile))
-    return stages
