@@ -148,12 +148,16 @@ def measure(args: argparse.Namespace, run: Run) -> Dict[str, Any]:
            "one_stage_vs_torch": ratio("pipeddp-1", extra["torch-1"]),
            "two_stages_vs_round_trip": ratio("pipeddp-2", times["queue round trip"]),
            "bare_threads_vs_round_trip": ratio("bare-2", times["queue round trip"]),
+           # the engine's own share on two threads: what it adds to the bare hand-offs, both in the same round
+           "two_stages_over_bare_us": statistics.median(
+               (a - b) / actions["bare-2"] for a, b in zip(times["pipeddp-2"], times["bare-2"])) * 1e6,
            "check": check, "times_s": times, "actions_per_step": actions}
     run.table(f"Extra time per action over accumulation (tiny MLP 4 x Linear(64,64)+ReLU, batch {args.batch}, "
               f"{m} micro-batches, medians of {args.rounds} rounds)", ["configuration", "step ms", "extra us / action"],
               [["accum", res["step_ms"]["accum"], None]]
               + [[k, res["step_ms"][k], v] for k, v in res["extra_per_action_us"].items()]
-              + [["queue round trip (us)", None, res["queue_round_trip_us"]]])
+              + [["queue round trip (us)", None, res["queue_round_trip_us"]],
+                 ["pipeddp-2 over bare-2 (us per action)", None, res["two_stages_over_bare_us"]]])
     res["targets"] = run.targets([
         ["pipeddp 1 stage / torch 1 stage, per action", res["one_stage_vs_torch"], "<= 0.50",
          res["one_stage_vs_torch"] <= 0.50],

@@ -4,11 +4,14 @@
 import copy
 import logging
 
+from typing import List
+
 import pytest
 import torch
 from conftest import CountOps
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 import pipeddp
 from pipeddp.runtime.autograd_call import backward
@@ -231,6 +234,37 @@ def test_backward_accumulates_what_torch_autograd_backward_does():
         leaf_grads(lambda w: backward([x @ w], None))
     with pytest.raises(RuntimeError, match="Mismatch in shape"):
         leaf_grads(lambda w: backward([x @ w], [g[:1]]))
+
+
+class Seen(TorchFunctionMode):
+    """The torch functions called in its body, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: List[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.names.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("case", ["loss", "grads"])
+def test_a_torch_function_mode_sees_the_backward_as_torchs_own_call_shows_it(case):
+    """Under a ``TorchFunctionMode`` (a tracer's, a profiler's) the stage's backward goes through torch's own call,
+    which hands the mode ``backward``, from a loss as from given gradients; the gradients are torch's."""
+    x = torch.randn(2, 4, dtype=torch.float64)
+    g = torch.randn(2, 3, dtype=torch.float64)
+
+    def run(bw, w):
+        with Seen() as seen:
+            bw([(x @ w).pow(2).sum()], None) if case == "loss" else bw([x @ w], [g])
+        return seen.names
+
+    got, want = [], []
+    assert torch.equal(leaf_grads(lambda w: got.extend(run(backward, w))),
+                       leaf_grads(lambda w: want.extend(run(torch.autograd.backward, w))))
+    assert "backward" in want and got == want
 
 
 @pytest.mark.timeout(30)

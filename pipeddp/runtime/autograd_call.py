@@ -33,6 +33,7 @@ __all__ = ["backward", "grad"]
 _engine = Variable._execution_engine
 _functorch_active = torch._C._are_functorch_transforms_active
 _has_torch_function = torch._C._has_torch_function
+_mode_on = torch._C._is_torch_function_mode_enabled
 _Parameter = torch.nn.Parameter  # its __torch_function__ is torch's disabled one: a plain tensor to the wrapper
 _stash = getattr(torch._C, "_stash_obj_in_tls", None)
 _unstash = getattr(torch._C, "_remove_obj_from_tls", None)
@@ -50,11 +51,12 @@ def _plain(roots: Sequence[Root], grads: Optional[Sequence[Optional[torch.Tensor
     """Whether ``roots``, ``grads`` and ``inputs`` take the engine directly: plain tensors or gradient edges, a
     gradient of each root's shape (none given: scalar real tensor roots), nothing that torch's wrapper would treat
     otherwise."""
-    if not _COPIED or _functorch_active() or _graph_log.isEnabledFor(_DEBUG):
-        return False
-    tensors = [t for t in inputs if not isinstance(t, GradientEdge)]
-    if any(type(t) is not torch.Tensor and type(t) is not _Parameter for t in tensors):
-        return False
+    if not _COPIED or _functorch_active() or _mode_on() or _graph_log.isEnabledFor(_DEBUG):
+        return False  # (under a torch function mode, torch's own call is all the mode sees)
+    tensors = [t for t in inputs if not isinstance(t, GradientEdge)] if inputs else []
+    for given in tensors:
+        if type(given) is not torch.Tensor and type(given) is not _Parameter:
+            return False
     for t in roots:
         if isinstance(t, GradientEdge):
             if grads is None:
@@ -64,7 +66,10 @@ def _plain(roots: Sequence[Root], grads: Optional[Sequence[Optional[torch.Tensor
         else:
             tensors.append(t)
     if grads is None:
-        return all(t.numel() == 1 and t.is_floating_point() for t in roots if isinstance(t, torch.Tensor))
+        for root in roots:  # (plain tensors: an edge without a gradient was refused above)
+            if root.numel() != 1 or not root.is_floating_point():  # type: ignore[union-attr]
+                return False
+        return not _has_torch_function(tuple(tensors))
     if len(grads) != len(roots):
         return False
     for t, g in zip(roots, grads):
@@ -80,11 +85,16 @@ def _plain(roots: Sequence[Root], grads: Optional[Sequence[Optional[torch.Tensor
     return not _has_torch_function(tuple(tensors))
 
 
+def _ones(t: Root) -> torch.Tensor:
+    """The implicit gradient of a scalar root, as torch's wrapper makes it."""
+    return torch.ones_like(cast(torch.Tensor, t), memory_format=torch.preserve_format)
+
+
 def _run(roots: Sequence[Root], grads: Optional[Sequence[Optional[torch.Tensor]]], inputs: Sequence[Root],
          keep_graph: bool, accumulate: bool) -> Tuple[torch.Tensor, ...]:
     """The engine's own call, as torch's ``_engine_run_backward`` makes it (``_plain`` checked by the caller)."""
-    made = tuple(torch.ones_like(cast(torch.Tensor, t), memory_format=torch.preserve_format) for t in roots) \
-        if grads is None else tuple(grads)
+    made = tuple(grads) if grads is not None else \
+        (_ones(roots[0]),) if len(roots) == 1 else tuple(_ones(t) for t in roots)
     _stash("context", contextvars.copy_context())  # type: ignore[misc]  # as torch's _engine_run_backward
     try:
         return _engine.run_backward(tuple(roots), made, keep_graph, False, tuple(inputs), allow_unreachable=True,

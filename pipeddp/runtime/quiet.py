@@ -89,7 +89,8 @@ def read(module: nn.Sequential) -> Tuple[bool, Optional[Calls], bool]:
         if quiet and (own or (
                 kind not in _QUIET and not (kind in _DROPOUTS and (not layer.training or layer.p == 0)))):
             quiet = False
-        if not writes and (own or getattr(layer, "inplace", False) or (kind not in _QUIET and kind not in _DROPOUTS)):
+        if not writes and (own or (kind not in _QUIET and kind not in _DROPOUTS)
+                           or layer.__dict__.get("inplace", False)):  # (torch's layers keep it there)
             writes = True
         if direct:
             plain = not (forward_hooks or layer._backward_hooks or layer._backward_pre_hooks) \

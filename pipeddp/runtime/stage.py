@@ -3,14 +3,14 @@
 The stage is the only place that calls the layers. For every micro-batch it
 keeps what its backward will need and nothing more::
 
-    forward(i):   input -> [detach, requires_grad] -> layers -> output
+    forward(i):   input -> [leaf: requires_grad] -> layers -> output (detached for the next stage)
                   keeps (input leaves, output)          (checkpoint: input only)
     backward(i):  (recompute output) -> autograd.backward(output, grad)       B: whole backward
                   returns input.grad, frees micro-batch i
     or, split:    I(i): (recompute) -> input grads only, returned          zero-bubble schedules
                   W(i): weight grads into .grad, frees micro-batch i       (see ``split``)
 
-Cutting the autograd graph at every stage boundary (the ``detach``) is what
+Cutting the autograd graph at every stage boundary (the output sent detached, its receiver's own leaf) is what
 lets each stage run its own backward on its own thread: autograd's CPU
 backward is single-threaded, so one ``loss.backward()`` across all stages
 would run every stage's backward one after another.
