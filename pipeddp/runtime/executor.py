@@ -20,9 +20,8 @@ way back runs the other way; ``Device.row_of`` says where a neighbour is).
 The process that owns one device of a multi-process pipeline runs the same
 ``run_actions`` on its main thread (``pipeddp.distributed.stage_runner``).
 
-The threads (``workers``) are persistent and daemonic, and are stopped and
-joined by ``ThreadRunner.close``, which the public classes
-call from ``close()``, ``__exit__`` and a ``weakref.finalize`` hook.
+The threads (``workers``) are persistent and daemonic, and are stopped and joined by ``ThreadRunner.close``,
+which the public classes call from ``close()``, ``__exit__`` and a ``weakref.finalize`` hook.
 """
 
 from __future__ import annotations
@@ -271,20 +270,17 @@ def _link(links: Mapping[int, Channel], row: int, stage: int) -> Channel:
 
 
 class _NoLink:
-    """Where a stage's neighbour has no channel from this device: what a message there raises, saying which."""
+    """A neighbour without a channel from this device: a message there raises, saying which."""
 
     def __init__(self, stage: int) -> None:
         self.stage = stage
 
-    def _missing(self, kind: str) -> KeyError:
-        return KeyError(f"stage {self.stage} has no link for its {describe(kind)} messages: the runner gave this "
-                        "device no channel to that neighbour's device")
-
-    def send(self, kind: str, stage: int, mb: int, value: Any) -> None:
-        raise self._missing(kind)
+    def send(self, kind: str, stage: int, mb: int, value: Any = None) -> None:
+        raise KeyError(f"stage {self.stage} has no link for its {describe(kind)} messages: the runner gave this "
+                       "device no channel to that neighbour's device")
 
     def recv(self, kind: str, stage: int, mb: int) -> Any:
-        raise self._missing(kind)
+        self.send(kind, stage, mb)
 
 
 def _recv(channel: Channel, kind: str, stage: int, mb: int, row: int, trace: Optional[Trace],
