@@ -180,13 +180,18 @@ class Stage:
             call = spec.calls[self.index] = self.read_step()[1]
         return call
 
+    def _writes(self, spec: StepSpec) -> bool:
+        """Whether a layer of the stage may write its input in place this step (``quiet``; unknown: it may)."""
+        return spec.writing is None or self.index in spec.writing
+
     def _leaves(self, value: Any, spec: StepSpec) -> Any:
         """A micro-batch's input as the stage's layers take it and its backward finds it (``_first_leaf``,
-        ``_received_leaf``). Stage 0 copies the user's tensors where a layer may write them in place (``quiet``;
-        where ``clone_input``, ``_run`` copies them anyway): the micro-batches are views of one batch and share its
-        version counter, so an in-place op on one (``mask.add_(1)``) would invalidate what another saved."""
+        ``_received_leaf``). Stage 0 copies the user's tensors where a layer may write them in place (where
+        ``clone_input``, ``_run`` copies them anyway): the micro-batches are views of one batch and share its version
+        counter, so an in-place op on one (``mask.add_(1)``) would invalidate what another saved (a replay, which
+        runs on the kept input itself, included)."""
         if self.index == 0:
-            copy = not self.clone_input and (spec.writing is None or 0 in spec.writing)
+            copy = not self.clone_input and self._writes(spec)
             leaf = _first_leaf_copied if copy else _first_leaf
         else:
             leaf = _received_leaf
@@ -194,11 +199,12 @@ class Stage:
 
     def _run(self, value: Any, spec: StepSpec, keep: bool = False) -> Any:
         """The layers on ``value``: on a copy of it where a layer may write its input in place; with ``keep``
-        (a forward that recompute will replay from ``value``), on a copy of every tensor the layers could change
-        (one that requires grad is a leaf, which autograd refuses to write in place). One copy at most."""
+        (a forward that recompute will replay from ``value``), where a layer may write it (``_writes``), on a copy of
+        every tensor the layers could change (one that requires grad is a leaf, which autograd refuses to write in
+        place). One copy at most."""
         if self.clone_input:
             value = tree_map(_clone, value)
-        elif keep:
+        elif keep and self._writes(spec):
             value = tree_map(_clone_writable, value)
         return self._layers(spec)(value)
 
