@@ -81,6 +81,11 @@ def _scalar(value: Any, what: str) -> torch.Tensor:
     return value
 
 
+def _writes(spec: StepSpec, index: int) -> bool:
+    """Whether a layer of stage ``index`` may write its input in place this step (``quiet``; unknown: it may)."""
+    return spec.writing is None or index in spec.writing
+
+
 def _first_leaf(t: torch.Tensor) -> torch.Tensor:
     """Stage 0's input as it is; a leaf of its own where it requires grad (``pipe(x)`` with ``x`` that does)."""
     return t.detach().requires_grad_(True) if t.requires_grad else t
@@ -180,10 +185,6 @@ class Stage:
             call = spec.calls[self.index] = self.read_step()[1]
         return call
 
-    def _writes(self, spec: StepSpec) -> bool:
-        """Whether a layer of the stage may write its input in place this step (``quiet``; unknown: it may)."""
-        return spec.writing is None or self.index in spec.writing
-
     def _leaves(self, value: Any, spec: StepSpec) -> Any:
         """A micro-batch's input as the stage's layers take it and its backward finds it (``_first_leaf``,
         ``_received_leaf``). Stage 0 copies the user's tensors where a layer may write them in place (where
@@ -191,7 +192,7 @@ class Stage:
         counter, so an in-place op on one (``mask.add_(1)``) would invalidate what another saved (a replay, which
         runs on the kept input itself, included)."""
         if self.index == 0:
-            copy = not self.clone_input and self._writes(spec)
+            copy = not self.clone_input and _writes(spec, self.index)
             leaf = _first_leaf_copied if copy else _first_leaf
         else:
             leaf = _received_leaf
@@ -204,7 +205,7 @@ class Stage:
         place). One copy at most."""
         if self.clone_input:
             value = tree_map(_clone, value)
-        elif keep and self._writes(spec):
+        elif keep and _writes(spec, self.index):
             value = tree_map(_clone_writable, value)
         return self._layers(spec)(value)
 
