@@ -154,9 +154,7 @@ class _Settling:
             if ready or (not waiting and now - start >= WAIT) or now - start >= WAIT + GRACE:
                 fallback = dict(own, where=self.notices.where(), names=None)  # a named rank alive: no culprit
                 fallback.pop("by", None)
-                mine = json.dumps(ready[0] if ready else fallback)
-                if self.store.compare_set(self.notices.key, "", mine) == mine.encode():
-                    lazy.wake()  # posted here: every rank's watcher told
+                self.notices.publish(ready[0] if ready else fallback)
                 continue
             time.sleep(POLL)
 
@@ -225,9 +223,13 @@ class Notices:
     def post(self, exc: BaseException, call: str) -> None:
         """Tell every rank that ``exc`` ended this rank's ``call``, unless a rank did first."""
         with contextlib.suppress(Exception):  # a store that is gone leaves each rank its own error
-            mine = json.dumps(self.notice(exc, call))
-            if self.store.compare_set(self.key, "", mine) == mine.encode():
-                lazy.wake()  # posted here: every rank's watcher told
+            self.publish(self.notice(exc, call))
+
+    def publish(self, notice: Dict[str, Any]) -> None:
+        """Post ``notice`` unless a rank posted one first; where this one is posted, every rank's watcher is told."""
+        mine = json.dumps(notice)
+        if self.store.compare_set(self.key, "", mine) == mine.encode():
+            lazy.wake()  # (lazy groups only: none is watching otherwise)
 
     def posted(self) -> Optional[Dict[str, Any]]:
         """The notice posted, if any."""
