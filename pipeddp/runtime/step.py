@@ -121,7 +121,7 @@ class Step:
         #: (what ``refine`` times the candidate orders by, nothing the caller runs between steps included)
         self.started = 0.0
         self._plans: Dict[Tuple[str, int], Tuple[List[Tuple[Action, ...]], Schedule]] = {}
-        #: a training call's micro-batch sizes, loss weights and recompute policy, built once (``_layout``)
+        #: a call's micro-batch sizes, loss weights and recompute policy, built once per batch size (``_layout``)
         self._layouts: Dict[Tuple[Any, ...], Layout] = {}
         #: the stages that take the inputs and see the targets, and which result is the last stage's: the stages
         #: are fixed when the step is built, so these are read once
@@ -280,13 +280,12 @@ class Step:
         is wired into autograd: a ``backward`` through it runs every stage's
         backward on the runner, pipelined, and returns the input's gradient.
         """
-        sizes = self.sizes(n)
+        sizes, _, recompute = _layout(self._layouts, n, 1.0, self.chunks, self.split_size, self.checkpoint)
         m = len(sizes)
         if need_grad and (self.first is None or self.last is None):
             raise RuntimeError("an output that carries autograd back through the pipeline needs every stage in "
                                "this process; train with train_step(x, y, loss_fn), or evaluate under torch.no_grad()")
-        spec = StepSpec(grad=need_grad, recompute=recompute_policy(self.checkpoint, m), **self._read(),
-                        autocast=Autocast.capture())
+        spec = StepSpec(grad=need_grad, recompute=recompute, **self._read(), autocast=Autocast.capture())
         if need_grad:
             self.started = time.perf_counter()
             self.stats.begin(n)
@@ -323,9 +322,10 @@ Layout = Tuple[List[int], List[float], Callable[[int], bool]]
 
 def _layout(layouts: Dict[Tuple[Any, ...], Layout], n: int, share: float, chunks: Optional[int],
             split_size: Optional[int], checkpoint: str) -> Layout:
-    """A training call's micro-batch sizes for a batch of ``n``, each one's loss weight (its share of the batch,
-    times the call's ``share`` of the step) and which of them recompute: the same every step of the same batch
-    size, so built once into ``layouts`` (keyed by the settings too: whoever changes them gets the new layout)."""
+    """A call's micro-batch sizes for a batch of ``n``, each one's loss weight (its share of the batch, times the
+    call's ``share`` of the step; a forward reads none) and which of them recompute: the same every step of the same
+    batch size, so built once into ``layouts`` (keyed by the settings too: whoever changes them gets the new
+    layout)."""
     key = (n, share, chunks, split_size, checkpoint)
     got = layouts.get(key)
     if got is None:
